@@ -1,0 +1,348 @@
+//! Admission configuration: classes, pools, estimator priors and the unlabeled-work policy.
+//!
+//! The core only defines and validates the shape; reading TOML from a file belongs to the
+//! gateway. Every field has a default so a config can be as small as one pool and one class.
+//! Validation reports the path of the offending field (`classes[1].pool`), because an operator
+//! editing a file at 02:14 needs to know *where*, not only *what*.
+
+use serde::Deserialize;
+
+/// Everything the admission core needs to decide.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GateConfig {
+    /// Upstream pools; each has a number of slots (`max_in_flight`).
+    pub pools: Vec<PoolConfig>,
+    /// Traffic classes, each running on one pool.
+    pub classes: Vec<ClassConfig>,
+    /// Class given to requests with no class label or an unknown one. `None` rejects them with
+    /// `reject_unlabeled` (seed 002: unlabeled work is how an eval becomes user latency).
+    pub default_class: Option<String>,
+    /// Rollback flag (seed 000): admit everything, never drop; the gate behaves as a plain queue.
+    pub admit_always: bool,
+    /// How Retry-After is computed and when clients are told not to retry.
+    pub retry: RetryConfig,
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        GateConfig {
+            pools: vec![PoolConfig::default()],
+            classes: vec![
+                ClassConfig {
+                    name: "interactive".into(),
+                    priority: 100,
+                    deadline_ms: Some(30_000),
+                    aliases: vec!["sync".into(), "chat".into(), "prod".into()],
+                    ..ClassConfig::default()
+                },
+                ClassConfig {
+                    name: "batch".into(),
+                    priority: 10,
+                    deadline_ms: None,
+                    aliases: vec!["eval".into(), "probe".into(), "replay".into()],
+                    ..ClassConfig::default()
+                },
+            ],
+            default_class: Some("interactive".into()),
+            admit_always: false,
+            retry: RetryConfig::default(),
+        }
+    }
+}
+
+/// One upstream pool.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolConfig {
+    /// Name used by classes (`pool = "..."`), metrics and logs.
+    pub name: String,
+    /// Number of requests sent upstream at once.
+    pub max_in_flight: u32,
+    /// Seed 000's depth rule: reject when every slot is busy and more than this many times
+    /// `max_in_flight` jobs are queued ahead. `None` disables the rule.
+    pub max_depth_factor: Option<f64>,
+    /// Starting point of the service-time estimator, before it has learned anything.
+    pub prior: PriorConfig,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            name: "default".into(),
+            max_in_flight: 4,
+            max_depth_factor: None,
+            prior: PriorConfig::default(),
+        }
+    }
+}
+
+/// The estimator's priors: `service = overhead + prompt x prefill + output x decode`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PriorConfig {
+    /// Fixed cost per request, in milliseconds.
+    pub overhead_ms: f64,
+    /// Cost of each prompt token, in milliseconds.
+    pub prefill_ms_per_token: f64,
+    /// Cost of each generated token, in milliseconds.
+    pub decode_ms_per_token: f64,
+    /// Output length assumed when a request names no `max_tokens` and nothing was learned yet.
+    pub default_output_tokens: u32,
+    /// Whether the estimator learns from completions (false pins the priors, for drills).
+    pub learn: bool,
+}
+
+impl Default for PriorConfig {
+    fn default() -> Self {
+        PriorConfig {
+            overhead_ms: 200.0,
+            prefill_ms_per_token: 0.2,
+            decode_ms_per_token: 20.0,
+            default_output_tokens: 256,
+            learn: true,
+        }
+    }
+}
+
+/// A traffic class.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClassConfig {
+    /// Canonical name (`interactive`, `batch`, ...), as logged.
+    pub name: String,
+    /// Other labels clients may send for this class (`sync`, `chat` -> interactive).
+    pub aliases: Vec<String>,
+    /// Higher runs first. Work of a higher priority never waits behind queued lower work.
+    pub priority: u32,
+    /// Deadline (relative, for the whole response) when the request names none. `None`:
+    /// best effort, never rejected on slack.
+    pub deadline_ms: Option<u64>,
+    /// Reject new work of this class when the oldest job it would wait behind is older.
+    pub max_queue_age_ms: Option<u64>,
+    /// Switched-off classes are rejected with `class_disabled`.
+    pub enabled: bool,
+    /// The pool this class runs on.
+    pub pool: String,
+    /// Where a rejected client should go instead (seed 002's `dedicated_pool`), sent as
+    /// `retry_hint` in the rejection body.
+    pub retry_hint: Option<String>,
+    /// Prior for the expected output length of this class (learned online afterwards).
+    pub expected_output_tokens: Option<u32>,
+}
+
+impl Default for ClassConfig {
+    fn default() -> Self {
+        ClassConfig {
+            name: String::new(),
+            aliases: Vec::new(),
+            priority: 50,
+            deadline_ms: None,
+            max_queue_age_ms: None,
+            enabled: true,
+            pool: "default".into(),
+            retry_hint: None,
+            expected_output_tokens: None,
+        }
+    }
+}
+
+/// How rejections tell clients when to come back.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Smallest Retry-After ever sent.
+    pub min_retry_after_ms: u64,
+    /// Beyond this projected drain time a retry cannot succeed soon: send
+    /// `x-should-retry: false` so SDK clients stop instead of hammering.
+    pub max_useful_retry_after_ms: u64,
+    /// Retry-After for rejections no retry can fix soon (class disabled, unlabeled).
+    pub hopeless_retry_after_ms: u64,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            min_retry_after_ms: 1_000,
+            max_useful_retry_after_ms: 30_000,
+            hopeless_retry_after_ms: 60_000,
+        }
+    }
+}
+
+/// A configuration that cannot run, with the path of the field at fault.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct ConfigError {
+    /// Where the problem is, e.g. `classes[1].pool`.
+    pub path: String,
+    /// What is wrong and what would be right.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// A deadline or age longer than this (one day) is almost certainly a unit mistake.
+pub const MAX_CONFIG_MS: u64 = 86_400_000;
+
+impl GateConfig {
+    /// Check that the configuration can run; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.pools.is_empty() {
+            return Err(ConfigError::new("pools", "at least one pool is required"));
+        }
+        if self.classes.is_empty() {
+            return Err(ConfigError::new(
+                "classes",
+                "at least one class is required",
+            ));
+        }
+        let mut pool_names = std::collections::BTreeSet::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            let at = |f: &str| format!("pools[{i}].{f}");
+            if p.name.trim().is_empty() {
+                return Err(ConfigError::new(at("name"), "must not be empty"));
+            }
+            if !pool_names.insert(p.name.as_str()) {
+                return Err(ConfigError::new(
+                    at("name"),
+                    format!("duplicate pool name {:?}", p.name),
+                ));
+            }
+            if p.max_in_flight == 0 || p.max_in_flight > 100_000 {
+                return Err(ConfigError::new(
+                    at("max_in_flight"),
+                    "must be between 1 and 100000",
+                ));
+            }
+            if let Some(k) = p.max_depth_factor {
+                if !(k.is_finite() && k >= 0.0) {
+                    return Err(ConfigError::new(
+                        at("max_depth_factor"),
+                        "must be a finite number >= 0",
+                    ));
+                }
+            }
+            let pr = &p.prior;
+            for (name, v) in [
+                ("prior.overhead_ms", pr.overhead_ms),
+                ("prior.prefill_ms_per_token", pr.prefill_ms_per_token),
+                ("prior.decode_ms_per_token", pr.decode_ms_per_token),
+            ] {
+                if !(v.is_finite() && (0.0..=MAX_CONFIG_MS as f64).contains(&v)) {
+                    return Err(ConfigError::new(
+                        at(name),
+                        "must be a finite number of milliseconds >= 0",
+                    ));
+                }
+            }
+        }
+        let mut labels = std::collections::BTreeMap::new();
+        for (i, c) in self.classes.iter().enumerate() {
+            let at = |f: &str| format!("classes[{i}].{f}");
+            if c.name.trim().is_empty() {
+                return Err(ConfigError::new(at("name"), "must not be empty"));
+            }
+            for (j, label) in std::iter::once(&c.name).chain(c.aliases.iter()).enumerate() {
+                let key = label.to_ascii_lowercase();
+                if let Some(other) = labels.insert(key, c.name.clone()) {
+                    let field = if j == 0 {
+                        at("name")
+                    } else {
+                        at(&format!("aliases[{}]", j - 1))
+                    };
+                    return Err(ConfigError::new(
+                        field,
+                        format!("label {label:?} is already used by class {other:?}"),
+                    ));
+                }
+            }
+            if !pool_names.contains(c.pool.as_str()) {
+                return Err(ConfigError::new(
+                    at("pool"),
+                    format!(
+                        "unknown pool {:?} (known: {})",
+                        c.pool,
+                        pool_names.iter().copied().collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
+            for (name, v) in [
+                ("deadline_ms", c.deadline_ms),
+                ("max_queue_age_ms", c.max_queue_age_ms),
+            ] {
+                if let Some(v) = v {
+                    if v == 0 || v > MAX_CONFIG_MS {
+                        return Err(ConfigError::new(
+                            at(name),
+                            format!("must be between 1 and {MAX_CONFIG_MS} ms"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(d) = &self.default_class {
+            if !labels.contains_key(&d.to_ascii_lowercase()) {
+                return Err(ConfigError::new(
+                    "default_class",
+                    format!("unknown class {d:?}"),
+                ));
+            }
+        }
+        let r = &self.retry;
+        if r.min_retry_after_ms > r.max_useful_retry_after_ms {
+            return Err(ConfigError::new(
+                "retry.min_retry_after_ms",
+                "must not exceed retry.max_useful_retry_after_ms",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_is_valid() {
+        assert_eq!(GateConfig::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let mut c = GateConfig::default();
+        c.classes[1].pool = "gpu".into();
+        let e = c.validate().err();
+        assert_eq!(e.map(|e| e.path), Some("classes[1].pool".to_string()));
+
+        let mut c = GateConfig::default();
+        c.classes[1].aliases.push("SYNC".into());
+        let e = c.validate().err();
+        assert_eq!(e.map(|e| e.path), Some("classes[1].aliases[3]".to_string()));
+
+        let mut c = GateConfig::default();
+        c.pools[0].max_in_flight = 0;
+        assert!(c.validate().is_err());
+
+        let mut c = GateConfig::default();
+        c.pools[0].prior.decode_ms_per_token = f64::NAN;
+        assert!(c.validate().is_err());
+
+        let c = GateConfig {
+            default_class: Some("nope".into()),
+            ..GateConfig::default()
+        };
+        assert_eq!(
+            c.validate().err().map(|e| e.path),
+            Some("default_class".to_string())
+        );
+    }
+}

@@ -1,0 +1,974 @@
+//! The admission gate: decisions at arrival, dispatch order, drops, completions.
+//!
+//! One [`Gate`] holds every pool and class. Callers feed it inputs with the current time and
+//! perform what comes out:
+//!
+//! - [`Gate::offer`] decides at arrival: admit (the job is queued) or reject with a reason.
+//! - [`Gate::poll`] yields [`Event`]s: `Dispatch` (send this job upstream now) or `Drop` (tell
+//!   this queued job's client it cannot make its deadline). Call it after every input.
+//! - [`Gate::on_complete`] / [`Gate::cancel`] end a job and free its slot exactly once.
+//! - [`Gate::tick`] lets time pass: queued jobs whose slack died while they waited are dropped
+//!   at once, not at their timeout.
+//!
+//! Projected wait is kept O(classes) per decision: each class queue keeps a running sum of its
+//! estimated work, so the wait for priority `p` is the in-flight remainder plus the queued work
+//! of classes at priority `>= p`, spread over the pool's slots.
+
+use crate::config::{ConfigError, GateConfig};
+use crate::estimator::{Estimate, Estimator, EstimatorSnapshot};
+use crate::queue::{ClassQueue, QueueKey};
+use crate::reason::{Action, Reason};
+use crate::Millis;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Identifies one admitted (or rejected) request; assigned by the gate, never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct JobId(pub u64);
+
+impl std::fmt::Display for JobId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Index of a class in the configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct ClassId(pub usize);
+
+/// Index of a pool in the configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PoolId(pub usize);
+
+/// A request as the core sees it: everything I/O-related is already parsed away.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Request {
+    /// Resolved class (see [`Gate::classify`]); `None` means unlabeled with no default.
+    pub class: Option<ClassId>,
+    /// Absolute deadline for the whole response. `None`: the class default applies.
+    pub deadline: Option<Millis>,
+    /// Absolute deadline for the first token (`x-slo-ttft-ms`).
+    pub first_token_deadline: Option<Millis>,
+    /// Estimated prompt size.
+    pub prompt_tokens: u32,
+    /// The request's output cap (`max_tokens` / `max_completion_tokens`).
+    pub max_tokens: Option<u32>,
+}
+
+/// The answer at arrival, with every figure the decision log and the 429 body carry.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    /// Assigned id (also for rejections, so log lines can be joined).
+    pub job_id: JobId,
+    /// Resolved class, if any.
+    pub class: Option<ClassId>,
+    /// Pool the class runs on.
+    pub pool: Option<PoolId>,
+    /// `admit` or `reject`.
+    pub action: Action,
+    /// Why.
+    pub reason: Reason,
+    /// Age of the oldest job this request would wait behind.
+    pub queue_age_ms: u64,
+    /// Deadline minus now minus own estimated service (the tighter of the response and
+    /// first-token deadlines); `None` for best-effort work.
+    pub deadline_slack_ms: Option<i64>,
+    /// Projected time until a slot is free for this request.
+    pub projected_wait_ms: u64,
+    /// Estimated service time once dispatched.
+    pub est_service_ms: u64,
+    /// Expected output tokens used for the estimate.
+    pub expected_output_tokens: u32,
+    /// Requests in flight on the pool at decision time.
+    pub in_flight: u32,
+    /// Jobs queued ahead of this one (same or higher priority) at decision time.
+    pub depth: u32,
+    /// For rejections: when a retry could succeed.
+    pub retry_after_ms: Option<u64>,
+    /// For rejections: whether a retry can succeed soon (`x-should-retry`).
+    pub should_retry: bool,
+    /// The absolute deadline the gate holds the request to.
+    pub deadline: Option<Millis>,
+}
+
+impl Decision {
+    /// True when the request was queued.
+    pub fn admitted(&self) -> bool {
+        self.action == Action::Admit
+    }
+}
+
+/// Something the caller must act on, yielded by [`Gate::poll`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub enum Event {
+    /// Send this job upstream now; it holds a slot until `on_complete` or `cancel`.
+    Dispatch {
+        /// The job.
+        job_id: JobId,
+        /// Its class.
+        class: ClassId,
+        /// Its pool.
+        pool: PoolId,
+        /// Time it spent queued.
+        queue_wait_ms: u64,
+        /// Slack left at dispatch (deadline - now - estimated service).
+        deadline_slack_ms: Option<i64>,
+        /// Estimated service time.
+        est_service_ms: u64,
+        /// In flight on the pool after this dispatch.
+        in_flight: u32,
+        /// Still queued on the pool.
+        depth: u32,
+    },
+    /// This queued job will not be sent: answer its client with the reason.
+    Drop {
+        /// The job.
+        job_id: JobId,
+        /// Its class.
+        class: ClassId,
+        /// Its pool.
+        pool: PoolId,
+        /// Why (`deadline_unmeetable`).
+        reason: Reason,
+        /// Time it spent queued.
+        queue_wait_ms: u64,
+        /// Slack left (negative: it cannot make its deadline).
+        deadline_slack_ms: Option<i64>,
+        /// Projected wait for a slot at the time of the drop.
+        projected_wait_ms: u64,
+        /// In flight on the pool.
+        in_flight: u32,
+        /// Still queued on the pool.
+        depth: u32,
+    },
+}
+
+impl Event {
+    /// The job this event is about.
+    pub fn job_id(&self) -> JobId {
+        match self {
+            Event::Dispatch { job_id, .. } | Event::Drop { job_id, .. } => *job_id,
+        }
+    }
+}
+
+/// What the upstream reported when a job ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Completion {
+    /// The response ended normally (false: upstream error, reset, timeout).
+    pub ok: bool,
+    /// Prompt tokens from the upstream's `usage`, when reported.
+    pub prompt_tokens: Option<u32>,
+    /// Completion tokens from the upstream's `usage` (or counted from the stream).
+    pub completion_tokens: Option<u32>,
+}
+
+/// A job that ended (completed or cancelled), with its timings.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Completed {
+    /// The job.
+    pub job_id: JobId,
+    /// Its class.
+    pub class: ClassId,
+    /// Its pool.
+    pub pool: PoolId,
+    /// Whether it had been dispatched (false: cancelled while queued).
+    pub dispatched: bool,
+    /// Time queued before dispatch (or until cancel).
+    pub queue_wait_ms: u64,
+    /// Time from dispatch to the end (0 if never dispatched).
+    pub service_ms: u64,
+    /// Time from arrival to the end.
+    pub turnaround_ms: u64,
+    /// Time from arrival to the first token, if one was seen.
+    pub time_to_first_token_ms: Option<u64>,
+    /// Deadline minus the end time (negative: late); `None` for best effort.
+    pub deadline_slack_ms: Option<i64>,
+    /// In flight on the pool after the slot was released.
+    pub in_flight: u32,
+    /// Queued on the pool.
+    pub depth: u32,
+}
+
+impl Completed {
+    /// True when the job had a deadline and ended after it.
+    pub fn missed_deadline(&self) -> bool {
+        matches!(self.deadline_slack_ms, Some(s) if s < 0)
+    }
+}
+
+/// Live view of one class, for metrics, `/stats` and the admin API.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClassSnapshot {
+    /// Class name.
+    pub name: String,
+    /// Pool name.
+    pub pool: String,
+    /// Priority.
+    pub priority: u32,
+    /// Switched on?
+    pub enabled: bool,
+    /// Jobs queued.
+    pub depth: u32,
+    /// Age of the oldest queued job.
+    pub oldest_queue_age_ms: u64,
+    /// Sum of the estimated service of queued jobs.
+    pub queued_work_ms: u64,
+    /// Projected wait a new request of this class would see now.
+    pub projected_wait_ms: u64,
+    /// Expected output tokens learned for this class.
+    pub expected_output_tokens: u32,
+}
+
+/// Live view of one pool.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PoolSnapshot {
+    /// Pool name.
+    pub name: String,
+    /// Slots (`max_in_flight`).
+    pub slots: u32,
+    /// Slots taken.
+    pub in_flight: u32,
+    /// Jobs queued on the pool, all classes.
+    pub depth: u32,
+    /// Estimated remaining work of in-flight jobs.
+    pub in_flight_remaining_ms: u64,
+    /// Learned service-time model.
+    pub estimator: EstimatorSnapshot,
+}
+
+/// Live view of the whole gate.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GateSnapshot {
+    /// The time of the snapshot.
+    pub now_ms: Millis,
+    /// Rollback flag.
+    pub admit_always: bool,
+    /// Per class.
+    pub classes: Vec<ClassSnapshot>,
+    /// Per pool.
+    pub pools: Vec<PoolSnapshot>,
+}
+
+#[derive(Clone, Debug)]
+struct Job {
+    class: ClassId,
+    seq: u64,
+    arrived_at: Millis,
+    deadline: Option<Millis>,
+    first_token_deadline: Option<Millis>,
+    est: Estimate,
+    prompt_tokens: u32,
+    state: JobState,
+    first_token_at: Option<Millis>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum JobState {
+    Queued,
+    InFlight { started_at: Millis },
+}
+
+impl Job {
+    fn key(&self) -> QueueKey {
+        (self.deadline.unwrap_or(Millis::MAX), self.seq)
+    }
+
+    /// Tightest slack if the job started after `wait` from `now`.
+    fn slack_after(&self, now: Millis, wait: u64) -> Option<i64> {
+        slack(
+            now,
+            wait,
+            self.deadline,
+            self.first_token_deadline,
+            self.est,
+        )
+    }
+}
+
+fn slack(
+    now: Millis,
+    wait: u64,
+    deadline: Option<Millis>,
+    first_token_deadline: Option<Millis>,
+    est: Estimate,
+) -> Option<i64> {
+    let start = now.saturating_add(wait);
+    let whole = deadline.map(|d| signed_diff(d, start.saturating_add(est.service_ms)));
+    let first =
+        first_token_deadline.map(|d| signed_diff(d, start.saturating_add(est.first_token_ms)));
+    match (whole, first) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+fn signed_diff(a: Millis, b: Millis) -> i64 {
+    let d = i128::from(a) - i128::from(b);
+    d.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
+}
+
+#[derive(Debug)]
+struct ClassState {
+    name: String,
+    pool: PoolId,
+    priority: u32,
+    enabled: bool,
+    default_deadline_ms: Option<u64>,
+    max_queue_age_ms: Option<u64>,
+    queue: ClassQueue,
+    /// Learned mean output length (EWMA), seeded from the class prior.
+    expected_output: Option<f64>,
+}
+
+#[derive(Debug)]
+struct PoolState {
+    name: String,
+    slots: u32,
+    max_depth_factor: Option<f64>,
+    default_output_tokens: u32,
+    estimator: Estimator,
+    /// In-flight jobs: id -> (started_at, estimated service).
+    in_flight: BTreeMap<JobId, (Millis, u64)>,
+    /// Classes of this pool, highest priority first (ties by class index, for determinism).
+    classes: Vec<ClassId>,
+}
+
+impl PoolState {
+    /// Estimated work left of in-flight jobs. A job past its estimate is treated as likely to
+    /// run about as long again as it has overrun (a stuck slot must look stuck, not free), and
+    /// never as done: an eighth of its estimate is the floor.
+    fn in_flight_remaining(&self, now: Millis) -> u64 {
+        self.in_flight
+            .values()
+            .map(|&(started, est)| {
+                let elapsed = now.saturating_sub(started);
+                let left = est.saturating_sub(elapsed);
+                let overrun = elapsed.saturating_sub(est);
+                left.max(overrun).max(est / 8)
+            })
+            .sum()
+    }
+}
+
+const EWMA_ALPHA: f64 = 0.2;
+
+/// The admission core. See the module docs for the calling protocol.
+#[derive(Debug)]
+pub struct Gate {
+    cfg: GateConfig,
+    classes: Vec<ClassState>,
+    pools: Vec<PoolState>,
+    labels: HashMap<String, ClassId>,
+    default_class: Option<ClassId>,
+    jobs: HashMap<JobId, Job>,
+    events: VecDeque<Event>,
+    next_id: u64,
+    last_now: Millis,
+}
+
+impl Gate {
+    /// Build a gate from a validated configuration.
+    pub fn new(cfg: GateConfig) -> Result<Gate, ConfigError> {
+        cfg.validate()?;
+        let mut pools: Vec<PoolState> = cfg
+            .pools
+            .iter()
+            .map(|p| PoolState {
+                name: p.name.clone(),
+                slots: p.max_in_flight,
+                max_depth_factor: p.max_depth_factor,
+                default_output_tokens: p.prior.default_output_tokens,
+                estimator: Estimator::new(&p.prior),
+                in_flight: BTreeMap::new(),
+                classes: Vec::new(),
+            })
+            .collect();
+        let mut classes = Vec::new();
+        let mut labels = HashMap::new();
+        for (i, c) in cfg.classes.iter().enumerate() {
+            let pool = cfg
+                .pools
+                .iter()
+                .position(|p| p.name == c.pool)
+                .ok_or_else(|| ConfigError {
+                    path: format!("classes[{i}].pool"),
+                    message: format!("unknown pool {:?}", c.pool),
+                })?;
+            for label in std::iter::once(&c.name).chain(c.aliases.iter()) {
+                labels.insert(label.to_ascii_lowercase(), ClassId(i));
+            }
+            classes.push(ClassState {
+                name: c.name.clone(),
+                pool: PoolId(pool),
+                priority: c.priority,
+                enabled: c.enabled,
+                default_deadline_ms: c.deadline_ms,
+                max_queue_age_ms: c.max_queue_age_ms,
+                queue: ClassQueue::default(),
+                expected_output: c.expected_output_tokens.map(f64::from),
+            });
+            pools[pool].classes.push(ClassId(i));
+        }
+        for p in pools.iter_mut() {
+            p.classes
+                .sort_by_key(|id| (std::cmp::Reverse(classes[id.0].priority), id.0));
+        }
+        let default_class = cfg
+            .default_class
+            .as_ref()
+            .and_then(|d| labels.get(&d.to_ascii_lowercase()).copied());
+        Ok(Gate {
+            cfg,
+            classes,
+            pools,
+            labels,
+            default_class,
+            jobs: HashMap::new(),
+            events: VecDeque::new(),
+            next_id: 1,
+            last_now: 0,
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &GateConfig {
+        &self.cfg
+    }
+
+    /// Resolve a client's class label (name or alias, case-insensitive). Missing or unknown
+    /// labels get the default class, or `None` when there is none (`reject_unlabeled`).
+    pub fn classify(&self, label: Option<&str>) -> Option<ClassId> {
+        label
+            .and_then(|l| self.labels.get(&l.trim().to_ascii_lowercase()).copied())
+            .or(self.default_class)
+    }
+
+    /// Canonical name of a class.
+    pub fn class_name(&self, class: ClassId) -> &str {
+        self.classes.get(class.0).map_or("", |c| c.name.as_str())
+    }
+
+    /// Name of a pool.
+    pub fn pool_name(&self, pool: PoolId) -> &str {
+        self.pools.get(pool.0).map_or("", |p| p.name.as_str())
+    }
+
+    /// The retry hint configured for a class, if any.
+    pub fn retry_hint(&self, class: ClassId) -> Option<&str> {
+        self.cfg
+            .classes
+            .get(class.0)
+            .and_then(|c| c.retry_hint.as_deref())
+    }
+
+    /// Set the `admit_always` rollback flag.
+    pub fn set_admit_always(&mut self, on: bool) {
+        self.cfg.admit_always = on;
+    }
+
+    /// Switch a class on or off. Queued work of a disabled class stays queued.
+    pub fn set_class_enabled(&mut self, class: ClassId, enabled: bool) {
+        if let Some(c) = self.classes.get_mut(class.0) {
+            c.enabled = enabled;
+        }
+        if let Some(c) = self.cfg.classes.get_mut(class.0) {
+            c.enabled = enabled;
+        }
+    }
+
+    /// Time never runs backwards inside the core, whatever the caller passes.
+    fn clock(&mut self, now: Millis) -> Millis {
+        self.last_now = self.last_now.max(now);
+        self.last_now
+    }
+
+    fn expected_output(&self, class: ClassId, max_tokens: Option<u32>) -> u32 {
+        let c = &self.classes[class.0];
+        let pool = &self.pools[c.pool.0];
+        let learned = c
+            .expected_output
+            .map(|v| v.round().clamp(0.0, f64::from(u32::MAX)) as u32);
+        match (learned, max_tokens) {
+            (Some(l), Some(m)) => l.min(m),
+            (Some(l), None) => l,
+            (None, Some(m)) => m,
+            (None, None) => pool.default_output_tokens,
+        }
+    }
+
+    /// Work and count queued ahead of a request of `priority` on `pool`, and the oldest
+    /// enqueue time among them: O(classes of the pool).
+    fn ahead(&self, pool: PoolId, priority: u32) -> (u64, u32, Option<Millis>) {
+        let mut work = 0u64;
+        let mut count = 0u32;
+        let mut oldest: Option<Millis> = None;
+        for id in &self.pools[pool.0].classes {
+            let c = &self.classes[id.0];
+            if c.priority < priority {
+                break; // sorted by priority, highest first
+            }
+            work = work.saturating_add(c.queue.work_ms());
+            count = count.saturating_add(c.queue.len() as u32);
+            if let Some(t) = c.queue.oldest_enqueued_at() {
+                oldest = Some(oldest.map_or(t, |o: Millis| o.min(t)));
+            }
+        }
+        (work, count, oldest)
+    }
+
+    /// Projected wait for a slot given the work ahead: nothing if a slot is free for it,
+    /// otherwise in-flight remainder plus queued work, spread over the slots.
+    fn projected_wait(&self, pool: PoolId, now: Millis, work_ahead: u64, count_ahead: u32) -> u64 {
+        let p = &self.pools[pool.0];
+        let busy = p.in_flight.len() as u32;
+        if busy.saturating_add(count_ahead) < p.slots {
+            return 0;
+        }
+        let total = p.in_flight_remaining(now).saturating_add(work_ahead);
+        total / u64::from(p.slots.max(1))
+    }
+
+    fn pool_depth(&self, pool: PoolId) -> u32 {
+        self.pools[pool.0]
+            .classes
+            .iter()
+            .map(|c| self.classes[c.0].queue.len() as u32)
+            .sum()
+    }
+
+    /// Decide at arrival. An admitted job is queued; call [`Gate::poll`] to dispatch it.
+    pub fn offer(&mut self, now: Millis, req: Request) -> Decision {
+        let now = self.clock(now);
+        let job_id = JobId(self.next_id);
+        self.next_id += 1;
+        let Some(class) = req.class.filter(|c| c.0 < self.classes.len()) else {
+            return self.rejection(job_id, None, Reason::RejectUnlabeled);
+        };
+        let c = &self.classes[class.0];
+        let pool = c.pool;
+        let priority = c.priority;
+        let expected_output = self.expected_output(class, req.max_tokens);
+        let est = self.pools[pool.0]
+            .estimator
+            .estimate(req.prompt_tokens, expected_output);
+        let deadline = req
+            .deadline
+            .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
+        let (work_ahead, count_ahead, oldest) = self.ahead(pool, priority);
+        let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
+        let queue_age_ms = oldest.map_or(0, |t| now.saturating_sub(t));
+        let no_wait_slack = slack(now, 0, deadline, req.first_token_deadline, est);
+        let slack_ms = no_wait_slack;
+        let in_flight = self.pools[pool.0].in_flight.len() as u32;
+        let mut d = Decision {
+            job_id,
+            class: Some(class),
+            pool: Some(pool),
+            action: Action::Reject,
+            reason: Reason::WithinSlack,
+            queue_age_ms,
+            deadline_slack_ms: slack_ms,
+            projected_wait_ms: wait,
+            est_service_ms: est.service_ms,
+            expected_output_tokens: expected_output,
+            in_flight,
+            depth: count_ahead,
+            retry_after_ms: None,
+            should_retry: false,
+            deadline,
+        };
+
+        let verdict = if self.cfg.admit_always {
+            Ok(Reason::AdmitAlways)
+        } else if !c.enabled {
+            Err(Reason::ClassDisabled)
+        } else if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
+            Err(Reason::QueueAgeExceeded)
+        } else if self.depth_exceeded(pool, in_flight, count_ahead) {
+            Err(Reason::QueueDepthExceeded)
+        } else if slack_ms.is_some_and(|s| i128::from(wait) > i128::from(s)) {
+            Err(Reason::ProjectedWaitExceedsSlack)
+        } else {
+            Ok(Reason::WithinSlack)
+        };
+
+        match verdict {
+            Ok(reason) => {
+                d.action = Action::Admit;
+                d.reason = reason;
+                let seq = job_id.0;
+                let job = Job {
+                    class,
+                    seq,
+                    arrived_at: now,
+                    deadline,
+                    first_token_deadline: req.first_token_deadline,
+                    est,
+                    prompt_tokens: req.prompt_tokens,
+                    state: JobState::Queued,
+                    first_token_at: None,
+                };
+                let key = job.key();
+                self.classes[class.0]
+                    .queue
+                    .push(key, now, job_id, est.service_ms);
+                self.jobs.insert(job_id, job);
+            }
+            Err(reason) => {
+                d.reason = reason;
+                let (after, retry) = self.retry_after(reason, wait, slack_ms, count_ahead, pool);
+                d.retry_after_ms = Some(after);
+                d.should_retry = retry;
+            }
+        }
+        d
+    }
+
+    fn depth_exceeded(&self, pool: PoolId, in_flight: u32, count_ahead: u32) -> bool {
+        let p = &self.pools[pool.0];
+        match p.max_depth_factor {
+            Some(k) => in_flight >= p.slots && f64::from(count_ahead) > k * f64::from(p.slots),
+            None => false,
+        }
+    }
+
+    /// Retry-After from the projected drain time: how long until the wait would fit.
+    fn retry_after(
+        &self,
+        reason: Reason,
+        wait: u64,
+        slack_ms: Option<i64>,
+        count_ahead: u32,
+        pool: PoolId,
+    ) -> (u64, bool) {
+        let r = &self.cfg.retry;
+        let need = match reason {
+            Reason::ClassDisabled | Reason::RejectUnlabeled => {
+                return (r.hopeless_retry_after_ms, false)
+            }
+            Reason::ProjectedWaitExceedsSlack => match slack_ms {
+                // Even an empty queue cannot make this deadline: retrying the same request
+                // is pointless.
+                Some(s) if s < 0 => return (r.hopeless_retry_after_ms, false),
+                Some(s) => wait.saturating_sub(s as u64),
+                None => wait,
+            },
+            Reason::QueueDepthExceeded => {
+                let p = &self.pools[pool.0];
+                let allowed = p.max_depth_factor.unwrap_or(0.0) * f64::from(p.slots);
+                let excess = (f64::from(count_ahead) - allowed).max(1.0);
+                let share = excess / f64::from(count_ahead.max(1));
+                (wait as f64 * share) as u64
+            }
+            _ => wait,
+        };
+        let after = need.max(r.min_retry_after_ms);
+        (after, after <= r.max_useful_retry_after_ms)
+    }
+
+    fn rejection(&self, job_id: JobId, class: Option<ClassId>, reason: Reason) -> Decision {
+        let (after, retry) = match reason {
+            Reason::ClassDisabled | Reason::RejectUnlabeled => {
+                (self.cfg.retry.hopeless_retry_after_ms, false)
+            }
+            _ => (self.cfg.retry.min_retry_after_ms, true),
+        };
+        Decision {
+            job_id,
+            class,
+            pool: None,
+            action: Action::Reject,
+            reason,
+            queue_age_ms: 0,
+            deadline_slack_ms: None,
+            projected_wait_ms: 0,
+            est_service_ms: 0,
+            expected_output_tokens: 0,
+            in_flight: 0,
+            depth: 0,
+            retry_after_ms: Some(after),
+            should_retry: retry,
+            deadline: None,
+        }
+    }
+
+    /// The next thing to do: dispatch a job into a free slot, or tell a dropped job's client.
+    /// Call until it returns `None` after every input.
+    pub fn poll(&mut self, now: Millis) -> Option<Event> {
+        let now = self.clock(now);
+        loop {
+            if let Some(ev) = self.events.pop_front() {
+                return Some(ev);
+            }
+            if !self.dispatch_one(now) {
+                return None;
+            }
+        }
+    }
+
+    /// Try to move one job into a free slot (or drop it if it cannot make its deadline).
+    /// Returns false when no pool has both a free slot and a queued job.
+    fn dispatch_one(&mut self, now: Millis) -> bool {
+        for pi in 0..self.pools.len() {
+            let pool = &self.pools[pi];
+            if pool.in_flight.len() as u32 >= pool.slots {
+                continue;
+            }
+            // Highest priority first; among equal priorities, earliest deadline.
+            let mut best: Option<(u32, QueueKey, ClassId, JobId)> = None;
+            for cid in &pool.classes {
+                let c = &self.classes[cid.0];
+                if let Some((key, id)) = c.queue.front() {
+                    match best {
+                        Some((p, k, _, _)) if p > c.priority || (p == c.priority && k <= key) => {}
+                        _ => best = Some((c.priority, key, *cid, id)),
+                    }
+                    if best.is_some_and(|(p, _, _, _)| p > c.priority) {
+                        break;
+                    }
+                }
+            }
+            let Some((_, _, _, id)) = best else { continue };
+            let Some(job) = self.jobs.get(&id).cloned() else {
+                continue;
+            };
+            self.unqueue(id, &job);
+            let dead = !self.cfg.admit_always && job.slack_after(now, 0).is_some_and(|s| s < 0);
+            let pool_id = PoolId(pi);
+            if dead {
+                self.jobs.remove(&id);
+                let ev = self.drop_event(now, id, &job, pool_id, 0);
+                self.events.push_back(ev);
+                return true;
+            }
+            let pool = &mut self.pools[pi];
+            pool.in_flight.insert(id, (now, job.est.service_ms));
+            let in_flight = pool.in_flight.len() as u32;
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.state = JobState::InFlight { started_at: now };
+            }
+            let depth = self.pool_depth(pool_id);
+            self.events.push_back(Event::Dispatch {
+                job_id: id,
+                class: job.class,
+                pool: pool_id,
+                queue_wait_ms: now.saturating_sub(job.arrived_at),
+                deadline_slack_ms: job.slack_after(now, 0),
+                est_service_ms: job.est.service_ms,
+                in_flight,
+                depth,
+            });
+            return true;
+        }
+        false
+    }
+
+    fn unqueue(&mut self, id: JobId, job: &Job) {
+        let _ = id;
+        self.classes[job.class.0]
+            .queue
+            .remove(job.key(), job.arrived_at, job.est.service_ms);
+    }
+
+    fn drop_event(&self, now: Millis, id: JobId, job: &Job, pool: PoolId, wait: u64) -> Event {
+        Event::Drop {
+            job_id: id,
+            class: job.class,
+            pool,
+            reason: Reason::DeadlineUnmeetable,
+            queue_wait_ms: now.saturating_sub(job.arrived_at),
+            deadline_slack_ms: job.slack_after(now, wait),
+            projected_wait_ms: wait,
+            in_flight: self.pools[pool.0].in_flight.len() as u32,
+            depth: self.pool_depth(pool),
+        }
+    }
+
+    /// Record the first token of a dispatched job (for time-to-first-token figures).
+    pub fn on_first_token(&mut self, now: Millis, id: JobId) {
+        let now = self.clock(now);
+        if let Some(j) = self.jobs.get_mut(&id) {
+            if j.first_token_at.is_none() && matches!(j.state, JobState::InFlight { .. }) {
+                j.first_token_at = Some(now);
+            }
+        }
+    }
+
+    /// A dispatched job's response ended. Frees its slot and teaches the estimator. Returns
+    /// `None` for an unknown or already-ended job, so a second call can never free twice.
+    pub fn on_complete(&mut self, now: Millis, id: JobId, done: Completion) -> Option<Completed> {
+        let now = self.clock(now);
+        let job = self.jobs.get(&id)?;
+        let JobState::InFlight { started_at } = job.state else {
+            return None;
+        };
+        let job = self.jobs.remove(&id)?;
+        let c = &mut self.classes[job.class.0];
+        let pool = c.pool;
+        let service_ms = now.saturating_sub(started_at);
+        if done.ok {
+            if let Some(out) = done.completion_tokens {
+                let v = f64::from(out);
+                c.expected_output = Some(match c.expected_output {
+                    Some(prev) => prev + EWMA_ALPHA * (v - prev),
+                    None => v,
+                });
+                let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
+                self.pools[pool.0]
+                    .estimator
+                    .observe(prompt, out, service_ms);
+            }
+        }
+        Some(self.finish(now, id, job, pool, Some(started_at)))
+    }
+
+    /// The client went away (or the caller gave up): release the job's queue place or slot.
+    /// Returns `None` for an unknown or already-ended job.
+    pub fn cancel(&mut self, now: Millis, id: JobId) -> Option<Completed> {
+        let now = self.clock(now);
+        let job = self.jobs.remove(&id)?;
+        let pool = self.classes[job.class.0].pool;
+        match job.state {
+            JobState::Queued => {
+                self.unqueue(id, &job);
+                Some(self.finish(now, id, job, pool, None))
+            }
+            JobState::InFlight { started_at } => {
+                Some(self.finish(now, id, job, pool, Some(started_at)))
+            }
+        }
+    }
+
+    fn finish(
+        &mut self,
+        now: Millis,
+        id: JobId,
+        job: Job,
+        pool: PoolId,
+        started_at: Option<Millis>,
+    ) -> Completed {
+        self.pools[pool.0].in_flight.remove(&id);
+        let queue_wait_ms = started_at.unwrap_or(now).saturating_sub(job.arrived_at);
+        Completed {
+            job_id: id,
+            class: job.class,
+            pool,
+            dispatched: started_at.is_some(),
+            queue_wait_ms,
+            service_ms: started_at.map_or(0, |s| now.saturating_sub(s)),
+            turnaround_ms: now.saturating_sub(job.arrived_at),
+            time_to_first_token_ms: job.first_token_at.map(|t| t.saturating_sub(job.arrived_at)),
+            deadline_slack_ms: job.deadline.map(|d| signed_diff(d, now)),
+            in_flight: self.pools[pool.0].in_flight.len() as u32,
+            depth: self.pool_depth(pool),
+        }
+    }
+
+    /// Let time pass: drop queued jobs whose slack died while they waited (higher-priority
+    /// work arrived, an in-flight job overran), so their clients hear it now rather than at
+    /// their timeout. Walks the queues in dispatch order: O(queued jobs); call it on a timer.
+    pub fn tick(&mut self, now: Millis) {
+        let now = self.clock(now);
+        if self.cfg.admit_always {
+            return;
+        }
+        for pi in 0..self.pools.len() {
+            let pool_id = PoolId(pi);
+            let slots = u64::from(self.pools[pi].slots.max(1));
+            let free = self.pools[pi].slots as usize
+                - self.pools[pi]
+                    .in_flight
+                    .len()
+                    .min(self.pools[pi].slots as usize);
+            let mut work = self.pools[pi].in_flight_remaining(now);
+            let mut count = 0usize;
+            let mut doomed: Vec<(JobId, u64)> = Vec::new();
+            let classes = self.pools[pi].classes.clone();
+            let mut i = 0;
+            while i < classes.len() {
+                // One priority level at a time, merged in earliest-deadline order.
+                let prio = self.classes[classes[i].0].priority;
+                let mut level: Vec<(QueueKey, JobId)> = Vec::new();
+                while i < classes.len() && self.classes[classes[i].0].priority == prio {
+                    level.extend(self.classes[classes[i].0].queue.iter());
+                    i += 1;
+                }
+                level.sort_unstable();
+                for (_, id) in level {
+                    let Some(job) = self.jobs.get(&id) else {
+                        continue;
+                    };
+                    let wait = if count < free { 0 } else { work / slots };
+                    if job.slack_after(now, wait).is_some_and(|s| s < 0) {
+                        doomed.push((id, wait));
+                    } else {
+                        work = work.saturating_add(job.est.service_ms);
+                        count += 1;
+                    }
+                }
+            }
+            for (id, wait) in doomed {
+                if let Some(job) = self.jobs.remove(&id) {
+                    self.unqueue(id, &job);
+                    let ev = self.drop_event(now, id, &job, pool_id, wait);
+                    self.events.push_back(ev);
+                }
+            }
+        }
+    }
+
+    /// Jobs queued or in flight (admitted and not yet ended).
+    pub fn live_jobs(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// A consistent view of queues, pools and estimators at `now`.
+    pub fn snapshot(&self, now: Millis) -> GateSnapshot {
+        let now = now.max(self.last_now);
+        let classes = self
+            .classes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (work, count, _) = self.ahead(c.pool, c.priority);
+                ClassSnapshot {
+                    name: c.name.clone(),
+                    pool: self.pools[c.pool.0].name.clone(),
+                    priority: c.priority,
+                    enabled: c.enabled,
+                    depth: c.queue.len() as u32,
+                    oldest_queue_age_ms: c
+                        .queue
+                        .oldest_enqueued_at()
+                        .map_or(0, |t| now.saturating_sub(t)),
+                    queued_work_ms: c.queue.work_ms(),
+                    projected_wait_ms: self.projected_wait(c.pool, now, work, count),
+                    expected_output_tokens: self.expected_output(ClassId(i), None),
+                }
+            })
+            .collect();
+        let pools = self
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| PoolSnapshot {
+                name: p.name.clone(),
+                slots: p.slots,
+                in_flight: p.in_flight.len() as u32,
+                depth: self.pool_depth(PoolId(i)),
+                in_flight_remaining_ms: p.in_flight_remaining(now),
+                estimator: p.estimator.snapshot(),
+            })
+            .collect();
+        GateSnapshot {
+            now_ms: now,
+            admit_always: self.cfg.admit_always,
+            classes,
+            pools,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

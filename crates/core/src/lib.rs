@@ -1,0 +1,26 @@
+//! The admission core of slackgate: pure, deterministic, and free of I/O.
+//!
+//! Every function here takes the current time (`now`, milliseconds on one monotonic clock) as an
+//! argument; nothing reads a clock, spawns a task or touches a socket. The live gateway and the
+//! simulator drive the *same* [`Gate`], so a policy measured in virtual time behaves the same
+//! live. The shape follows quinn-proto: inputs go in (`offer`, `on_complete`, `cancel`, `tick`),
+//! actions come out (`Decision`s and [`Event`]s to perform).
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod estimator;
+pub mod gate;
+mod queue;
+pub mod reason;
+
+pub use config::{ClassConfig, ConfigError, GateConfig, PoolConfig, PriorConfig, RetryConfig};
+pub use estimator::{Estimate, Estimator, EstimatorSnapshot};
+pub use gate::{
+    ClassId, ClassSnapshot, Completed, Completion, Decision, Event, Gate, GateSnapshot, JobId,
+    PoolId, PoolSnapshot, Request,
+};
+pub use reason::{Action, Reason};
+
+/// Milliseconds on the caller's monotonic clock. The core never reads a clock itself.
+pub type Millis = u64;

@@ -1,0 +1,171 @@
+//! Stable reason and action codes.
+//!
+//! These strings are an interface: they appear in HTTP bodies, the decision log, metric labels
+//! and the docs. Never rename one; add a new variant instead.
+
+use serde::Serialize;
+
+/// Why a decision, drop or completion happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// Admitted: the projected wait fits the request's slack (or it has no deadline).
+    WithinSlack,
+    /// Admitted because the `admit_always` rollback flag bypasses every threshold.
+    AdmitAlways,
+    /// The class is switched off (drain, `probe_class_enabled = false`).
+    ClassDisabled,
+    /// No class label (or an unknown one) and no default class configured.
+    RejectUnlabeled,
+    /// The oldest job this request would wait behind is older than the class's `max_queue_age_ms`.
+    QueueAgeExceeded,
+    /// Every slot is busy and the queue ahead is deeper than `max_depth_factor` x slots.
+    QueueDepthExceeded,
+    /// The projected wait for a slot is longer than the request's remaining deadline slack.
+    ProjectedWaitExceedsSlack,
+    /// A queued job can no longer finish by its deadline; it is dropped instead of being sent.
+    DeadlineUnmeetable,
+    /// The upstream answered and the response body ended normally.
+    Completed,
+    /// The client went away before its response ended.
+    ClientCancelled,
+    /// The request body is not valid JSON (or not a JSON object).
+    InvalidJson,
+    /// The request body is larger than the configured limit.
+    BodyTooLarge,
+    /// A deadline header is malformed, negative or absurd.
+    InvalidDeadline,
+    /// The upstream refused the connection or could not be reached.
+    UpstreamUnavailable,
+    /// The upstream stayed silent past the request's deadline.
+    UpstreamTimeout,
+    /// The upstream broke the response (reset, protocol error) or answered with a server error.
+    UpstreamError,
+    /// The gateway is shutting down and no longer accepts work.
+    ShuttingDown,
+}
+
+impl Reason {
+    /// The stable code used in logs, metrics, response bodies and docs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::WithinSlack => "within_slack",
+            Reason::AdmitAlways => "admit_always",
+            Reason::ClassDisabled => "class_disabled",
+            Reason::RejectUnlabeled => "reject_unlabeled",
+            Reason::QueueAgeExceeded => "queue_age_exceeded",
+            Reason::QueueDepthExceeded => "queue_depth_exceeded",
+            Reason::ProjectedWaitExceedsSlack => "projected_wait_exceeds_slack",
+            Reason::DeadlineUnmeetable => "deadline_unmeetable",
+            Reason::Completed => "completed",
+            Reason::ClientCancelled => "client_cancelled",
+            Reason::InvalidJson => "invalid_json",
+            Reason::BodyTooLarge => "body_too_large",
+            Reason::InvalidDeadline => "invalid_deadline",
+            Reason::UpstreamUnavailable => "upstream_unavailable",
+            Reason::UpstreamTimeout => "upstream_timeout",
+            Reason::UpstreamError => "upstream_error",
+            Reason::ShuttingDown => "shutting_down",
+        }
+    }
+
+    /// Every reason, in declaration order (for docs and metric pre-registration).
+    pub const ALL: [Reason; 17] = [
+        Reason::WithinSlack,
+        Reason::AdmitAlways,
+        Reason::ClassDisabled,
+        Reason::RejectUnlabeled,
+        Reason::QueueAgeExceeded,
+        Reason::QueueDepthExceeded,
+        Reason::ProjectedWaitExceedsSlack,
+        Reason::DeadlineUnmeetable,
+        Reason::Completed,
+        Reason::ClientCancelled,
+        Reason::InvalidJson,
+        Reason::BodyTooLarge,
+        Reason::InvalidDeadline,
+        Reason::UpstreamUnavailable,
+        Reason::UpstreamTimeout,
+        Reason::UpstreamError,
+        Reason::ShuttingDown,
+    ];
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What happened to a request at one point of its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// Accepted into the queue.
+    Admit,
+    /// Refused at arrival, before it was queued.
+    Reject,
+    /// Sent upstream: it holds a slot now.
+    Dispatch,
+    /// Removed from the queue without being sent (its deadline became unmeetable).
+    Drop,
+    /// Finished upstream (successfully or not) and released its slot.
+    Complete,
+    /// The client went away; its slot or queue place was released.
+    Cancel,
+    /// Refused for bad input or a broken upstream, outside the admission policy.
+    Error,
+}
+
+impl Action {
+    /// The stable code used in logs, metrics and response bodies.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Admit => "admit",
+            Action::Reject => "reject",
+            Action::Dispatch => "dispatch",
+            Action::Drop => "drop",
+            Action::Complete => "complete",
+            Action::Cancel => "cancel",
+            Action::Error => "error",
+        }
+    }
+}
+
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reason_codes_are_unique_and_match_serde() {
+        let mut seen = std::collections::BTreeSet::new();
+        for r in Reason::ALL {
+            assert!(seen.insert(r.as_str()), "duplicate code {}", r.as_str());
+            let json = serde_json_like(r);
+            assert_eq!(json, r.as_str());
+        }
+    }
+
+    // serde's snake_case renaming must agree with as_str(); check through Debug-to-snake.
+    fn serde_json_like(r: Reason) -> String {
+        let dbg = format!("{r:?}");
+        let mut out = String::new();
+        for (i, ch) in dbg.chars().enumerate() {
+            if ch.is_uppercase() {
+                if i > 0 {
+                    out.push('_');
+                }
+                out.extend(ch.to_lowercase());
+            } else {
+                out.push(ch);
+            }
+        }
+        out
+    }
+}
