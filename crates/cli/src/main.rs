@@ -1,1 +1,242 @@
-fn main() {}
+//! `slackgate`: a thin command-line wrapper over the gateway and stub libraries.
+//!
+//! - `slackgate serve --demo` runs the gate on embedded defaults with a built-in fake model.
+//! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]`
+//! - `slackgate stub --listen ADDR --slots N --latency SPEC`
+//! - `slackgate check --config FILE`
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use slackgate_gateway::{Config, DecisionLog};
+use slackgate_stub::{LatencySpec, StubConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "slackgate",
+    version,
+    about = "Deadline-aware admission gate for LLM inference traffic"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gate in front of an OpenAI-compatible upstream.
+    Serve(ServeArgs),
+    /// Run a fake OpenAI-compatible upstream (for tests, drills and demos).
+    Stub(StubArgs),
+    /// Validate a configuration file and explain what is wrong, with the field path.
+    Check {
+        /// The TOML file.
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TOML configuration (see docs/config.md). Without it, embedded defaults apply.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Address to listen on (overrides server.listen).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Upstream base URL for every pool that has none (e.g. http://127.0.0.1:8000).
+    #[arg(long)]
+    upstream: Option<String>,
+    /// Slots (max_in_flight) for every pool.
+    #[arg(long)]
+    slots: Option<u32>,
+    /// Decision log: `-` (stdout), `off`, or a file path.
+    #[arg(long)]
+    log: Option<String>,
+    /// Start a built-in fake model upstream and point every pool without an upstream at it:
+    /// a gate you can curl at once, no external service needed.
+    #[arg(long)]
+    demo: bool,
+}
+
+#[derive(clap::Args)]
+struct StubArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    listen: SocketAddr,
+    /// Requests served at once; the rest queue inside the stub, as in a real server.
+    #[arg(long, default_value_t = 4)]
+    slots: usize,
+    /// Latency model: fixed:12s, uniform:5s..30s, tokens:prefill_us=200,decode_us=20000.
+    #[arg(long, default_value = "tokens:prefill_us=200,decode_us=20000")]
+    latency: String,
+    /// Output tokens when a request names no max_tokens.
+    #[arg(long, default_value_t = 16)]
+    output_tokens: u32,
+    /// Seed for random latencies.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    match cli.command {
+        Command::Serve(a) => rt.block_on(serve(a)),
+        Command::Stub(a) => rt.block_on(stub(a)),
+        Command::Check { config } => check(&config),
+    }
+}
+
+fn check(path: &std::path::Path) -> Result<()> {
+    let cfg =
+        Config::from_file(path).with_context(|| format!("{} is not valid", path.display()))?;
+    println!(
+        "{}: ok ({} pools, {} classes)",
+        path.display(),
+        cfg.gate.pools.len(),
+        cfg.gate.classes.len()
+    );
+    for c in &cfg.gate.classes {
+        println!(
+            "  class {:<12} priority {:>4}  pool {:<10} deadline {:>8}  max_queue_age {:>8}  {}",
+            c.name,
+            c.priority,
+            c.pool,
+            c.deadline_ms.map_or("none".into(), |d| format!("{d}ms")),
+            c.max_queue_age_ms
+                .map_or("none".into(), |d| format!("{d}ms")),
+            if c.enabled { "enabled" } else { "DISABLED" }
+        );
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+async fn serve(a: ServeArgs) -> Result<()> {
+    let mut cfg = match &a.config {
+        Some(p) => Config::from_file(p).with_context(|| format!("{} is not valid", p.display()))?,
+        None => Config::default(),
+    };
+    if let Some(l) = a.listen {
+        cfg.server.listen = l;
+    }
+    if let Some(s) = a.slots {
+        for p in cfg.gate.pools.iter_mut() {
+            p.max_in_flight = s;
+        }
+    }
+    if let Some(l) = &a.log {
+        cfg.log.path = l.clone();
+    }
+    let mut _demo_stub = None;
+    if a.demo {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("cannot bind the demo upstream")?;
+        let slots = cfg
+            .gate
+            .pools
+            .iter()
+            .map(|p| p.max_in_flight)
+            .max()
+            .unwrap_or(4) as usize;
+        let stub = slackgate_stub::Stub::spawn(
+            listener,
+            StubConfig {
+                slots,
+                latency: LatencySpec::Tokens {
+                    prefill_us: 200,
+                    decode_us: 20_000,
+                },
+                default_output_tokens: 16,
+                seed: 1,
+            },
+        )
+        .context("cannot start the demo upstream")?;
+        let url = format!("http://{}", stub.local_addr());
+        for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
+            p.upstream = Some(url.clone());
+        }
+        eprintln!("slackgate: demo upstream (fake model, 20 ms/token) on {url}");
+        _demo_stub = Some(stub);
+    }
+    if let Some(u) = &a.upstream {
+        for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
+            p.upstream = Some(u.clone());
+        }
+    }
+    if let Err(e) = cfg.validate() {
+        bail!("invalid configuration: {e}");
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.server.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.server.listen))?;
+    let addr = listener.local_addr()?;
+    let log = DecisionLog::start(cfg.log.target(), cfg.log.channel_capacity)
+        .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
+    eprintln!("slackgate: gate listening on http://{addr}");
+    if a.demo {
+        eprintln!(
+            "slackgate: try\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -H 'x-job-class: interactive' -H 'x-deadline-ms: 5000' \\\n    -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":16}}'\n  curl -s http://{addr}/metrics | grep slackgate_decisions"
+        );
+    }
+    slackgate_gateway::run(listener, &cfg, log, shutdown_signal())
+        .await
+        .map_err(anyhow::Error::msg)?;
+    eprintln!("slackgate: stopped");
+    Ok(())
+}
+
+async fn stub(a: StubArgs) -> Result<()> {
+    let latency: LatencySpec = a
+        .latency
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--latency {:?}: {e}", a.latency))?;
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.listen))?;
+    eprintln!(
+        "slackgate stub: fake model on http://{} ({} slots, latency {latency})",
+        listener.local_addr()?,
+        a.slots
+    );
+    slackgate_stub::run_until(
+        listener,
+        StubConfig {
+            slots: a.slots,
+            latency,
+            default_output_tokens: a.output_tokens,
+            seed: a.seed,
+        },
+        shutdown_signal(),
+    )
+    .await
+    .context("stub failed")?;
+    Ok(())
+}

@@ -1,1 +1,201 @@
-fn main() {}
+//! The decision path under a deep queue: one pool of 8 busy slots and 10k or 100k jobs queued
+//! over three classes. A decision must stay O(classes), not O(queue length), so the figures
+//! for both depths should be about the same, and well under a microsecond.
+//!
+//! - `offer_reject`: an interactive request with a 5 s deadline, rejected on
+//!   `projected_wait_exceeds_slack` (the queue ahead holds hours of work).
+//! - `offer_admit`: a best-effort batch request, admitted and queued. Timed in batches of
+//!   1000 offers; the batch is cancelled outside the timing so the queue depth stays put.
+//! - `offer_admit_cancel`: the same admission plus the cancel that removes it again.
+//! - `complete_dispatch_refill`: a slot frees (`on_complete`, which also teaches the
+//!   estimator), `poll` dispatches the next job and finds nothing more, and a new job is
+//!   admitted to keep the depth constant: the steady state of a saturated pool.
+//!
+//! Run with `cargo bench -p slackgate-core --bench decision`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use slackgate_core::{
+    ClassConfig, ClassId, Completion, Event, Gate, GateConfig, JobId, Millis, PoolConfig,
+    PriorConfig, Request,
+};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+const SLOTS: u32 = 8;
+const DEPTHS: [usize; 2] = [10_000, 100_000];
+/// Every job: 200 ms + 500 x 0.2 ms + 40 x 20 ms = 1100 ms, by the default priors.
+const PROMPT_TOKENS: u32 = 500;
+const MAX_TOKENS: u32 = 40;
+/// Start of the benchmark clock.
+const T0: Millis = 1_000_000;
+
+const INTERACTIVE: ClassId = ClassId(0);
+const STANDARD: ClassId = ClassId(1);
+const BATCH: ClassId = ClassId(2);
+
+fn config() -> GateConfig {
+    let class = |name: &str, priority| ClassConfig {
+        name: name.into(),
+        priority,
+        // Best effort by default: the prefill is admitted however deep the queue gets; the
+        // rejected request names its own deadline.
+        deadline_ms: None,
+        pool: "gpu".into(),
+        ..ClassConfig::default()
+    };
+    GateConfig {
+        pools: vec![PoolConfig {
+            name: "gpu".into(),
+            max_in_flight: SLOTS,
+            prior: PriorConfig::default(),
+            ..PoolConfig::default()
+        }],
+        classes: vec![
+            class("interactive", 100),
+            class("standard", 50),
+            class("batch", 10),
+        ],
+        default_class: None,
+        ..GateConfig::default()
+    }
+}
+
+fn request(class: ClassId, deadline: Option<Millis>) -> Request {
+    Request {
+        class: Some(class),
+        deadline,
+        first_token_deadline: None,
+        prompt_tokens: PROMPT_TOKENS,
+        max_tokens: Some(MAX_TOKENS),
+    }
+}
+
+/// A gate with all slots busy and `depth` jobs queued, spread evenly over the three classes.
+/// Returns the ids in flight, oldest first.
+fn saturated(depth: usize) -> (Gate, VecDeque<JobId>) {
+    let mut gate = Gate::new(config()).expect("valid config");
+    let classes = [INTERACTIVE, STANDARD, BATCH];
+    let mut running = VecDeque::new();
+    for i in 0..depth + SLOTS as usize {
+        let d = gate.offer(T0, request(classes[i % 3], None));
+        assert!(d.admitted(), "{d:?}");
+        while let Some(ev) = gate.poll(T0) {
+            if let Event::Dispatch { job_id, .. } = ev {
+                running.push_back(job_id);
+            }
+        }
+    }
+    assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
+    assert_eq!(gate.snapshot(T0).pools[0].in_flight, SLOTS);
+    (gate, running)
+}
+
+fn id(depth: usize) -> BenchmarkId {
+    BenchmarkId::from_parameter(format!("queued={depth}"))
+}
+
+fn offer_reject(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decision/offer_reject");
+    for depth in DEPTHS {
+        let (mut gate, _) = saturated(depth);
+        let deadline = Some(T0 + 5_000);
+        let probe = gate.offer(T0, request(INTERACTIVE, deadline));
+        assert!(!probe.admitted(), "{probe:?}");
+        group.bench_function(id(depth), |b| {
+            b.iter(|| black_box(gate.offer(T0, black_box(request(INTERACTIVE, deadline)))))
+        });
+        assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
+    }
+    group.finish();
+}
+
+fn offer_admit(c: &mut Criterion) {
+    const BATCH_SIZE: u64 = 1_000;
+    let mut group = c.benchmark_group("decision/offer_admit");
+    for depth in DEPTHS {
+        let (mut gate, _) = saturated(depth);
+        let mut admitted = Vec::with_capacity(BATCH_SIZE as usize);
+        group.bench_function(id(depth), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut left = iters;
+                while left > 0 {
+                    let n = left.min(BATCH_SIZE);
+                    let start = Instant::now();
+                    for _ in 0..n {
+                        admitted.push(gate.offer(T0, black_box(request(BATCH, None))).job_id);
+                    }
+                    total += start.elapsed();
+                    for id in admitted.drain(..) {
+                        gate.cancel(T0, id).expect("admitted");
+                    }
+                    left -= n;
+                }
+                total
+            })
+        });
+        assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
+    }
+    group.finish();
+}
+
+fn offer_admit_cancel(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decision/offer_admit_cancel");
+    for depth in DEPTHS {
+        let (mut gate, _) = saturated(depth);
+        group.bench_function(id(depth), |b| {
+            b.iter(|| {
+                let d = gate.offer(T0, black_box(request(BATCH, None)));
+                black_box(gate.cancel(T0, d.job_id))
+            })
+        });
+        assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
+    }
+    group.finish();
+}
+
+fn complete_dispatch_refill(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decision/complete_dispatch_refill");
+    for depth in DEPTHS {
+        let (mut gate, mut running) = saturated(depth);
+        // One completion every 1100 / 8 ms keeps the observed service at the estimate.
+        let mut now = T0;
+        let usage = Completion {
+            ok: true,
+            prompt_tokens: Some(PROMPT_TOKENS),
+            completion_tokens: Some(MAX_TOKENS),
+        };
+        group.bench_function(id(depth), |b| {
+            b.iter(|| {
+                now += 1_100 / u64::from(SLOTS);
+                let done = running.pop_front().expect("a slot is busy");
+                black_box(gate.on_complete(now, done, usage));
+                while let Some(ev) = gate.poll(now) {
+                    if let Event::Dispatch { job_id, .. } = ev {
+                        running.push_back(job_id);
+                    }
+                }
+                black_box(gate.offer(now, request(INTERACTIVE, None)))
+            })
+        });
+        assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
+        assert_eq!(running.len(), SLOTS as usize);
+    }
+    group.finish();
+}
+
+fn quick() -> Criterion {
+    Criterion::default()
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+}
+
+criterion_group! {
+    name = benches;
+    config = quick();
+    targets = offer_reject, offer_admit, offer_admit_cancel, complete_dispatch_refill
+}
+criterion_main!(benches);

@@ -64,6 +64,9 @@ pub struct PoolConfig {
     pub max_depth_factor: Option<f64>,
     /// Starting point of the service-time estimator, before it has learned anything.
     pub prior: PriorConfig,
+    /// Base URL of the upstream serving this pool (`http://127.0.0.1:8000`). The core never
+    /// connects anywhere; the gateway reads this.
+    pub upstream: Option<String>,
 }
 
 impl Default for PoolConfig {
@@ -73,6 +76,7 @@ impl Default for PoolConfig {
             max_in_flight: 4,
             max_depth_factor: None,
             prior: PriorConfig::default(),
+            upstream: None,
         }
     }
 }

@@ -347,7 +347,8 @@ impl PoolState {
                 let overrun = elapsed.saturating_sub(est);
                 left.max(overrun).max(est / 8)
             })
-            .sum()
+            // Saturating: a few slots stuck for ages must not wrap to a short wait.
+            .fold(0, u64::saturating_add)
     }
 }
 

@@ -1,1 +1,27 @@
-//! placeholder
+//! The live slackgate gateway: an OpenAI-compatible HTTP proxy that asks the pure admission
+//! core (`slackgate-core`) about every request before it is queued, and performs what the
+//! core decides: forward, reject with 429 and an honest Retry-After, or drop.
+//!
+//! Module map: [`config`] (the TOML file), [`request_info`] (what a request asks for),
+//! [`state`] (the core behind a lock, waiting requests, one place where transitions are
+//! logged), [`proxy`] (the request path), [`body`] (the body wrapper that releases a slot
+//! exactly once), [`response`] (every response the gate writes), [`telemetry`] (decision
+//! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle).
+
+#![forbid(unsafe_code)]
+
+pub mod body;
+pub mod config;
+pub mod metrics;
+pub mod proxy;
+pub mod request_info;
+pub mod response;
+pub mod server;
+pub mod state;
+pub mod stats;
+pub mod telemetry;
+pub mod upstream;
+
+pub use config::Config;
+pub use server::{run, Gateway};
+pub use telemetry::DecisionLog;

@@ -20,6 +20,7 @@ fn cfg(slots: u32, service_ms: f64) -> GateConfig {
                 default_output_tokens: 0,
                 learn: false,
             },
+            upstream: None,
         }],
         classes: vec![
             ClassConfig {

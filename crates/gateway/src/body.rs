@@ -1,0 +1,273 @@
+//! The response body wrapper that ends a job exactly once.
+//!
+//! Like linkerd's `body-eos`: it forwards upstream frames one by one (no buffering, so SSE
+//! streams reach the client chunk by chunk) and notices the three ways a response can end:
+//! the end of stream (the job completed), an error (the upstream broke), or being dropped
+//! before either (the client went away, which also drops the upstream connection and so
+//! cancels the upstream request). The slot is held until one of these happens, not merely
+//! until the headers arrive.
+//!
+//! On the way through it reads the upstream's `usage` (a JSON body, or the final SSE chunk)
+//! and counts streamed content chunks, so the estimator learns from real token counts.
+
+use crate::response::BoxError;
+use crate::state::{JobGuard, Outcome};
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+/// Largest non-streaming body copied aside to read `usage` from.
+const MAX_JSON_COPY: usize = 4 * 1024 * 1024;
+/// Longest SSE line buffered while looking for its end.
+const MAX_SSE_LINE: usize = 1024 * 1024;
+
+/// Reads usage and counts tokens from a response as it streams past.
+#[derive(Debug, Default)]
+pub struct UsageScanner {
+    sse: bool,
+    json: Vec<u8>,
+    json_overflow: bool,
+    line: Vec<u8>,
+    chunks_with_content: u32,
+    prompt_tokens: Option<u32>,
+    completion_tokens: Option<u32>,
+}
+
+impl UsageScanner {
+    /// A scanner for an SSE stream (`sse`) or a JSON body.
+    pub fn new(sse: bool) -> UsageScanner {
+        UsageScanner {
+            sse,
+            ..UsageScanner::default()
+        }
+    }
+
+    /// Feed one frame of body bytes.
+    pub fn feed(&mut self, data: &[u8]) {
+        if !self.sse {
+            if self.json.len() + data.len() <= MAX_JSON_COPY {
+                self.json.extend_from_slice(data);
+            } else {
+                self.json_overflow = true;
+            }
+            return;
+        }
+        for &b in data {
+            if b == b'\n' {
+                let line = std::mem::take(&mut self.line);
+                self.sse_line(&line);
+            } else if self.line.len() < MAX_SSE_LINE {
+                self.line.push(b);
+            }
+        }
+    }
+
+    fn sse_line(&mut self, line: &[u8]) {
+        let Some(rest) = line.strip_prefix(b"data:") else {
+            return;
+        };
+        let rest = rest.trim_ascii();
+        if rest == b"[DONE]" || rest.is_empty() {
+            return;
+        }
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(rest) else {
+            return;
+        };
+        self.read_usage(&v);
+        let has_content = v
+            .get("choices")
+            .and_then(|c| c.as_array())
+            .and_then(|c| c.first())
+            .map(|c| {
+                let delta = c
+                    .get("delta")
+                    .and_then(|d| d.get("content"))
+                    .and_then(|s| s.as_str());
+                let text = c.get("text").and_then(|s| s.as_str());
+                delta.or(text).is_some_and(|s| !s.is_empty())
+            })
+            .unwrap_or(false);
+        if has_content {
+            self.chunks_with_content = self.chunks_with_content.saturating_add(1);
+        }
+    }
+
+    fn read_usage(&mut self, v: &serde_json::Value) {
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            let n = |k: &str| {
+                u.get(k)
+                    .and_then(|x| x.as_u64())
+                    .map(|x| x.min(u64::from(u32::MAX)) as u32)
+            };
+            self.prompt_tokens = n("prompt_tokens").or(self.prompt_tokens);
+            self.completion_tokens = n("completion_tokens").or(self.completion_tokens);
+        }
+    }
+
+    /// Finish: (prompt tokens, completion tokens) as reported, or counted from the stream.
+    pub fn usage(&mut self) -> (Option<u32>, Option<u32>) {
+        if !self.sse && !self.json_overflow && !self.json.is_empty() {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.json) {
+                self.read_usage(&v);
+            }
+        }
+        if self.sse && !self.line.is_empty() {
+            let line = std::mem::take(&mut self.line);
+            self.sse_line(&line);
+        }
+        let completion = self
+            .completion_tokens
+            .or((self.sse && self.chunks_with_content > 0).then_some(self.chunks_with_content));
+        (self.prompt_tokens, completion)
+    }
+
+    /// Tokens seen so far (for waste accounting when the client leaves mid-stream).
+    pub fn tokens_so_far(&self) -> u32 {
+        self.completion_tokens.unwrap_or(self.chunks_with_content)
+    }
+}
+
+/// The upstream body, forwarded frame by frame, ending its job exactly once.
+pub struct TrackedBody<B: Body> {
+    inner: B,
+    guard: Option<JobGuard>,
+    scanner: UsageScanner,
+    status: u16,
+    seen_first: bool,
+}
+
+impl<B: Body> TrackedBody<B> {
+    /// Wrap an upstream body; `guard` is released when the body ends, fails or is dropped.
+    pub fn new(inner: B, guard: JobGuard, sse: bool, status: u16) -> Self {
+        TrackedBody {
+            inner,
+            guard: Some(guard),
+            scanner: UsageScanner::new(sse),
+            status,
+            seen_first: false,
+        }
+    }
+
+    fn finish(&mut self, ok: bool) {
+        if let Some(g) = self.guard.take() {
+            let (prompt_tokens, completion_tokens) = self.scanner.usage();
+            let ok = ok && (200..300).contains(&self.status);
+            g.finish(Outcome {
+                ok,
+                status: self.status,
+                reason: None,
+                prompt_tokens,
+                completion_tokens,
+            });
+        }
+    }
+}
+
+impl<B: Body> Drop for TrackedBody<B> {
+    fn drop(&mut self) {
+        if self.guard.is_some() && self.inner.is_end_stream() {
+            self.finish(true);
+            return;
+        }
+        // Dropped before the end: the client went away. Count what was generated for nobody.
+        if let Some(g) = self.guard.take() {
+            g.cancel(u64::from(self.scanner.tokens_so_far()));
+        }
+    }
+}
+
+impl<B> Body for TrackedBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    if !data.is_empty() {
+                        if !this.seen_first {
+                            this.seen_first = true;
+                            if let Some(g) = &this.guard {
+                                g.shared().first_token(g.id());
+                            }
+                        }
+                        this.scanner.feed(data);
+                    }
+                }
+                // A body with a known length may never be polled again after its last byte
+                // (hyper stops at Content-Length): notice the end here, not only at `None`.
+                if this.inner.is_end_stream() {
+                    this.finish(true);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finish(false);
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                this.finish(true);
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_usage_from_json_body_split_across_frames() {
+        let mut s = UsageScanner::new(false);
+        s.feed(br#"{"choices":[],"usage":{"prompt_tok"#);
+        s.feed(br#"ens":12,"completion_tokens":7}}"#);
+        assert_eq!(s.usage(), (Some(12), Some(7)));
+    }
+
+    #[test]
+    fn counts_sse_chunks_and_prefers_reported_usage() {
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n");
+        s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choi");
+        s.feed(b"ces\":[{\"delta\":{\"content\":\"b\"}}]}\n\n");
+        assert_eq!(s.tokens_so_far(), 2);
+        let mut counted = UsageScanner::new(true);
+        counted.feed(b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n");
+        assert_eq!(counted.usage(), (None, Some(1)));
+        s.feed(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":9}}\n\n",
+        );
+        s.feed(b"data: [DONE]\n\n");
+        assert_eq!(s.usage(), (Some(3), Some(9)));
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut s = UsageScanner::new(true);
+        s.feed(b"data: {not json\n\ndata:\n\n: comment\n\x00\xff\n");
+        s.feed(&vec![b'x'; 2 * MAX_SSE_LINE]);
+        assert_eq!(s.usage(), (None, None));
+        let mut j = UsageScanner::new(false);
+        j.feed(b"{\"usage\": 5}");
+        assert_eq!(j.usage(), (None, None));
+    }
+}

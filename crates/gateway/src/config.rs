@@ -1,0 +1,255 @@
+//! The gateway's configuration file: one TOML document holding the server settings, the
+//! decision log and the admission core's classes and pools.
+//!
+//! ```toml
+//! default_class = "interactive"
+//! [server]
+//! listen = "127.0.0.1:8080"
+//! [[pools]]
+//! name = "default"
+//! max_in_flight = 4
+//! upstream = "http://127.0.0.1:8000"
+//! [[classes]]
+//! name = "interactive"
+//! priority = 100
+//! deadline_ms = 30000
+//! ```
+//!
+//! Unknown fields are errors (a typo in a threshold must not silently keep the default).
+
+use serde::Deserialize;
+use slackgate_core::{ClassConfig, ConfigError, GateConfig, PoolConfig, RetryConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Everything `slackgate serve` needs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Config {
+    /// Listener, body limits, timers.
+    pub server: ServerConfig,
+    /// Where decision lines go.
+    pub log: LogConfig,
+    /// The admission core's configuration.
+    pub gate: GateConfig,
+}
+
+/// Listener and request-path settings.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address of the proxy listener.
+    pub listen: SocketAddr,
+    /// Largest request body accepted (413 `body_too_large` beyond).
+    pub max_body_bytes: usize,
+    /// How often queued jobs are re-checked for dead slack (ms).
+    pub tick_ms: u64,
+    /// Time to wait for upstream response headers when a request has no deadline (ms).
+    pub upstream_timeout_ms: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 4 * 1024 * 1024,
+            tick_ms: 50,
+            upstream_timeout_ms: 600_000,
+        }
+    }
+}
+
+/// The decision log: one JSON line per decision, dispatch, drop and completion.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `-` for stdout, `off` to disable, or a file path (appended to).
+    pub path: String,
+    /// Lines buffered between the request path and the writer; beyond it lines are dropped
+    /// (and counted) rather than slowing requests down.
+    pub channel_capacity: usize,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            path: "-".into(),
+            channel_capacity: 65_536,
+        }
+    }
+}
+
+impl LogConfig {
+    /// The target the path names.
+    pub fn target(&self) -> LogTarget {
+        match self.path.as_str() {
+            "-" | "stdout" => LogTarget::Stdout,
+            "off" | "" => LogTarget::Off,
+            p => LogTarget::File(PathBuf::from(p)),
+        }
+    }
+}
+
+/// Where the decision log is written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LogTarget {
+    /// Standard output.
+    Stdout,
+    /// Appended to a file.
+    File(PathBuf),
+    /// Not written (lines are still counted in metrics).
+    Off,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    server: ServerConfig,
+    #[serde(default)]
+    log: LogConfig,
+    #[serde(default)]
+    pools: Option<Vec<PoolConfig>>,
+    #[serde(default)]
+    classes: Option<Vec<ClassConfig>>,
+    #[serde(default)]
+    default_class: Option<String>,
+    #[serde(default)]
+    admit_always: bool,
+    #[serde(default)]
+    retry: RetryConfig,
+}
+
+/// A configuration that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigFileError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML is malformed or has unknown/mistyped fields.
+    #[error("{0}")]
+    Parse(String),
+    /// The values do not make a runnable gate.
+    #[error("invalid configuration: {0}")]
+    Invalid(#[from] ConfigError),
+}
+
+impl Config {
+    /// Parse and validate a TOML document. Missing sections take their defaults.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigFileError> {
+        let f: FileConfig =
+            toml::from_str(text).map_err(|e| ConfigFileError::Parse(e.to_string()))?;
+        let defaults = GateConfig::default();
+        let gate = GateConfig {
+            pools: f.pools.unwrap_or(defaults.pools),
+            classes: f.classes.unwrap_or(defaults.classes),
+            default_class: f.default_class,
+            admit_always: f.admit_always,
+            retry: f.retry,
+        };
+        let cfg = Config {
+            server: f.server,
+            log: f.log,
+            gate,
+        };
+        cfg.validate_shape()?;
+        Ok(cfg)
+    }
+
+    /// Read, parse and validate a file.
+    pub fn from_file(path: &std::path::Path) -> Result<Config, ConfigFileError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::from_toml(&text)
+    }
+
+    /// Check everything needed to serve: the shape, and an upstream for every pool.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_shape()?;
+        for (i, p) in self.gate.pools.iter().enumerate() {
+            if p.upstream.is_none() {
+                return Err(err(
+                    &format!("pools[{i}].upstream"),
+                    "every pool needs an upstream URL (or pass --upstream)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Check the values that are present (an upstream may still be given on the command line).
+    pub fn validate_shape(&self) -> Result<(), ConfigError> {
+        self.gate.validate()?;
+        if self.server.max_body_bytes == 0 {
+            return Err(err("server.max_body_bytes", "must be at least 1"));
+        }
+        if !(1..=60_000).contains(&self.server.tick_ms) {
+            return Err(err("server.tick_ms", "must be between 1 and 60000"));
+        }
+        if self.server.upstream_timeout_ms == 0 {
+            return Err(err("server.upstream_timeout_ms", "must be at least 1"));
+        }
+        if self.log.channel_capacity == 0 {
+            return Err(err("log.channel_capacity", "must be at least 1"));
+        }
+        for (i, p) in self.gate.pools.iter().enumerate() {
+            if let Some(u) = &p.upstream {
+                crate::upstream::parse_base(u)
+                    .map_err(|m| err(&format!("pools[{i}].upstream"), &m))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn err(path: &str, message: &str) -> ConfigError {
+    ConfigError {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_file_gets_defaults() {
+        let c = Config::from_toml(
+            r#"
+            [[pools]]
+            name = "default"
+            upstream = "http://127.0.0.1:9"
+            "#,
+        );
+        let c = c.map_err(|e| e.to_string());
+        assert!(c.is_ok(), "{c:?}");
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_explained() {
+        let e = Config::from_toml("[server]\nlisten_addr = \"x\"\n").err();
+        assert!(e
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+            .contains("listen_addr"));
+        let e = Config::from_toml(
+            "[[pools]]\nname=\"p\"\nupstream=\"ftp://x\"\n[[classes]]\nname=\"a\"\npool=\"p\"\n",
+        )
+        .err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("pools[0].upstream"), "{msg}");
+        let c = Config::from_toml("[[pools]]\nname=\"p\"\n[[classes]]\nname=\"a\"\npool=\"p\"\n");
+        let missing = c.map(|c| c.validate()).ok();
+        let path = missing.and_then(|r| r.err()).map(|e| e.path);
+        assert_eq!(path.as_deref(), Some("pools[0].upstream"));
+        let e = Config::from_toml("this is not toml = = =").err();
+        assert!(matches!(e, Some(ConfigFileError::Parse(_))));
+    }
+}

@@ -1,0 +1,416 @@
+//! Prometheus metrics, rendered by hand in the text exposition format.
+//!
+//! Counters and histograms are updated on the request path under one short mutex; gauges
+//! (queue age and depth, in-flight, estimator values) are read from a snapshot of the core at
+//! scrape time, so they are exact rather than sampled. Names are stable: the alert rules and
+//! dashboards in `deploy/` use them.
+
+use crate::telemetry::LogCounters;
+use slackgate_core::GateSnapshot;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+
+/// Histogram bucket bounds, seconds: from a fast first token to a slow batch job.
+const BUCKETS: [f64; 17] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
+];
+
+#[derive(Clone, Debug, Default)]
+struct Histogram {
+    counts: [u64; BUCKETS.len()],
+    count: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    fn observe(&mut self, seconds: f64) {
+        for (i, b) in BUCKETS.iter().enumerate() {
+            if seconds <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.count += 1;
+        self.sum += seconds;
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    decisions: BTreeMap<(String, &'static str, &'static str), u64>,
+    turnaround: BTreeMap<String, Histogram>,
+    ttft: BTreeMap<String, Histogram>,
+    queue_wait: BTreeMap<String, Histogram>,
+    slo_breaches: BTreeMap<String, u64>,
+    tokens_spent: BTreeMap<String, u64>,
+    tokens_wasted: BTreeMap<String, u64>,
+    tokens_held: BTreeMap<String, i64>,
+    upstream: BTreeMap<(String, u16), u64>,
+}
+
+/// The gateway's counters and histograms.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+fn ms_to_s(ms: u64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+impl Metrics {
+    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        // A poisoned lock only means another thread panicked mid-update of plain counters;
+        // the counters are still usable, so keep serving metrics.
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut g)
+    }
+
+    /// Count a decision, drop, completion or error.
+    pub fn decision(&self, class: &str, action: &'static str, reason: &'static str) {
+        self.with(|m| {
+            *m.decisions
+                .entry((class.to_string(), action, reason))
+                .or_default() += 1
+        });
+    }
+
+    /// Record a finished request's timings.
+    pub fn finished(
+        &self,
+        class: &str,
+        turnaround_ms: u64,
+        queue_wait_ms: u64,
+        ttft_ms: Option<u64>,
+        missed_deadline: bool,
+    ) {
+        self.with(|m| {
+            m.turnaround
+                .entry(class.to_string())
+                .or_default()
+                .observe(ms_to_s(turnaround_ms));
+            m.queue_wait
+                .entry(class.to_string())
+                .or_default()
+                .observe(ms_to_s(queue_wait_ms));
+            if let Some(t) = ttft_ms {
+                m.ttft
+                    .entry(class.to_string())
+                    .or_default()
+                    .observe(ms_to_s(t));
+            }
+            if missed_deadline {
+                *m.slo_breaches.entry(class.to_string()).or_default() += 1;
+            }
+        });
+    }
+
+    /// Tokens placed on hold (positive) or released (negative).
+    pub fn tokens_held(&self, class: &str, delta: i64) {
+        self.with(|m| *m.tokens_held.entry(class.to_string()).or_default() += delta);
+    }
+
+    /// Tokens the upstream used for a served request, and tokens wasted on abandoned ones.
+    pub fn tokens(&self, class: &str, spent: u64, wasted: u64) {
+        self.with(|m| {
+            *m.tokens_spent.entry(class.to_string()).or_default() += spent;
+            *m.tokens_wasted.entry(class.to_string()).or_default() += wasted;
+        });
+    }
+
+    /// An upstream response status (0 for no response: refused, reset, timeout).
+    pub fn upstream_status(&self, pool: &str, status: u16) {
+        self.with(|m| *m.upstream.entry((pool.to_string(), status)).or_default() += 1);
+    }
+
+    /// Update counters from one decision-log line: the log and the metrics share one source.
+    pub fn observe(&self, line: &crate::telemetry::LogLine) {
+        let class = line.job_class.as_deref().unwrap_or("none");
+        self.decision(class, line.action, line.reason);
+        let held = line.tokens_held.unwrap_or(0) as i64;
+        match line.action {
+            "admit" => self.tokens_held(class, held),
+            "complete" => {
+                self.tokens_held(class, -held);
+                self.tokens(class, line.tokens_spent.unwrap_or(0), 0);
+                self.finished(
+                    class,
+                    line.turnaround_ms.unwrap_or(0),
+                    line.queue_age_ms.unwrap_or(0),
+                    line.ttft_ms,
+                    line.deadline_slack_ms.is_some_and(|s| s < 0),
+                );
+                if let Some(pool) = &line.pool {
+                    self.upstream_status(pool, line.status.unwrap_or(0));
+                }
+            }
+            "cancel" => {
+                self.tokens_held(class, -held);
+                self.tokens(class, 0, line.tokens_wasted.unwrap_or(0));
+            }
+            "drop" => self.tokens_held(class, -held),
+            _ => {}
+        }
+    }
+
+    /// Render everything in the Prometheus text format.
+    pub fn render(&self, snap: &GateSnapshot, log: &LogCounters) -> String {
+        let mut out = String::with_capacity(8 * 1024);
+        let o = &mut out;
+        header(
+            o,
+            "slackgate_queue_oldest_age_seconds",
+            "gauge",
+            "Age of the oldest queued job, per class.",
+        );
+        for c in &snap.classes {
+            let _ = writeln!(
+                o,
+                "slackgate_queue_oldest_age_seconds{{class=\"{}\",pool=\"{}\"}} {}",
+                esc(&c.name),
+                esc(&c.pool),
+                ms_to_s(c.oldest_queue_age_ms)
+            );
+        }
+        header(
+            o,
+            "slackgate_queue_depth",
+            "gauge",
+            "Jobs queued, per class.",
+        );
+        for c in &snap.classes {
+            let _ = writeln!(
+                o,
+                "slackgate_queue_depth{{class=\"{}\",pool=\"{}\"}} {}",
+                esc(&c.name),
+                esc(&c.pool),
+                c.depth
+            );
+        }
+        header(
+            o,
+            "slackgate_projected_wait_seconds",
+            "gauge",
+            "Projected wait a new request of the class would see now.",
+        );
+        for c in &snap.classes {
+            let _ = writeln!(
+                o,
+                "slackgate_projected_wait_seconds{{class=\"{}\",pool=\"{}\"}} {}",
+                esc(&c.name),
+                esc(&c.pool),
+                ms_to_s(c.projected_wait_ms)
+            );
+        }
+        header(
+            o,
+            "slackgate_class_enabled",
+            "gauge",
+            "1 when the class admits work.",
+        );
+        for c in &snap.classes {
+            let _ = writeln!(
+                o,
+                "slackgate_class_enabled{{class=\"{}\"}} {}",
+                esc(&c.name),
+                u8::from(c.enabled)
+            );
+        }
+        header(
+            o,
+            "slackgate_in_flight",
+            "gauge",
+            "Requests holding an upstream slot, per pool.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_in_flight{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                p.in_flight
+            );
+        }
+        header(
+            o,
+            "slackgate_slots",
+            "gauge",
+            "Configured max_in_flight, per pool.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_slots{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                p.slots
+            );
+        }
+        header(
+            o,
+            "slackgate_estimator_overhead_seconds",
+            "gauge",
+            "Learned fixed cost per request.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_estimator_overhead_seconds{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                p.estimator.overhead_ms / 1000.0
+            );
+        }
+        header(
+            o,
+            "slackgate_estimator_prefill_seconds_per_token",
+            "gauge",
+            "Learned cost per prompt token.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_estimator_prefill_seconds_per_token{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                p.estimator.prefill_ms_per_token / 1000.0
+            );
+        }
+        header(
+            o,
+            "slackgate_estimator_decode_seconds_per_token",
+            "gauge",
+            "Learned cost per output token.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_estimator_decode_seconds_per_token{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                p.estimator.decode_ms_per_token / 1000.0
+            );
+        }
+        header(
+            o,
+            "slackgate_estimator_samples_total",
+            "counter",
+            "Completions the estimator learned from.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_estimator_samples_total{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                p.estimator.samples
+            );
+        }
+        header(
+            o,
+            "slackgate_admit_always",
+            "gauge",
+            "1 when the admit_always rollback flag is set.",
+        );
+        let _ = writeln!(o, "slackgate_admit_always {}", u8::from(snap.admit_always));
+        header(
+            o,
+            "slackgate_log_lines_total",
+            "counter",
+            "Decision log lines written.",
+        );
+        let _ = writeln!(
+            o,
+            "slackgate_log_lines_total {}",
+            log.written.load(Ordering::Relaxed)
+        );
+        header(
+            o,
+            "slackgate_log_dropped_total",
+            "counter",
+            "Decision log lines dropped (writer too slow or gone).",
+        );
+        let _ = writeln!(
+            o,
+            "slackgate_log_dropped_total {}",
+            log.dropped.load(Ordering::Relaxed)
+        );
+
+        self.with(|m| {
+            header(o, "slackgate_decisions_total", "counter", "Decisions, drops, completions and errors by class, action and reason.");
+            for ((class, action, reason), n) in &m.decisions {
+                let _ = writeln!(o, "slackgate_decisions_total{{class=\"{}\",action=\"{action}\",reason=\"{reason}\"}} {n}", esc(class));
+            }
+            header(o, "slackgate_slo_breaches_total", "counter", "Requests that completed after their deadline.");
+            for (class, n) in &m.slo_breaches {
+                let _ = writeln!(o, "slackgate_slo_breaches_total{{class=\"{}\"}} {n}", esc(class));
+            }
+            header(o, "slackgate_tokens_held", "gauge", "Tokens reserved by admitted, unfinished requests.");
+            for (class, n) in &m.tokens_held {
+                let _ = writeln!(o, "slackgate_tokens_held{{class=\"{}\"}} {n}", esc(class));
+            }
+            header(o, "slackgate_tokens_spent_total", "counter", "Tokens the upstream reported for served requests.");
+            for (class, n) in &m.tokens_spent {
+                let _ = writeln!(o, "slackgate_tokens_spent_total{{class=\"{}\"}} {n}", esc(class));
+            }
+            header(o, "slackgate_tokens_wasted_total", "counter", "Tokens generated for clients that went away.");
+            for (class, n) in &m.tokens_wasted {
+                let _ = writeln!(o, "slackgate_tokens_wasted_total{{class=\"{}\"}} {n}", esc(class));
+            }
+            header(o, "slackgate_upstream_responses_total", "counter", "Upstream responses by status (0: none: refused, reset or timed out).");
+            for ((pool, status), n) in &m.upstream {
+                let _ = writeln!(o, "slackgate_upstream_responses_total{{pool=\"{}\",status=\"{status}\"}} {n}", esc(pool));
+            }
+            histograms(o, "slackgate_turnaround_seconds", "Arrival to end of response, per class.", &m.turnaround);
+            histograms(o, "slackgate_time_to_first_token_seconds", "Arrival to first response byte, per class.", &m.ttft);
+            histograms(o, "slackgate_queue_wait_seconds", "Time queued in the gate before dispatch, per class.", &m.queue_wait);
+        });
+        out
+    }
+}
+
+fn header(o: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(o, "# HELP {name} {help}");
+    let _ = writeln!(o, "# TYPE {name} {kind}");
+}
+
+fn histograms(o: &mut String, name: &str, help: &str, by_class: &BTreeMap<String, Histogram>) {
+    header(o, name, "histogram", help);
+    for (class, h) in by_class {
+        let c = esc(class);
+        for (i, b) in BUCKETS.iter().enumerate() {
+            let _ = writeln!(
+                o,
+                "{name}_bucket{{class=\"{c}\",le=\"{b}\"}} {}",
+                h.counts[i]
+            );
+        }
+        let _ = writeln!(o, "{name}_bucket{{class=\"{c}\",le=\"+Inf\"}} {}", h.count);
+        let _ = writeln!(o, "{name}_sum{{class=\"{c}\"}} {}", h.sum);
+        let _ = writeln!(o, "{name}_count{{class=\"{c}\"}} {}", h.count);
+    }
+}
+
+/// Escape a label value (backslash, double quote, newline).
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let mut h = Histogram::default();
+        h.observe(0.3);
+        h.observe(5.0);
+        assert_eq!(h.counts[5], 0); // le 0.25
+        assert_eq!(h.counts[6], 1); // le 0.5
+        assert_eq!(h.counts[10], 2); // le 8
+        assert_eq!(h.count, 2);
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(esc("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

@@ -1,0 +1,395 @@
+//! The proxy path: parse, decide, wait for a slot, forward, stream back.
+//!
+//! Order of work for an OpenAI request: headers are checked first (cheap), then the body is
+//! read under a size limit and parsed, then the core decides. A rejected request never touches
+//! the upstream. An admitted one waits for its dispatch signal; while it waits, dropping the
+//! request (client gone) drops its [`JobGuard`], which takes it out of the queue.
+
+use crate::body::TrackedBody;
+use crate::request_info::{parse_body, parse_headers, BadRequest};
+use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
+use crate::state::{Admission, JobMeta, Outcome, Shared, Signal};
+use crate::telemetry::epoch_ms;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use slackgate_core::{Decision, Reason, Request as CoreRequest};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Headers that describe one hop, never forwarded (RFC 9110 section 7.6.1).
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(h: &mut HeaderMap) {
+    for name in HOP_BY_HOP {
+        h.remove(name);
+    }
+    h.remove(http::header::HOST);
+    h.remove(http::header::CONTENT_LENGTH);
+}
+
+fn bad_request(
+    shared: &Shared,
+    path: &str,
+    label: Option<String>,
+    e: BadRequest,
+) -> Response<ResBody> {
+    let status = match e.reason {
+        Reason::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        _ => StatusCode::BAD_REQUEST,
+    };
+    shared.log_error(e.reason, status.as_u16(), path, label);
+    response::error(status, e.reason, &e.message, None, None)
+}
+
+/// Read the whole request body, refusing more than `limit` bytes.
+async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<Bytes, BadRequest> {
+    let too_large = || BadRequest {
+        reason: Reason::BodyTooLarge,
+        message: format!("request body exceeds the limit of {limit} bytes"),
+    };
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(too_large())
+        }
+        Err(e) => Err(BadRequest {
+            reason: Reason::InvalidJson,
+            message: format!("could not read the request body: {e}"),
+        }),
+    }
+}
+
+/// Handle an admission-controlled OpenAI request.
+pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path().to_string();
+    let raw_label = parts
+        .headers
+        .get("x-job-class")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.chars().take(64).collect::<String>());
+    let hinfo = match parse_headers(&parts.headers, epoch_ms()) {
+        Ok(h) => h,
+        Err(e) => return bad_request(&shared, &path, raw_label, e),
+    };
+    let bytes = match read_body(body, &parts.headers, shared.server.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return bad_request(&shared, &path, raw_label, e),
+    };
+    let binfo = match parse_body(&bytes) {
+        Ok((_, b)) => b,
+        Err(e) => return bad_request(&shared, &path, raw_label, e),
+    };
+
+    let now = shared.clock.now_ms();
+    let now_epoch = epoch_ms();
+    let relative = hinfo.deadline_in_ms.map(|ms| now.saturating_add(ms));
+    let absolute = hinfo
+        .deadline_epoch_ms
+        .map(|at| now.saturating_add(at.saturating_sub(now_epoch)));
+    let deadline = match (relative, absolute) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let core_req = CoreRequest {
+        class: None, // resolved inside the lock, against the live class table
+        deadline,
+        first_token_deadline: hinfo.first_token_in_ms.map(|ms| now.saturating_add(ms)),
+        prompt_tokens: binfo.prompt_tokens,
+        max_tokens: binfo.max_tokens,
+    };
+    let meta = JobMeta {
+        label: hinfo.class_label.clone(),
+        tenant: hinfo.tenant.clone(),
+        idempotency_key: hinfo.idempotency_key.clone(),
+        attempt: hinfo.attempt,
+        path: path.clone(),
+        ..JobMeta::default()
+    };
+    let label = hinfo.class_label.clone();
+    let admission = shared.admit_labeled(label.as_deref(), core_req, meta);
+    let (decision, signal, guard) = match admission {
+        Admission::Rejected(d, body) => return rejection(&d, &body),
+        Admission::Queued {
+            decision,
+            signal,
+            guard,
+        } => (decision, signal, guard),
+    };
+
+    // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
+    // this future is dropped (client gone) the guard takes the job out of the queue.
+    let (pool, queue_wait_ms) = match signal.await {
+        Ok(Signal::Go {
+            pool,
+            queue_wait_ms,
+        }) => (pool, queue_wait_ms),
+        Ok(Signal::Dropped(body)) => {
+            let advice = RetryAdvice {
+                after_ms: 1000,
+                should_retry: false,
+            };
+            return response::error(
+                StatusCode::TOO_MANY_REQUESTS,
+                Reason::DeadlineUnmeetable,
+                "queued request can no longer finish by its deadline; it was not sent upstream",
+                Some(&body),
+                Some(advice),
+            );
+        }
+        Err(_) => {
+            // The sender vanished without a signal: only possible if the job was ended by
+            // another path; answer rather than hang.
+            return response::error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                Reason::ShuttingDown,
+                "the gate stopped tracking this request",
+                None,
+                None,
+            );
+        }
+    };
+
+    let Some(base) = shared.upstreams.get(pool.0) else {
+        guard.finish(Outcome {
+            reason: Some(Reason::UpstreamUnavailable),
+            ..Outcome::default()
+        });
+        return response::error(
+            StatusCode::BAD_GATEWAY,
+            Reason::UpstreamUnavailable,
+            "no upstream configured for this pool",
+            None,
+            None,
+        );
+    };
+    let uri = match base.target(parts.uri.path_and_query()) {
+        Ok(u) => u,
+        Err(e) => {
+            guard.finish(Outcome {
+                reason: Some(Reason::UpstreamUnavailable),
+                ..Outcome::default()
+            });
+            return response::error(
+                StatusCode::BAD_GATEWAY,
+                Reason::UpstreamUnavailable,
+                &format!("cannot build upstream URL: {e}"),
+                None,
+                None,
+            );
+        }
+    };
+    let mut headers = parts.headers.clone();
+    strip_hop_by_hop(&mut headers);
+    let mut up = Request::new(Full::new(bytes));
+    *up.method_mut() = parts.method.clone();
+    *up.uri_mut() = uri;
+    *up.headers_mut() = headers;
+
+    // The upstream must start answering before the deadline (the gate promised the client an
+    // answer by then); without a deadline, the configured ceiling applies.
+    let enforce = !shared.admit_always();
+    let limit_ms = match decision.deadline {
+        Some(d) if enforce => d.saturating_sub(shared.clock.now_ms()).max(1),
+        _ => shared.server.upstream_timeout_ms,
+    };
+    let sent =
+        tokio::time::timeout(Duration::from_millis(limit_ms), shared.client.request(up)).await;
+    let resp = match sent {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            let reason = if e.is_connect() {
+                Reason::UpstreamUnavailable
+            } else {
+                Reason::UpstreamError
+            };
+            guard.finish(Outcome {
+                reason: Some(reason),
+                ..Outcome::default()
+            });
+            return response::error(
+                StatusCode::BAD_GATEWAY,
+                reason,
+                &format!("upstream request failed: {e}"),
+                None,
+                None,
+            );
+        }
+        Err(_) => {
+            guard.finish(Outcome {
+                reason: Some(Reason::UpstreamTimeout),
+                ..Outcome::default()
+            });
+            return response::error(
+                StatusCode::GATEWAY_TIMEOUT,
+                Reason::UpstreamTimeout,
+                &format!("upstream sent no response within {limit_ms} ms (the request's deadline)"),
+                None,
+                None,
+            );
+        }
+    };
+
+    let (mut rparts, rbody) = resp.into_parts();
+    let sse = rparts
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    for name in HOP_BY_HOP {
+        rparts.headers.remove(name);
+    }
+    let h = &mut rparts.headers;
+    h.insert("x-slackgate-job-id", HeaderValue::from(decision.job_id.0));
+    h.insert(
+        "x-slackgate-queue-wait-ms",
+        HeaderValue::from(queue_wait_ms),
+    );
+    h.insert("x-slackgate-decision", HeaderValue::from_static("admit"));
+    h.insert(
+        "x-slackgate-reason",
+        HeaderValue::from_static(decision.reason.as_str()),
+    );
+    if let Some(s) = decision.deadline_slack_ms {
+        h.insert("x-slackgate-deadline-slack-ms", HeaderValue::from(s));
+    }
+    h.insert(
+        "x-slackgate-projected-wait-ms",
+        HeaderValue::from(decision.projected_wait_ms),
+    );
+    let status = rparts.status.as_u16();
+    let tracked = TrackedBody::new(rbody, guard, sse, status);
+    Response::from_parts(rparts, BodyExt::boxed(tracked))
+}
+
+fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
+    let advice = d.retry_after_ms.map(|ms| RetryAdvice {
+        after_ms: ms,
+        should_retry: d.should_retry,
+    });
+    let msg = match d.reason {
+        Reason::ClassDisabled => "this class of work is switched off on this gate".to_string(),
+        Reason::RejectUnlabeled => {
+            "request has no known X-Job-Class and no default class is configured".to_string()
+        }
+        Reason::QueueAgeExceeded => format!(
+            "oldest queued job ahead is {} ms old, over this class's max_queue_age_ms",
+            d.queue_age_ms
+        ),
+        Reason::QueueDepthExceeded => {
+            format!("{} jobs already queued ahead with every slot busy", d.depth)
+        }
+        Reason::ProjectedWaitExceedsSlack => format!(
+            "projected wait {} ms exceeds deadline slack {} ms",
+            d.projected_wait_ms,
+            d.deadline_slack_ms.unwrap_or(0)
+        ),
+        other => format!("rejected: {other}"),
+    };
+    response::error(
+        StatusCode::TOO_MANY_REQUESTS,
+        d.reason,
+        &msg,
+        Some(body),
+        advice,
+    )
+}
+
+/// Forward a request that is not admission-controlled (`GET /v1/models`, ...) to the first
+/// pool's upstream, unchanged.
+pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path().to_string();
+    let bytes = match read_body(body, &parts.headers, shared.server.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return bad_request(&shared, &path, None, e),
+    };
+    let Some(base) = shared.upstreams.first() else {
+        return response::error(
+            StatusCode::BAD_GATEWAY,
+            Reason::UpstreamUnavailable,
+            "no upstream",
+            None,
+            None,
+        );
+    };
+    let uri = match base.target(parts.uri.path_and_query()) {
+        Ok(u) => u,
+        Err(e) => {
+            return response::error(
+                StatusCode::BAD_GATEWAY,
+                Reason::UpstreamUnavailable,
+                &e.to_string(),
+                None,
+                None,
+            )
+        }
+    };
+    let mut headers = parts.headers;
+    strip_hop_by_hop(&mut headers);
+    let mut up = Request::new(Full::new(bytes));
+    *up.method_mut() = parts.method;
+    *up.uri_mut() = uri;
+    *up.headers_mut() = headers;
+    let limit = Duration::from_millis(shared.server.upstream_timeout_ms);
+    match tokio::time::timeout(limit, shared.client.request(up)).await {
+        Ok(Ok(r)) => {
+            let (mut p, b) = r.into_parts();
+            for name in HOP_BY_HOP {
+                p.headers.remove(name);
+            }
+            Response::from_parts(
+                p,
+                b.map_err(|e| -> crate::response::BoxError { Box::new(e) })
+                    .boxed(),
+            )
+        }
+        Ok(Err(e)) => {
+            let reason = if e.is_connect() {
+                Reason::UpstreamUnavailable
+            } else {
+                Reason::UpstreamError
+            };
+            shared.log_error(reason, 502, &path, None);
+            response::error(
+                StatusCode::BAD_GATEWAY,
+                reason,
+                &format!("upstream request failed: {e}"),
+                None,
+                None,
+            )
+        }
+        Err(_) => {
+            shared.log_error(Reason::UpstreamTimeout, 504, &path, None);
+            response::error(
+                StatusCode::GATEWAY_TIMEOUT,
+                Reason::UpstreamTimeout,
+                "upstream sent no response in time",
+                None,
+                None,
+            )
+        }
+    }
+}

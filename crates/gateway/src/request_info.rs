@@ -1,0 +1,321 @@
+//! Reading what the gate needs from a client request: class, deadlines, tenant and a token
+//! estimate. Parsing is separate from applying (mini-redis style): these functions only look,
+//! and every malformed input becomes a reason code with a message, never a panic.
+
+use http::HeaderMap;
+use slackgate_core::Reason;
+
+/// Longest deadline a header may ask for: one day. Anything beyond is a unit mistake.
+pub const MAX_DEADLINE_MS: u64 = 86_400_000;
+/// Longest class label considered; longer ones are treated as unknown.
+const MAX_LABEL_LEN: usize = 64;
+
+/// A malformed request: the reason code and a message for the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadRequest {
+    /// Stable reason code.
+    pub reason: Reason,
+    /// What is wrong, in words.
+    pub message: String,
+}
+
+fn bad(reason: Reason, message: impl Into<String>) -> BadRequest {
+    BadRequest {
+        reason,
+        message: message.into(),
+    }
+}
+
+/// What the headers say.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeaderInfo {
+    /// `X-Job-Class`, if sent.
+    pub class_label: Option<String>,
+    /// `X-Deadline-Ms`: relative budget for the whole response.
+    pub deadline_in_ms: Option<u64>,
+    /// `X-Deadline`: absolute, epoch milliseconds.
+    pub deadline_epoch_ms: Option<u64>,
+    /// `x-slo-ttft-ms`: relative budget for the first token.
+    pub first_token_in_ms: Option<u64>,
+    /// Hash of the bearer key (or the `X-Tenant` header).
+    pub tenant: Option<String>,
+    /// `Idempotency-Key` / `X-Idempotency-Key`.
+    pub idempotency_key: Option<String>,
+    /// `X-Attempt`, or the OpenAI SDKs' `x-stainless-retry-count`.
+    pub attempt: Option<u32>,
+}
+
+fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, BadRequest> {
+    match h.get(name) {
+        None => Ok(None),
+        Some(v) => v.to_str().map(|s| Some(s.trim())).map_err(|_| {
+            bad(
+                Reason::InvalidDeadline,
+                format!("{name}: not visible ASCII"),
+            )
+        }),
+    }
+}
+
+/// Parse a millisecond count: a non-negative integer (a fractional value is rounded up).
+fn parse_ms(name: &str, v: &str) -> Result<u64, BadRequest> {
+    let n: f64 = v.parse().map_err(|_| {
+        bad(
+            Reason::InvalidDeadline,
+            format!("{name}: {v:?} is not a number of milliseconds"),
+        )
+    })?;
+    if !n.is_finite() || n < 0.0 {
+        return Err(bad(
+            Reason::InvalidDeadline,
+            format!("{name}: {v:?} must be a non-negative number of milliseconds"),
+        ));
+    }
+    if n > u64::MAX as f64 / 2.0 {
+        return Err(bad(
+            Reason::InvalidDeadline,
+            format!("{name}: {v:?} is absurdly large"),
+        ));
+    }
+    Ok(n.ceil() as u64)
+}
+
+fn relative(name: &str, h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
+    let Some(v) = header_str(h, name)? else {
+        return Ok(None);
+    };
+    let ms = parse_ms(name, v)?;
+    if ms == 0 || ms > MAX_DEADLINE_MS {
+        return Err(bad(
+            Reason::InvalidDeadline,
+            format!("{name}: {ms} ms is outside 1..={MAX_DEADLINE_MS}"),
+        ));
+    }
+    Ok(Some(ms))
+}
+
+/// Read the gate's headers. `now_epoch_ms` bounds absolute deadlines to a sane window.
+pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, BadRequest> {
+    let mut info = HeaderInfo {
+        deadline_in_ms: relative("x-deadline-ms", h)?,
+        first_token_in_ms: relative("x-slo-ttft-ms", h)?,
+        ..HeaderInfo::default()
+    };
+    if let Some(v) = header_str(h, "x-deadline")? {
+        let at = parse_ms("x-deadline", v)?;
+        let lo = now_epoch_ms.saturating_sub(MAX_DEADLINE_MS);
+        let hi = now_epoch_ms.saturating_add(MAX_DEADLINE_MS);
+        if !(lo..=hi).contains(&at) {
+            return Err(bad(
+                Reason::InvalidDeadline,
+                format!("x-deadline: {at} is not an epoch-milliseconds time within a day of now ({now_epoch_ms})"),
+            ));
+        }
+        info.deadline_epoch_ms = Some(at);
+    }
+    info.class_label = h
+        .get("x-job-class")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.trim().chars().take(MAX_LABEL_LEN + 1).collect::<String>())
+        .filter(|s| !s.is_empty());
+    info.tenant = h
+        .get("x-tenant")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| format!("t:{}", fnv_hex(s.trim().as_bytes())))
+        .or_else(|| {
+            h.get(http::header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|s| {
+                    s.strip_prefix("Bearer ")
+                        .or_else(|| s.strip_prefix("bearer "))
+                })
+                .map(|key| format!("k:{}", fnv_hex(key.trim().as_bytes())))
+        });
+    info.idempotency_key = ["idempotency-key", "x-idempotency-key"]
+        .iter()
+        .find_map(|n| h.get(*n))
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.trim().chars().take(256).collect::<String>())
+        .filter(|s| !s.is_empty());
+    info.attempt = ["x-attempt", "x-stainless-retry-count"]
+        .iter()
+        .find_map(|n| h.get(*n))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse::<u32>().ok());
+    Ok(info)
+}
+
+/// FNV-1a 64: a stable, dependency-free hash so a tenant id never reveals the API key and is
+/// the same across versions and machines.
+pub fn fnv_hex(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// What the JSON body says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BodyInfo {
+    /// Estimated prompt tokens (characters / 4, at least 1).
+    pub prompt_tokens: u32,
+    /// `max_completion_tokens` or `max_tokens`.
+    pub max_tokens: Option<u32>,
+    /// `"stream": true`.
+    pub stream: bool,
+    /// `model`, for the log.
+    pub model: Option<String>,
+}
+
+/// Parse an OpenAI request body (chat, completion or embedding). It must be a JSON object.
+pub fn parse_body(bytes: &[u8]) -> Result<(serde_json::Value, BodyInfo), BadRequest> {
+    let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+        bad(
+            Reason::InvalidJson,
+            format!("request body is not valid JSON: {e}"),
+        )
+    })?;
+    let Some(obj) = v.as_object() else {
+        return Err(bad(
+            Reason::InvalidJson,
+            "request body must be a JSON object",
+        ));
+    };
+    let mut chars: u64 = 0;
+    if let Some(msgs) = obj.get("messages").and_then(|m| m.as_array()) {
+        for m in msgs {
+            chars += text_chars(m.get("content"));
+        }
+    }
+    chars += text_chars(obj.get("prompt"));
+    chars += text_chars(obj.get("input"));
+    let prompt_tokens = chars.div_ceil(4).clamp(1, u64::from(u32::MAX)) as u32;
+    let max_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| obj.get(*k).and_then(|v| v.as_f64()))
+        .filter(|n| n.is_finite() && *n >= 0.0)
+        .map(|n| n.min(f64::from(u32::MAX)) as u32);
+    let stream = obj.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
+    let model = obj
+        .get("model")
+        .and_then(|m| m.as_str())
+        .map(|s| s.chars().take(128).collect());
+    let info = BodyInfo {
+        prompt_tokens,
+        max_tokens,
+        stream,
+        model,
+    };
+    Ok((v, info))
+}
+
+/// Characters of text in a content value: a string, an array of strings, or an array of
+/// content parts (`{"type": "text", "text": ...}`). Token-id arrays count one token each
+/// (four characters).
+fn text_chars(v: Option<&serde_json::Value>) -> u64 {
+    match v {
+        Some(serde_json::Value::String(s)) => s.chars().count() as u64,
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .map(|item| match item {
+                serde_json::Value::String(s) => s.chars().count() as u64,
+                serde_json::Value::Number(_) => 4,
+                serde_json::Value::Object(o) => text_chars(o.get("text")),
+                serde_json::Value::Array(_) => text_chars(Some(item)),
+                _ => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            if let Ok(v) = HeaderValue::from_str(v) {
+                h.insert(*k, v);
+            }
+        }
+        h
+    }
+
+    #[test]
+    fn deadline_headers_are_validated() {
+        let now = 1_700_000_000_000;
+        let ok = parse_headers(
+            &headers(&[("x-deadline-ms", "4000"), ("x-slo-ttft-ms", "1500.2")]),
+            now,
+        );
+        let ok = ok.ok().unwrap_or_default();
+        assert_eq!(ok.deadline_in_ms, Some(4000));
+        assert_eq!(ok.first_token_in_ms, Some(1501));
+        for bad_value in ["-5", "abc", "0", "1e30", "NaN", "inf", "86400001", ""] {
+            let r = parse_headers(&headers(&[("x-deadline-ms", bad_value)]), now);
+            assert_eq!(
+                r.err().map(|e| e.reason),
+                Some(Reason::InvalidDeadline),
+                "{bad_value}"
+            );
+        }
+        let r = parse_headers(&headers(&[("x-deadline", "12")]), now);
+        assert_eq!(r.err().map(|e| e.reason), Some(Reason::InvalidDeadline));
+        let r = parse_headers(&headers(&[("x-deadline", &(now + 5000).to_string())]), now);
+        assert_eq!(r.ok().and_then(|i| i.deadline_epoch_ms), Some(now + 5000));
+    }
+
+    #[test]
+    fn tenant_attempt_and_key() {
+        let h = headers(&[
+            ("authorization", "Bearer sk-secret"),
+            ("x-stainless-retry-count", "2"),
+            ("idempotency-key", "job-17"),
+            ("x-job-class", " sync "),
+        ]);
+        let i = parse_headers(&h, 0).ok().unwrap_or_default();
+        assert_eq!(i.attempt, Some(2));
+        assert_eq!(i.idempotency_key.as_deref(), Some("job-17"));
+        assert_eq!(i.class_label.as_deref(), Some("sync"));
+        let t = i.tenant.unwrap_or_default();
+        assert!(t.starts_with("k:") && !t.contains("secret"), "{t}");
+    }
+
+    #[test]
+    fn bodies_are_estimated_and_hostile_ones_rejected() {
+        let (_, b) = parse_body(br#"{"model":"m","messages":[{"role":"user","content":"12345678"},
+            {"role":"user","content":[{"type":"text","text":"abcd"}]}],"max_tokens":64,"stream":true}"#)
+            .ok()
+            .unwrap_or_default();
+        assert_eq!(b.prompt_tokens, 3);
+        assert_eq!(b.max_tokens, Some(64));
+        assert!(b.stream);
+        let (_, b) = parse_body(br#"{"prompt":"x","max_completion_tokens":1e40,"max_tokens":-1}"#)
+            .ok()
+            .unwrap_or_default();
+        assert_eq!(b.max_tokens, Some(u32::MAX));
+        for hostile in [
+            &b"not json"[..],
+            b"[1,2]",
+            b"\"str\"",
+            b"",
+            b"{\"a\":",
+            &[0xff, 0xfe],
+        ] {
+            assert_eq!(
+                parse_body(hostile).err().map(|e| e.reason),
+                Some(Reason::InvalidJson)
+            );
+        }
+        let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert!(
+            parse_body(deep.as_bytes()).is_err(),
+            "deep nesting is refused, not a stack overflow"
+        );
+    }
+}

@@ -1,0 +1,188 @@
+//! Every response the gateway itself writes is built here: rejections, bad input, upstream
+//! failures and the small JSON endpoints. Clients (and OpenAI SDKs) see one error shape:
+//! `{"error": {"message", "type", "param", "code"}}`, with `code` a stable reason code, plus an
+//! `admission` object on admission decisions.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use serde::Serialize;
+use slackgate_core::Reason;
+
+/// Boxed error type carried by response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body type of every response the gateway returns.
+pub type ResBody = BoxBody<Bytes, BoxError>;
+
+/// A complete body from bytes.
+pub fn full(bytes: impl Into<Bytes>) -> ResBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// The `admission` object of a decision response (and of the decision header's reasoning).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct AdmissionBody {
+    /// `reject`, `drop`, ...
+    pub action: &'static str,
+    /// Stable reason code.
+    pub reason: &'static str,
+    /// Age of the oldest job the request would wait behind.
+    pub queue_age_ms: u64,
+    /// Deadline minus now minus estimated service; null for best effort.
+    pub deadline_slack_ms: Option<i64>,
+    /// Projected wait for a slot.
+    pub projected_wait_ms: u64,
+    /// Estimated service once dispatched.
+    pub est_service_ms: u64,
+    /// In flight on the pool.
+    pub in_flight: u32,
+    /// Queued ahead.
+    pub depth: u32,
+    /// Where to go instead (configured per class), if anywhere.
+    pub retry_hint: Option<String>,
+    /// Milliseconds until a retry could succeed.
+    pub retry_after_ms: Option<u64>,
+    /// The job id, to join with the decision log.
+    pub job_id: u64,
+    /// Resolved class.
+    pub job_class: Option<String>,
+}
+
+/// Retry advice for a rejection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryAdvice {
+    /// When to come back.
+    pub after_ms: u64,
+    /// Whether coming back can help (`x-should-retry`).
+    pub should_retry: bool,
+}
+
+/// The error type string OpenAI-style clients see for each family of reasons.
+fn error_type(reason: Reason) -> &'static str {
+    match reason {
+        Reason::InvalidJson | Reason::BodyTooLarge | Reason::InvalidDeadline => {
+            "invalid_request_error"
+        }
+        Reason::UpstreamUnavailable | Reason::UpstreamTimeout | Reason::UpstreamError => {
+            "upstream_error"
+        }
+        Reason::ShuttingDown => "service_unavailable",
+        _ => "admission_rejected",
+    }
+}
+
+/// Build an error response with the one body shape every client can parse.
+pub fn error(
+    status: StatusCode,
+    reason: Reason,
+    message: &str,
+    admission: Option<&AdmissionBody>,
+    retry: Option<RetryAdvice>,
+) -> Response<ResBody> {
+    let body = serde_json::json!({
+        "error": {
+            "message": message,
+            "type": error_type(reason),
+            "param": null,
+            "code": reason.as_str(),
+        },
+        "admission": admission,
+    });
+    let bytes = serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec());
+    let mut resp = Response::new(full(bytes));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.insert(
+        "x-slackgate-reason",
+        HeaderValue::from_static(reason.as_str()),
+    );
+    if let Some(r) = retry {
+        // Whole seconds, rounded up (RFC 9110), and the exact figure for SDKs that read it.
+        let secs = r.after_ms.div_ceil(1000).max(1);
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        h.insert("retry-after-ms", HeaderValue::from(r.after_ms));
+        h.insert(
+            "x-should-retry",
+            HeaderValue::from_static(if r.should_retry { "true" } else { "false" }),
+        );
+    }
+    resp
+}
+
+/// A 200 JSON response.
+pub fn json<T: Serialize>(value: &T) -> Response<ResBody> {
+    match serde_json::to_vec_pretty(value) {
+        Ok(bytes) => {
+            let mut resp = Response::new(full(bytes));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            resp
+        }
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Reason::UpstreamError,
+            &format!("cannot encode response: {e}"),
+            None,
+            None,
+        ),
+    }
+}
+
+/// A 200 plain-text response.
+pub fn text(content_type: &'static str, body: String) -> Response<ResBody> {
+    let mut resp = Response::new(full(body));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
+    resp
+}
+
+/// 404 for paths the gateway does not serve.
+pub fn not_found(path: &str) -> Response<ResBody> {
+    let body = serde_json::json!({
+        "error": {"message": format!("no route for {path}"), "type": "invalid_request_error",
+                  "param": null, "code": "not_found"}
+    });
+    let mut resp = Response::new(full(serde_json::to_vec(&body).unwrap_or_default()));
+    *resp.status_mut() = StatusCode::NOT_FOUND;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        let r = error(
+            StatusCode::TOO_MANY_REQUESTS,
+            Reason::ProjectedWaitExceedsSlack,
+            "full",
+            None,
+            Some(RetryAdvice {
+                after_ms: 1001,
+                should_retry: true,
+            }),
+        );
+        assert_eq!(r.headers()["retry-after"], "2");
+        assert_eq!(r.headers()["retry-after-ms"], "1001");
+        assert_eq!(r.headers()["x-should-retry"], "true");
+        assert_eq!(
+            r.headers()["x-slackgate-reason"],
+            "projected_wait_exceeds_slack"
+        );
+    }
+}

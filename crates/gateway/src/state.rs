@@ -1,0 +1,519 @@
+//! Shared state of a running gate: the admission core behind one mutex, the waiting requests,
+//! and the telemetry every transition produces.
+//!
+//! The core is pure; this module performs what it decides. Every core transition happens in
+//! [`Shared::with_core`], which then drains the core's events (dispatch this job, tell that one
+//! it was dropped) and, after the lock is released, writes one log line per transition and
+//! updates metrics from those same lines, so the log and `/metrics` cannot disagree.
+
+use crate::config::{Config, ServerConfig};
+use crate::metrics::Metrics;
+use crate::response::AdmissionBody;
+use crate::telemetry::{epoch_ms, DecisionLog, LogLine};
+use crate::upstream::{UpstreamBase, UpstreamClient};
+use slackgate_core::{
+    Action, Completed, Completion, Decision, Event, Gate, JobId, Millis, PoolId, Reason, Request,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// What a queued request is told when the gate has made up its mind about it.
+#[derive(Debug)]
+pub enum Signal {
+    /// A slot is yours: send the request upstream.
+    Go {
+        /// Pool whose slot it holds.
+        pool: PoolId,
+        /// Time it waited in the queue.
+        queue_wait_ms: u64,
+    },
+    /// It will not be sent (its deadline became unmeetable).
+    Dropped(AdmissionBody),
+}
+
+/// Per-job facts the core does not keep but the log needs.
+#[derive(Clone, Debug, Default)]
+pub struct JobMeta {
+    /// Canonical class name.
+    pub class: String,
+    /// Raw label sent.
+    pub label: Option<String>,
+    /// Hashed tenant.
+    pub tenant: Option<String>,
+    /// Idempotency key.
+    pub idempotency_key: Option<String>,
+    /// Attempt number.
+    pub attempt: Option<u32>,
+    /// Request path.
+    pub path: String,
+    /// Arrival, epoch ms.
+    pub arrived_epoch_ms: u64,
+    /// Tokens reserved: prompt estimate + expected output.
+    pub tokens_held: u64,
+    /// Pool name.
+    pub pool: String,
+}
+
+struct Waiting {
+    meta: JobMeta,
+    tx: Option<oneshot::Sender<Signal>>,
+}
+
+/// The core and the requests waiting on it.
+pub struct CoreState {
+    /// The admission core.
+    pub gate: Gate,
+    waiting: HashMap<JobId, Waiting>,
+}
+
+/// Monotonic milliseconds since the gate started: the core's clock.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock {
+    start: Instant,
+}
+
+impl Clock {
+    /// A clock starting now.
+    pub fn new() -> Clock {
+        Clock {
+            start: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since start.
+    pub fn now_ms(&self) -> Millis {
+        self.start.elapsed().as_millis() as Millis
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Clock::new()
+    }
+}
+
+/// Everything request handlers share.
+pub struct Shared {
+    core: Mutex<CoreState>,
+    /// The core's clock.
+    pub clock: Clock,
+    /// Counters and histograms.
+    pub metrics: Metrics,
+    /// Decision log.
+    pub log: DecisionLog,
+    /// Upstream HTTP client.
+    pub client: UpstreamClient,
+    /// Upstream of each pool, by pool index.
+    pub upstreams: Vec<UpstreamBase>,
+    /// Server settings.
+    pub server: ServerConfig,
+}
+
+/// How a request ended, for the log and the estimator.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outcome {
+    /// Upstream response completed normally.
+    pub ok: bool,
+    /// HTTP status from upstream (0: none).
+    pub status: u16,
+    /// Reason code for the log line.
+    pub reason: Option<Reason>,
+    /// Prompt tokens reported by the upstream.
+    pub prompt_tokens: Option<u32>,
+    /// Completion tokens reported (or counted).
+    pub completion_tokens: Option<u32>,
+}
+
+/// The answer to an admission request.
+pub enum Admission {
+    /// Rejected: answer now.
+    Rejected(Decision, AdmissionBody),
+    /// Queued: wait for the signal; the guard releases the job if the request goes away.
+    Queued {
+        /// The decision (for response headers).
+        decision: Decision,
+        /// Fires on dispatch or drop.
+        signal: oneshot::Receiver<Signal>,
+        /// Ends the job exactly once.
+        guard: JobGuard,
+    },
+}
+
+impl Shared {
+    /// Build the shared state for a validated configuration.
+    pub fn new(cfg: &Config, log: DecisionLog) -> Result<Shared, String> {
+        let gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
+        let mut upstreams = Vec::new();
+        for (i, p) in cfg.gate.pools.iter().enumerate() {
+            let url = p
+                .upstream
+                .as_deref()
+                .ok_or_else(|| format!("pools[{i}].upstream: missing"))?;
+            upstreams.push(
+                crate::upstream::parse_base(url)
+                    .map_err(|e| format!("pools[{i}].upstream: {e}"))?,
+            );
+        }
+        Ok(Shared {
+            core: Mutex::new(CoreState {
+                gate,
+                waiting: HashMap::new(),
+            }),
+            clock: Clock::new(),
+            metrics: Metrics::default(),
+            log,
+            client: crate::upstream::client(),
+            upstreams,
+            server: cfg.server.clone(),
+        })
+    }
+
+    /// Run `f` on the core at the current time, then perform every event it produced.
+    pub fn with_core<R>(
+        &self,
+        f: impl FnOnce(&mut CoreState, Millis, &mut Vec<LogLine>) -> R,
+    ) -> R {
+        let mut lines = Vec::new();
+        let r = {
+            // The core never panics on input; a poisoned lock would only follow a bug in this
+            // file, and the state is still consistent between calls, so keep going.
+            let mut st = self.core.lock().unwrap_or_else(|p| p.into_inner());
+            let now = self.clock.now_ms();
+            let r = f(&mut st, now, &mut lines);
+            pump(&mut st, now, &mut lines);
+            r
+        };
+        for line in &lines {
+            self.metrics.observe(line);
+            self.log.log(line);
+        }
+        r
+    }
+
+    /// Translate a monotonic time to epoch milliseconds (for log lines).
+    pub fn epoch_of(&self, t: Millis) -> u64 {
+        let now = self.clock.now_ms();
+        epoch_ms().saturating_sub(now.saturating_sub(t))
+    }
+
+    /// Decide on a request with the client's class label (resolved against the live class
+    /// table). Rejections are logged here; admitted jobs are queued.
+    pub fn admit_labeled(
+        self: &Arc<Self>,
+        label: Option<&str>,
+        mut req: Request,
+        mut meta: JobMeta,
+    ) -> Admission {
+        self.with_core(|st, now, lines| {
+            req.class = st.gate.classify(label);
+            let d = st.gate.offer(now, req.clone());
+            meta.class = d
+                .class
+                .map(|c| st.gate.class_name(c).to_string())
+                .unwrap_or_default();
+            meta.pool = d
+                .pool
+                .map(|p| st.gate.pool_name(p).to_string())
+                .unwrap_or_default();
+            meta.arrived_epoch_ms = epoch_ms();
+            meta.tokens_held = u64::from(req.prompt_tokens) + u64::from(d.expected_output_tokens);
+            let hint = d
+                .class
+                .and_then(|c| st.gate.retry_hint(c))
+                .map(str::to_string);
+            let body = admission_body(&d, &meta, hint);
+            let mut line = decision_line(&d, &meta);
+            if !d.admitted() {
+                line.tokens_held = None;
+                lines.push(line);
+                return Admission::Rejected(d, body);
+            }
+            lines.push(line);
+            let (tx, rx) = oneshot::channel();
+            st.waiting.insert(
+                d.job_id,
+                Waiting {
+                    meta: meta.clone(),
+                    tx: Some(tx),
+                },
+            );
+            Admission::Queued {
+                guard: JobGuard {
+                    shared: Arc::clone(self),
+                    id: d.job_id,
+                    done: false,
+                },
+                decision: d,
+                signal: rx,
+            }
+        })
+    }
+
+    /// Whether the `admit_always` rollback flag is set.
+    pub fn admit_always(&self) -> bool {
+        self.with_core(|st, _, _| st.gate.config().admit_always)
+    }
+
+    /// The first byte of a job's response arrived.
+    pub fn first_token(&self, id: JobId) {
+        self.with_core(|st, now, _| st.gate.on_first_token(now, id));
+    }
+
+    /// Let time pass in the core (drops queued jobs whose slack died).
+    pub fn tick(&self) {
+        self.with_core(|st, now, _| st.gate.tick(now));
+    }
+
+    /// A snapshot of the core for `/metrics` and `/stats`.
+    pub fn snapshot(&self) -> slackgate_core::GateSnapshot {
+        self.with_core(|st, now, _| st.gate.snapshot(now))
+    }
+
+    /// Log and count a request refused before it reached the core (bad input).
+    pub fn log_error(&self, reason: Reason, status: u16, path: &str, label: Option<String>) {
+        let line = LogLine {
+            ts_ms: epoch_ms(),
+            action: Action::Error.as_str(),
+            reason: reason.as_str(),
+            status: Some(status),
+            path: Some(path.to_string()),
+            class_label: label,
+            ..LogLine::default()
+        };
+        self.metrics.observe(&line);
+        self.log.log(&line);
+    }
+
+    fn end(&self, id: JobId, outcome: Option<Outcome>, wasted: u64) {
+        self.with_core(|st, now, lines| {
+            let ended = match outcome {
+                Some(o) => st.gate.on_complete(
+                    now,
+                    id,
+                    Completion {
+                        ok: o.ok,
+                        prompt_tokens: o.prompt_tokens,
+                        completion_tokens: o.completion_tokens,
+                    },
+                ),
+                None => st.gate.cancel(now, id),
+            };
+            let waiting = st.waiting.remove(&id);
+            if let (Some(c), Some(w)) = (ended, waiting) {
+                lines.push(end_line(&c, &w.meta, outcome, wasted));
+            }
+        });
+    }
+}
+
+/// Releases a job exactly once: on completion, on error, or (by `Drop`) when the request or
+/// its response body is dropped because the client went away.
+pub struct JobGuard {
+    shared: Arc<Shared>,
+    id: JobId,
+    done: bool,
+}
+
+impl JobGuard {
+    /// The job.
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+
+    /// The shared state (for first-token notes).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// The response ended (normally or not).
+    pub fn finish(mut self, outcome: Outcome) {
+        self.done = true;
+        self.shared.end(self.id, Some(outcome), 0);
+    }
+
+    /// The client went away after `wasted` tokens were generated for it.
+    pub fn cancel(mut self, wasted: u64) {
+        self.done = true;
+        self.shared.end(self.id, None, wasted);
+    }
+}
+
+impl Drop for JobGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            self.done = true;
+            self.shared.end(self.id, None, 0);
+        }
+    }
+}
+
+/// Perform the core's events: wake dispatched jobs, tell dropped ones.
+fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
+    while let Some(ev) = st.gate.poll(now) {
+        match ev {
+            Event::Dispatch {
+                job_id,
+                pool,
+                queue_wait_ms,
+                deadline_slack_ms,
+                est_service_ms,
+                in_flight,
+                depth,
+                ..
+            } => {
+                let Some(w) = st.waiting.get_mut(&job_id) else {
+                    continue;
+                };
+                let mut line = base_line(job_id, &w.meta, Action::Dispatch, Reason::WithinSlack);
+                line.queue_age_ms = Some(queue_wait_ms);
+                line.deadline_slack_ms = deadline_slack_ms;
+                line.est_service_ms = Some(est_service_ms);
+                line.in_flight = Some(in_flight);
+                line.depth = Some(depth);
+                line.reason = "slot_free";
+                lines.push(line);
+                let sent =
+                    w.tx.take()
+                        .map(|tx| {
+                            tx.send(Signal::Go {
+                                pool,
+                                queue_wait_ms,
+                            })
+                            .is_ok()
+                        })
+                        .unwrap_or(false);
+                if !sent {
+                    // The client left between admission and dispatch: give the slot back now.
+                    if let (Some(c), Some(w)) =
+                        (st.gate.cancel(now, job_id), st.waiting.remove(&job_id))
+                    {
+                        lines.push(end_line(&c, &w.meta, None, 0));
+                    }
+                }
+            }
+            Event::Drop {
+                job_id,
+                reason,
+                queue_wait_ms,
+                deadline_slack_ms,
+                projected_wait_ms,
+                in_flight,
+                depth,
+                ..
+            } => {
+                let Some(mut w) = st.waiting.remove(&job_id) else {
+                    continue;
+                };
+                let mut line = base_line(job_id, &w.meta, Action::Drop, reason);
+                line.queue_age_ms = Some(queue_wait_ms);
+                line.deadline_slack_ms = deadline_slack_ms;
+                line.projected_wait_ms = Some(projected_wait_ms);
+                line.in_flight = Some(in_flight);
+                line.depth = Some(depth);
+                line.tokens_held = Some(w.meta.tokens_held);
+                lines.push(line);
+                if let Some(tx) = w.tx.take() {
+                    let _ = tx.send(Signal::Dropped(AdmissionBody {
+                        action: Action::Drop.as_str(),
+                        reason: reason.as_str(),
+                        queue_age_ms: queue_wait_ms,
+                        deadline_slack_ms,
+                        projected_wait_ms,
+                        est_service_ms: 0,
+                        in_flight,
+                        depth,
+                        retry_hint: None,
+                        retry_after_ms: None,
+                        job_id: job_id.0,
+                        job_class: Some(w.meta.class.clone()),
+                    }));
+                }
+            }
+        }
+    }
+}
+
+fn base_line(id: JobId, meta: &JobMeta, action: Action, reason: Reason) -> LogLine {
+    LogLine {
+        ts_ms: epoch_ms(),
+        job_id: id.0,
+        job_class: (!meta.class.is_empty()).then(|| meta.class.clone()),
+        class_label: meta.label.clone(),
+        tenant: meta.tenant.clone(),
+        idempotency_key: meta.idempotency_key.clone(),
+        enqueued_at_ms: Some(meta.arrived_epoch_ms),
+        action: action.as_str(),
+        reason: reason.as_str(),
+        pool: (!meta.pool.is_empty()).then(|| meta.pool.clone()),
+        path: Some(meta.path.clone()),
+        attempt: meta.attempt,
+        ..LogLine::default()
+    }
+}
+
+fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
+    let mut line = base_line(d.job_id, meta, d.action, d.reason);
+    line.queue_age_ms = Some(d.queue_age_ms);
+    line.deadline_slack_ms = d.deadline_slack_ms;
+    line.projected_wait_ms = Some(d.projected_wait_ms);
+    line.est_service_ms = Some(d.est_service_ms);
+    line.in_flight = Some(d.in_flight);
+    line.depth = Some(d.depth);
+    line.tokens_held = Some(meta.tokens_held);
+    if !d.admitted() {
+        line.status = Some(429);
+    }
+    line
+}
+
+fn end_line(c: &Completed, meta: &JobMeta, outcome: Option<Outcome>, wasted: u64) -> LogLine {
+    let (action, reason) = match outcome {
+        Some(o) => (
+            Action::Complete,
+            o.reason.unwrap_or(if o.ok {
+                Reason::Completed
+            } else {
+                Reason::UpstreamError
+            }),
+        ),
+        None => (Action::Cancel, Reason::ClientCancelled),
+    };
+    let mut line = base_line(c.job_id, meta, action, reason);
+    line.queue_age_ms = Some(c.queue_wait_ms);
+    line.deadline_slack_ms = c.deadline_slack_ms;
+    line.in_flight = Some(c.in_flight);
+    line.depth = Some(c.depth);
+    line.turnaround_ms = Some(c.turnaround_ms);
+    line.ttft_ms = c.time_to_first_token_ms;
+    line.tokens_held = Some(meta.tokens_held);
+    if let Some(o) = outcome {
+        line.status = Some(o.status);
+        let spent =
+            u64::from(o.prompt_tokens.unwrap_or(0)) + u64::from(o.completion_tokens.unwrap_or(0));
+        line.tokens_spent = Some(spent);
+        line.tokens_wasted = Some(0);
+    } else {
+        line.tokens_spent = Some(0);
+        line.tokens_wasted = Some(wasted);
+    }
+    line
+}
+
+fn admission_body(d: &Decision, meta: &JobMeta, retry_hint: Option<String>) -> AdmissionBody {
+    AdmissionBody {
+        action: d.action.as_str(),
+        reason: d.reason.as_str(),
+        queue_age_ms: d.queue_age_ms,
+        deadline_slack_ms: d.deadline_slack_ms,
+        projected_wait_ms: d.projected_wait_ms,
+        est_service_ms: d.est_service_ms,
+        in_flight: d.in_flight,
+        depth: d.depth,
+        retry_hint,
+        retry_after_ms: d.retry_after_ms,
+        job_id: d.job_id.0,
+        job_class: (!meta.class.is_empty()).then(|| meta.class.clone()),
+    }
+}

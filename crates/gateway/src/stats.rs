@@ -1,0 +1,27 @@
+//! `/stats`: the gate's live state as JSON, for humans and scripts.
+
+use crate::state::Shared;
+use serde::Serialize;
+use slackgate_core::GateSnapshot;
+use std::sync::atomic::Ordering;
+
+/// The `/stats` document.
+#[derive(Serialize)]
+pub struct Stats {
+    /// Queues, pools and estimators.
+    pub gate: GateSnapshot,
+    /// Decision-log lines written.
+    pub log_lines: u64,
+    /// Decision-log lines dropped.
+    pub log_dropped: u64,
+}
+
+/// Build the `/stats` document.
+pub fn stats(shared: &Shared) -> Stats {
+    let c = shared.log.counters();
+    Stats {
+        gate: shared.snapshot(),
+        log_lines: c.written.load(Ordering::Relaxed),
+        log_dropped: c.dropped.load(Ordering::Relaxed),
+    }
+}

@@ -1,0 +1,199 @@
+//! The decision log: one JSON line per decision, dispatch, drop and completion.
+//!
+//! Lines are serialized on the request path but written by one background task, through a
+//! bounded channel: a slow disk or a blocked stdout pipe must never slow admission down. When
+//! the channel is full the line is dropped and counted (`slackgate_log_dropped_total`), so an
+//! operator can see the log is incomplete rather than find out during a post-mortem.
+
+use crate::config::LogTarget;
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{mpsc, oneshot};
+
+/// One line of the decision log. Field names are a stable interface (see DESIGN.md); every
+/// field is always present, `null` when it does not apply.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct LogLine {
+    /// Wall-clock time of the event, epoch milliseconds.
+    pub ts_ms: u64,
+    /// Job id assigned by the gate.
+    pub job_id: u64,
+    /// Resolved class.
+    pub job_class: Option<String>,
+    /// The raw `X-Job-Class` label the client sent.
+    pub class_label: Option<String>,
+    /// Hashed tenant.
+    pub tenant: Option<String>,
+    /// Idempotency key, if the client sent one.
+    pub idempotency_key: Option<String>,
+    /// Arrival time, epoch milliseconds.
+    pub enqueued_at_ms: Option<u64>,
+    /// Age of the oldest job ahead (decisions) or own queue wait (dispatch, drop, complete).
+    pub queue_age_ms: Option<u64>,
+    /// Slack at the event (negative: late).
+    pub deadline_slack_ms: Option<i64>,
+    /// Projected wait for a slot.
+    pub projected_wait_ms: Option<u64>,
+    /// Estimated service time.
+    pub est_service_ms: Option<u64>,
+    /// Tokens reserved for this job (prompt estimate + expected output).
+    pub tokens_held: Option<u64>,
+    /// Tokens the upstream reported using.
+    pub tokens_spent: Option<u64>,
+    /// Tokens generated for a client that went away.
+    pub tokens_wasted: Option<u64>,
+    /// In flight on the pool.
+    pub in_flight: Option<u32>,
+    /// Queued on the pool (ahead of the job, for decisions).
+    pub depth: Option<u32>,
+    /// `admit`, `reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`.
+    pub action: &'static str,
+    /// Stable reason code.
+    pub reason: &'static str,
+    /// Pool name.
+    pub pool: Option<String>,
+    /// HTTP status sent to the client (or received from upstream, on completion).
+    pub status: Option<u16>,
+    /// Arrival to end of response.
+    pub turnaround_ms: Option<u64>,
+    /// Arrival to first token.
+    pub ttft_ms: Option<u64>,
+    /// Request path.
+    pub path: Option<String>,
+    /// Attempt number (`X-Attempt` / `x-stainless-retry-count`).
+    pub attempt: Option<u32>,
+}
+
+enum Msg {
+    Line(String),
+    Flush(oneshot::Sender<()>),
+}
+
+/// Handle for writing decision lines; cheap to share.
+#[derive(Clone)]
+pub struct DecisionLog {
+    tx: Option<mpsc::Sender<Msg>>,
+    counters: Arc<LogCounters>,
+}
+
+/// Lines written and dropped.
+#[derive(Debug, Default)]
+pub struct LogCounters {
+    /// Lines handed to the writer.
+    pub written: AtomicU64,
+    /// Lines dropped because the channel was full (or the writer died).
+    pub dropped: AtomicU64,
+}
+
+impl DecisionLog {
+    /// Start the writer task for `target`. Must be called inside a tokio runtime.
+    pub fn start(target: LogTarget, capacity: usize) -> std::io::Result<DecisionLog> {
+        let counters = Arc::new(LogCounters::default());
+        let sink: Box<dyn tokio::io::AsyncWrite + Send + Unpin> = match &target {
+            LogTarget::Off => {
+                return Ok(DecisionLog { tx: None, counters });
+            }
+            LogTarget::Stdout => Box::new(tokio::io::stdout()),
+            LogTarget::File(path) => {
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?;
+                Box::new(tokio::fs::File::from_std(f))
+            }
+        };
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        tokio::spawn(writer(rx, sink, counters.clone()));
+        Ok(DecisionLog {
+            tx: Some(tx),
+            counters,
+        })
+    }
+
+    /// A log that writes nothing (tests, `--log off`).
+    pub fn off() -> DecisionLog {
+        DecisionLog {
+            tx: None,
+            counters: Arc::new(LogCounters::default()),
+        }
+    }
+
+    /// Queue one line; never blocks. Returns false if it was dropped.
+    pub fn log(&self, line: &LogLine) -> bool {
+        let Some(tx) = &self.tx else {
+            return true;
+        };
+        let Ok(mut s) = serde_json::to_string(line) else {
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        };
+        s.push('\n');
+        match tx.try_send(Msg::Line(s)) {
+            Ok(()) => true,
+            Err(_) => {
+                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Wait until every line queued so far is written and flushed.
+    pub async fn flush(&self) {
+        if let Some(tx) = &self.tx {
+            let (ack, done) = oneshot::channel();
+            if tx.send(Msg::Flush(ack)).await.is_ok() {
+                let _ = done.await;
+            }
+        }
+    }
+
+    /// Counters for metrics.
+    pub fn counters(&self) -> &LogCounters {
+        &self.counters
+    }
+}
+
+async fn writer(
+    mut rx: mpsc::Receiver<Msg>,
+    mut sink: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    counters: Arc<LogCounters>,
+) {
+    let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
+    while let Some(msg) = rx.recv().await {
+        let mut acks = Vec::new();
+        let mut take = |m: Msg, buf: &mut Vec<u8>| match m {
+            Msg::Line(s) => {
+                buf.extend_from_slice(s.as_bytes());
+                counters.written.fetch_add(1, Ordering::Relaxed);
+            }
+            Msg::Flush(ack) => acks.push(ack),
+        };
+        take(msg, &mut buf);
+        // Batch whatever else is already waiting into one write.
+        while buf.len() < 1024 * 1024 {
+            match rx.try_recv() {
+                Ok(m) => take(m, &mut buf),
+                Err(_) => break,
+            }
+        }
+        if sink.write_all(&buf).await.is_err() || sink.flush().await.is_err() {
+            // The sink is gone (closed pipe, full disk): count what we could not write.
+            let lost = buf.iter().filter(|b| **b == b'\n').count() as u64;
+            counters.dropped.fetch_add(lost, Ordering::Relaxed);
+        }
+        buf.clear();
+        for ack in acks {
+            let _ = ack.send(());
+        }
+    }
+    let _ = sink.flush().await;
+}
+
+/// Milliseconds since the Unix epoch (the log's `ts_ms`); 0 if the clock is before 1970.
+pub fn epoch_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

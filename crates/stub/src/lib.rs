@@ -1,0 +1,137 @@
+//! A fake OpenAI-compatible upstream model server for tests, drills and benchmarks.
+//!
+//! It behaves like a small inference server as far as the gateway can tell: a fixed number of
+//! slots serve requests concurrently and the rest wait in the server's own FIFO queue; service
+//! time follows a [`LatencySpec`]; responses, streams and usage follow the OpenAI schema. On top
+//! of that it takes orders from the test that drives it:
+//!
+//! - `x-stub-output-tokens: N`, `x-stub-latency: <spec>` override a request's size and timing;
+//! - `x-stub-hold: NAME` keeps a request in its slot until `POST /stub/release`;
+//! - `x-stub-fault: status:503 | reset | hang` injects failures;
+//! - `POST /stub/occupy` takes slots away, `GET /stub/stats` reports [`StubStats`].
+//!
+//! Like mini-redis, the server takes an already bound listener, so tests bind `127.0.0.1:0` and
+//! never race for ports.
+
+mod control;
+mod latency;
+mod openai;
+mod server;
+mod state;
+mod stream;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub use latency::{LatencySpec, SpecError, MAX_SPEC_DURATION};
+
+/// How the stub behaves when a request does not say otherwise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StubConfig {
+    /// Requests served concurrently (1 to 2^20); the rest queue FIFO.
+    pub slots: usize,
+    /// Service time model.
+    pub latency: LatencySpec,
+    /// Output tokens when the request sets neither `max_completion_tokens` nor `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Seed of the latency jitter generator, so runs are reproducible.
+    pub seed: u64,
+}
+
+impl Default for StubConfig {
+    fn default() -> Self {
+        StubConfig {
+            slots: 4,
+            latency: LatencySpec::Fixed(Duration::from_millis(50)),
+            default_output_tokens: 16,
+            seed: 1,
+        }
+    }
+}
+
+/// A snapshot of the stub's counters, as served by `GET /stub/stats`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StubStats {
+    /// Requests currently holding a slot.
+    pub in_flight: usize,
+    /// Requests waiting for a slot.
+    pub queued: usize,
+    /// Requests whose response was delivered completely.
+    pub served: u64,
+    /// Requests whose client went away while holding a slot, before the response ended.
+    pub cancelled: u64,
+    /// Highest `in_flight` observed since start.
+    pub max_in_flight_seen: usize,
+    /// Slots currently taken by `/stub/occupy`.
+    pub occupied: usize,
+    /// Model requests received (chat, completions, embeddings), including refused ones.
+    pub requests: u64,
+}
+
+/// Handle to a running stub. Dropping it stops the server, like [`Stub::shutdown`] without the
+/// wait.
+pub struct Stub {
+    addr: SocketAddr,
+    shared: Arc<state::Shared>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+impl Stub {
+    /// Serves on an already bound listener. Returns at once; the server runs on spawned tokio
+    /// tasks, so this must be called from inside a tokio runtime (an error otherwise). A `slots`
+    /// of 0 or above 2^20 is an `InvalidInput` error.
+    pub fn spawn(listener: TcpListener, cfg: StubConfig) -> std::io::Result<Stub> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(std::io::Error::other)?;
+        let addr = listener.local_addr()?;
+        let shared = state::Shared::new(cfg)?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let shutdown = async move {
+            // Resolves on an explicit stop and when the handle is dropped.
+            let _ = stopped.await;
+        };
+        let task = runtime.spawn(server::serve(listener, shared.clone(), shutdown));
+        Ok(Stub {
+            addr,
+            shared,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// The address the stub listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> StubStats {
+        self.shared.stats()
+    }
+
+    /// Stops accepting, aborts every open connection, and waits until that is done.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Serves on `listener` until `shutdown` resolves, then aborts open connections. This is the
+/// entry point for `slackgate stub`.
+pub async fn run_until(
+    listener: TcpListener,
+    cfg: StubConfig,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    server::serve(listener, state::Shared::new(cfg)?, shutdown).await
+}

@@ -1,0 +1,374 @@
+//! The HTTP side of the stub: the accept loop, routing, and the model endpoints.
+//!
+//! Each accepted connection is served by hyper's HTTP/1.1 server on its own task. The tasks live in
+//! a `JoinSet` owned by the accept loop, so stopping the loop aborts every connection at once,
+//! which is what a drill that "kills the upstream" wants.
+
+use std::future::Future;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::{json, Value};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::control;
+use crate::latency::{sleep_from, LatencySpec};
+use crate::openai::{self, clamp_tokens, Endpoint, ModelRequest};
+use crate::state::{Outcome, Shared};
+use crate::stream::{token_stream, StreamPlan, StubBody};
+
+/// Largest request body the stub reads; larger bodies get 413.
+pub(crate) const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+
+/// Returned to hyper to drop a connection without any response (the `reset` fault).
+#[derive(Debug, thiserror::Error)]
+#[error("injected reset fault: dropping the connection")]
+pub(crate) struct ResetConnection;
+
+type Reply = Result<Response<StubBody>, ResetConnection>;
+
+/// A request the stub refuses before serving it; becomes an OpenAI error response.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    status: StatusCode,
+    message: String,
+    code: &'static str,
+}
+
+impl Refusal {
+    /// A refusal with `status`, a human message and a stable machine `code`.
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>, code: &'static str) -> Self {
+        Refusal {
+            status,
+            message: message.into(),
+            code,
+        }
+    }
+
+    /// The error response for this refusal.
+    pub(crate) fn into_response(self) -> Response<StubBody> {
+        error(self.status, &self.message, self.code)
+    }
+}
+
+/// Accepts connections until `shutdown` resolves, then aborts them all.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    let mut conns = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    conns.spawn(serve_connection(stream, shared.clone()));
+                }
+                // Usually EMFILE or a connection reset before accept; back off briefly rather
+                // than spin, and keep serving the connections we have.
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            },
+            // Reap finished connections so the set does not grow without bound.
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+    conns.shutdown().await;
+    // Occupations run on their own tasks; end them too so their slots and timers go away.
+    shared.release(None);
+    Ok(())
+}
+
+async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+    // Streamed chunks are tiny; without this, Nagle plus delayed ACKs would bunch them up.
+    let _ = stream.set_nodelay(true);
+    let svc = service_fn(move |req| route(shared.clone(), req));
+    // Errors here are the client going away or the reset fault; either way the connection is done.
+    let _ = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .serve_connection(TokioIo::new(stream), svc)
+        .await;
+}
+
+async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
+    let path = req.uri().path().to_owned();
+    let method = req.method().clone();
+    let model = |e| (Method::POST, Some(e));
+    let (want, endpoint) = match path.as_str() {
+        "/v1/chat/completions" => model(Endpoint::Chat),
+        "/v1/completions" => model(Endpoint::Text),
+        "/v1/embeddings" => model(Endpoint::Embeddings),
+        "/v1/models" | "/health" | "/stub/stats" => (Method::GET, None),
+        "/stub/release" | "/stub/occupy" => (Method::POST, None),
+        _ => {
+            let msg = format!("no route for {method} {path}");
+            return Ok(error(StatusCode::NOT_FOUND, &msg, "not_found"));
+        }
+    };
+    if method != want {
+        let msg = format!("{path} only accepts {want}");
+        return Ok(error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &msg,
+            "method_not_allowed",
+        ));
+    }
+    if let Some(endpoint) = endpoint {
+        return model_request(shared, endpoint, req).await;
+    }
+    Ok(match path.as_str() {
+        "/v1/models" => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "slackgate"}]}),
+        ),
+        "/health" => plain(StatusCode::OK, "ok"),
+        "/stub/stats" => json_response(StatusCode::OK, &json!(shared.stats())),
+        "/stub/release" => control::release(&shared, req).await,
+        _ => control::occupy(&shared, req).await,
+    })
+}
+
+/// Per-request test controls carried in `x-stub-*` headers.
+#[derive(Default)]
+struct Overrides {
+    output_tokens: Option<u32>,
+    latency: Option<LatencySpec>,
+    hold: Option<String>,
+    fault: Option<Fault>,
+}
+
+/// An injected failure (`x-stub-fault`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Status(StatusCode),
+    Reset,
+    Hang,
+}
+
+impl Overrides {
+    /// Reads the `x-stub-*` headers; a malformed one is a 400 naming the header.
+    fn from_headers(h: &HeaderMap) -> Result<Self, Refusal> {
+        let get = |name: &str| -> Result<Option<&str>, Refusal> {
+            match h.get(name) {
+                None => Ok(None),
+                Some(v) => v
+                    .to_str()
+                    .map(|s| Some(s.trim()))
+                    .map_err(|_| bad_header(name, "header value is not visible ASCII".to_owned())),
+            }
+        };
+        let mut o = Overrides::default();
+        if let Some(v) = get("x-stub-output-tokens")? {
+            let n: u64 = v.parse().map_err(|_| {
+                bad_header(
+                    "x-stub-output-tokens",
+                    format!("`{v}` is not a non-negative integer"),
+                )
+            })?;
+            o.output_tokens = Some(clamp_tokens(n));
+        }
+        if let Some(v) = get("x-stub-latency")? {
+            o.latency = Some(
+                v.parse()
+                    .map_err(|e| bad_header("x-stub-latency", format!("{e}")))?,
+            );
+        }
+        o.hold = get("x-stub-hold")?.map(str::to_owned);
+        if let Some(v) = get("x-stub-fault")? {
+            o.fault = Some(parse_fault(v).ok_or_else(|| {
+                bad_header(
+                    "x-stub-fault",
+                    format!("`{v}` is not one of status:<400-599>, reset, hang"),
+                )
+            })?);
+        }
+        Ok(o)
+    }
+}
+
+fn parse_fault(v: &str) -> Option<Fault> {
+    match v {
+        "reset" => Some(Fault::Reset),
+        "hang" => Some(Fault::Hang),
+        _ => {
+            let code: u16 = v.strip_prefix("status:")?.trim().parse().ok()?;
+            let status = StatusCode::from_u16(code).ok()?;
+            (status.is_client_error() || status.is_server_error()).then_some(Fault::Status(status))
+        }
+    }
+}
+
+/// Serves `POST /v1/{chat/completions,completions,embeddings}`.
+async fn model_request(shared: Arc<Shared>, endpoint: Endpoint, req: Request<Incoming>) -> Reply {
+    shared.count_request();
+    let overrides = match Overrides::from_headers(req.headers()) {
+        Ok(o) => o,
+        Err(refusal) => return Ok(refusal.into_response()),
+    };
+    let body = match read_body(req).await {
+        Ok(b) => b,
+        Err(refusal) => return Ok(refusal.into_response()),
+    };
+    let parsed = match ModelRequest::parse(endpoint, &body) {
+        Ok(p) => p,
+        Err(e) => {
+            return Ok(error(
+                StatusCode::BAD_REQUEST,
+                &e.to_string(),
+                "invalid_json",
+            ))
+        }
+    };
+    let tokens = match endpoint {
+        Endpoint::Embeddings => 0,
+        _ => overrides
+            .output_tokens
+            .or(parsed.max_tokens)
+            .unwrap_or(clamp_tokens(u64::from(shared.cfg.default_output_tokens))),
+    };
+    // Register before queueing, so a release sent while the request waits for a slot is not lost.
+    let hold = overrides.hold.as_deref().map(|n| shared.register_hold(n));
+
+    let Some(mut slot) = shared.acquire_slot().await else {
+        return Ok(error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "stub is shutting down",
+            "shutting_down",
+        ));
+    };
+    match overrides.fault {
+        Some(Fault::Status(status)) => {
+            slot.settle(Outcome::Faulted);
+            return Ok(error(
+                status,
+                "injected fault from x-stub-fault",
+                "stub_fault",
+            ));
+        }
+        // Keep the slot until the client gives up; dropping this future then drops the guard,
+        // which counts the request as cancelled.
+        Some(Fault::Hang) => std::future::pending::<()>().await,
+        Some(Fault::Reset) if !parsed.stream => {
+            slot.settle(Outcome::Faulted);
+            return Err(ResetConnection);
+        }
+        _ => {}
+    }
+    if let Some((_registration, released)) = hold {
+        // An error only means the registry dropped the sender; either way the hold is over.
+        let _ = released.await;
+    }
+
+    // Service time starts once the slot is ours and any hold is over.
+    let start = Instant::now();
+    let spec = overrides.latency.unwrap_or(shared.cfg.latency);
+    let schedule = shared.schedule(&spec, parsed.prompt_tokens, tokens);
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Text => "cmpl",
+        Endpoint::Embeddings => "embd",
+    };
+    let id = format!("{prefix}-stub-{}", shared.next_response_id());
+
+    if parsed.stream {
+        let plan = StreamPlan {
+            endpoint,
+            id,
+            model: parsed.model,
+            schedule,
+            start,
+            prompt_tokens: parsed.prompt_tokens,
+            include_usage: parsed.include_usage,
+            reset_before: (overrides.fault == Some(Fault::Reset)).then_some(tokens.min(3)),
+        };
+        let body = StubBody::guarded(token_stream(plan), slot);
+        return Ok(with_body(StatusCode::OK, "text/event-stream", body));
+    }
+    sleep_from(start, schedule.total()).await;
+    let value = match endpoint {
+        Endpoint::Embeddings => openai::embeddings(&parsed),
+        _ => openai::completion(endpoint, &id, &parsed, tokens),
+    };
+    let body = StubBody::full_guarded(value.to_string(), slot);
+    Ok(with_body(StatusCode::OK, "application/json", body))
+}
+
+/// Reads a request body of at most [`MAX_BODY_BYTES`].
+pub(crate) async fn read_body(req: Request<Incoming>) -> Result<Bytes, Refusal> {
+    let too_large = || {
+        let msg = format!("request body exceeds {MAX_BODY_BYTES} bytes");
+        Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, msg, "body_too_large")
+    };
+    // Refuse on the declared length before reading anything.
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+    {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("could not read request body: {e}"),
+            "body_read_error",
+        )),
+    }
+}
+
+fn bad_header(name: &str, why: String) -> Refusal {
+    let msg = format!("invalid {name} header: {why}");
+    Refusal::new(StatusCode::BAD_REQUEST, msg, "invalid_header")
+}
+
+/// Builds every error response the stub sends, in the OpenAI error shape.
+pub(crate) fn error(status: StatusCode, message: &str, code: &str) -> Response<StubBody> {
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    json_response(status, &openai::error_body(message, kind, code))
+}
+
+/// A JSON response.
+pub(crate) fn json_response(status: StatusCode, v: &Value) -> Response<StubBody> {
+    with_body(status, "application/json", StubBody::full(v.to_string()))
+}
+
+fn plain(status: StatusCode, text: &'static str) -> Response<StubBody> {
+    with_body(status, "text/plain", StubBody::full(text))
+}
+
+fn with_body(status: StatusCode, content_type: &'static str, body: StubBody) -> Response<StubBody> {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    if content_type == "text/event-stream" {
+        resp.headers_mut().insert(
+            header::CACHE_CONTROL,
+            header::HeaderValue::from_static("no-cache"),
+        );
+    }
+    resp
+}
