@@ -233,6 +233,9 @@ pub struct PoolSnapshot {
     pub depth: u32,
     /// Estimated remaining work of in-flight jobs.
     pub in_flight_remaining_ms: u64,
+    /// How long the oldest in-flight job has held its slot (a stuck slot shows here while
+    /// the queue itself may be empty: seed 002's eval).
+    pub oldest_in_flight_age_ms: u64,
     /// Learned service-time model.
     pub estimator: EstimatorSnapshot,
 }
@@ -959,6 +962,12 @@ impl Gate {
                 in_flight: p.in_flight.len() as u32,
                 depth: self.pool_depth(PoolId(i)),
                 in_flight_remaining_ms: p.in_flight_remaining(now),
+                oldest_in_flight_age_ms: p
+                    .in_flight
+                    .values()
+                    .map(|&(started, _)| now.saturating_sub(started))
+                    .max()
+                    .unwrap_or(0),
                 estimator: p.estimator.snapshot(),
             })
             .collect();

@@ -234,6 +234,20 @@ impl Metrics {
         }
         header(
             o,
+            "slackgate_in_flight_oldest_age_seconds",
+            "gauge",
+            "How long the oldest in-flight request has held its slot, per pool.",
+        );
+        for p in &snap.pools {
+            let _ = writeln!(
+                o,
+                "slackgate_in_flight_oldest_age_seconds{{pool=\"{}\"}} {}",
+                esc(&p.name),
+                ms_to_s(p.oldest_in_flight_age_ms)
+            );
+        }
+        header(
+            o,
             "slackgate_slots",
             "gauge",
             "Configured max_in_flight, per pool.",

@@ -1,0 +1,186 @@
+//! Shared helpers for the gateway's integration tests: a real stub upstream and a real gate on
+//! 127.0.0.1:0, a small HTTP client, and the decision log read back from a file.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use slackgate_gateway::{Config, DecisionLog, Gateway};
+use slackgate_stub::{LatencySpec, Stub, StubConfig};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Start a stub upstream with `slots` and a latency spec like `tokens:prefill_us=0,decode_us=10000`.
+pub async fn stub(slots: usize, latency: &str) -> Stub {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let latency: LatencySpec = latency.parse().unwrap();
+    Stub::spawn(
+        listener,
+        StubConfig {
+            slots,
+            latency,
+            default_output_tokens: 16,
+            seed: 7,
+        },
+    )
+    .unwrap()
+}
+
+/// A unique temporary file path for a decision log.
+pub fn temp_log(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    std::env::temp_dir().join(format!("slackgate-{name}-{}-{nanos}.jsonl", std::process::id()))
+}
+
+/// A running gate plus where its decision log goes.
+pub struct TestGate {
+    pub gate: Gateway,
+    pub addr: SocketAddr,
+    pub log_path: PathBuf,
+}
+
+impl TestGate {
+    /// Start a gate from TOML text; `{UPSTREAM}` is replaced by `upstream`.
+    pub async fn start(toml_text: &str, upstream: SocketAddr, name: &str) -> TestGate {
+        let text = toml_text.replace("{UPSTREAM}", &format!("http://{upstream}"));
+        let cfg = Config::from_toml(&text).unwrap();
+        Self::start_cfg(cfg, name).await
+    }
+
+    /// Start a gate from a config (its upstreams must be set).
+    pub async fn start_cfg(cfg: Config, name: &str) -> TestGate {
+        let log_path = temp_log(name);
+        let log = DecisionLog::start(
+            slackgate_gateway::config::LogTarget::File(log_path.clone()),
+            cfg.log.channel_capacity,
+        )
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let gate = Gateway::spawn(listener, &cfg, log).unwrap();
+        let addr = gate.local_addr();
+        TestGate {
+            gate,
+            addr,
+            log_path,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Flush the log and read every line back as JSON.
+    pub async fn log_lines(&self) -> Vec<serde_json::Value> {
+        self.gate.shared().log.flush().await;
+        read_log(&self.log_path)
+    }
+
+    /// `/stats` as JSON.
+    pub async fn stats(&self) -> serde_json::Value {
+        let r = get(&self.url("/stats")).await;
+        serde_json::from_slice(&r.body).unwrap()
+    }
+}
+
+impl Drop for TestGate {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.log_path);
+    }
+}
+
+pub fn read_log(path: &PathBuf) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A response read to the end, with its timing.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub elapsed: Duration,
+}
+
+impl Resp {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+}
+
+fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// POST a JSON body with extra headers; read the whole response.
+pub async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let mut b = Request::post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let req = b.body(Full::new(Bytes::from(body.to_string()))).unwrap();
+    let start = Instant::now();
+    let resp = client().request(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    Resp {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// GET a URL; read the whole response.
+pub async fn get(url: &str) -> Resp {
+    let req = Request::get(url).body(Full::new(Bytes::new())).unwrap();
+    let start = Instant::now();
+    let resp = client().request(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    Resp {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// A chat body asking for `max_tokens`.
+pub fn chat(max_tokens: u32) -> String {
+    format!(
+        r#"{{"model":"stub","messages":[{{"role":"user","content":"hello"}}],"max_tokens":{max_tokens}}}"#
+    )
+}
+
+/// Poll `cond` every 20 ms until it holds or `within` passes.
+pub async fn eventually<F, Fut>(within: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if cond().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond().await
+}
