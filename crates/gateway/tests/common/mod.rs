@@ -35,7 +35,10 @@ pub fn temp_log(name: &str) -> PathBuf {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    std::env::temp_dir().join(format!("slackgate-{name}-{}-{nanos}.jsonl", std::process::id()))
+    std::env::temp_dir().join(format!(
+        "slackgate-{name}-{}-{nanos}.jsonl",
+        std::process::id()
+    ))
 }
 
 /// A running gate plus where its decision log goes.
@@ -138,7 +141,11 @@ pub async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     let start = Instant::now();
     let resp = client().request(req).await.unwrap();
     let (parts, body) = resp.into_parts();
-    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     Resp {
         status: parts.status,
         headers: parts.headers,
@@ -153,7 +160,11 @@ pub async fn get(url: &str) -> Resp {
     let start = Instant::now();
     let resp = client().request(req).await.unwrap();
     let (parts, body) = resp.into_parts();
-    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     Resp {
         status: parts.status,
         headers: parts.headers,
