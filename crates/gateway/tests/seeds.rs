@@ -115,8 +115,14 @@ async fn seed003_gate_on_sheds_probes_and_no_prod_completes_late() {
         match o.status {
             // Served: within its 1000 ms deadline (client-measured, with a little HTTP slack).
             200 => assert!(o.elapsed <= Duration::from_millis(1050), "late prod: {o:?}"),
-            // Told no: never left to time out in a queue.
-            429 => {}
+            // Told no, with a reason: never left to time out in a queue.
+            429 => assert!(
+                matches!(
+                    o.reason.as_deref(),
+                    Some("projected_wait_exceeds_slack" | "deadline_unmeetable")
+                ),
+                "{o:?}"
+            ),
             _ => panic!("prod must be served or told no, never time out: {o:?}"),
         }
     }
