@@ -144,10 +144,16 @@ impl Config {
         let f: FileConfig =
             toml::from_str(text).map_err(|e| ConfigFileError::Parse(e.to_string()))?;
         let defaults = GateConfig::default();
+        // A file that defines no classes gets the embedded classes *and* their default
+        // class; a file that defines classes decides for itself whether unlabeled work has one.
+        let default_class = match (&f.classes, f.default_class) {
+            (None, None) => defaults.default_class,
+            (_, d) => d,
+        };
         let gate = GateConfig {
             pools: f.pools.unwrap_or(defaults.pools),
             classes: f.classes.unwrap_or(defaults.classes),
-            default_class: f.default_class,
+            default_class,
             admit_always: f.admit_always,
             retry: f.retry,
         };

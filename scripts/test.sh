@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs every test slackgate has: the Rust workspace (unit, property and integration tests over
+# real sockets), then the Python suite that drives the gate with the official openai SDK and
+# curl. Installs what the Python suite needs into .venv on first use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v curl >/dev/null 2>&1; then
+  echo "test.sh: installing curl (needed by the streaming test)" >&2
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq curl >/dev/null
+  else
+    echo "test.sh: curl is missing and I am not root: install curl" >&2
+    exit 1
+  fi
+fi
+
+echo "== cargo test --workspace"
+cargo test --workspace --locked
+
+echo "== python: openai SDK and curl against a live gate"
+scripts/test-python.sh
