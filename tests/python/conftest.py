@@ -123,6 +123,11 @@ def wait_healthy(proc: subprocess.Popen, out: Path, url: str, what: str) -> None
     )
 
 
+def port_clash(e: Exception) -> bool:
+    """Whether a start failed because the picked port was taken meanwhile (worth a retry)."""
+    return "cannot listen" in str(e) or "in use" in str(e)
+
+
 @dataclass
 class Attempt:
     """One HTTP attempt the SDK made, seen by httpx event hooks."""
@@ -253,9 +258,9 @@ def gate_stack(binary: Path, tmp_path: Path) -> Iterator[Callable[..., GateStack
             ])
             try:
                 wait_healthy(stub, stub_out, f"{stub_url}/health", "slackgate stub")
-            except RuntimeError:
+            except RuntimeError as e:
                 procs.stop_one(stub)
-                if attempt == 2:
+                if attempt == 2 or not port_clash(e):
                     raise
                 continue
             log_path = tmp_path / f"decisions-{len(stacks)}.jsonl"
@@ -268,10 +273,10 @@ def gate_stack(binary: Path, tmp_path: Path) -> Iterator[Callable[..., GateStack
             ])
             try:
                 wait_healthy(gate, gate_out, f"{gate_url}/healthz", "slackgate serve")
-            except RuntimeError:
+            except RuntimeError as e:
                 procs.stop_one(gate)
                 procs.stop_one(stub)
-                if attempt == 2:
+                if attempt == 2 or not port_clash(e):
                     raise
                 continue
             s = GateStack(gate_url, stub_url, log_path, config_path, procs)

@@ -155,6 +155,13 @@ async fn wait_line(g: &TestGate, job: u64, action: &str) -> Value {
     }
 }
 
+/// `slackgate_tokens_held` for the interactive class: must return to 0 (no hold leaks).
+async fn tokens_held(g: &TestGate) -> f64 {
+    let m = get(&g.url("/metrics")).await;
+    let m = String::from_utf8(m.body.to_vec()).unwrap();
+    metric(&m, "slackgate_tokens_held{class=\"interactive\"}").unwrap_or(f64::NAN)
+}
+
 fn assert_stable_fields(line: &Value) {
     for f in STABLE_FIELDS {
         assert!(line.get(f).is_some(), "field {f} missing from {line}");
@@ -275,6 +282,34 @@ async fn streaming_is_passed_through_chunk_by_chunk_and_holds_the_slot() {
     // No usage chunk was asked for: the gate counted the streamed tokens itself.
     assert_eq!(complete["tokens_spent"], 10);
     assert!(complete["ttft_ms"].as_u64().is_some());
+
+    // With a usage chunk, the upstream's own count is what the gate records.
+    let body = r#"{"model":"stub","stream":true,"stream_options":{"include_usage":true},
+        "messages":[{"role":"user","content":"hello there, model"}],"max_tokens":3}"#;
+    let resp = send_streaming(&g.url("/v1/chat/completions"), &[], body).await;
+    let job: u64 = resp.headers()["x-slackgate-job-id"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let text = bounded(resp.into_body().collect())
+        .await
+        .unwrap()
+        .to_bytes();
+    let text = String::from_utf8(text.to_vec()).unwrap();
+    let usage: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["usage"].is_object())
+        .expect("usage chunk")["usage"]
+        .clone();
+    let complete = wait_line(&g, job, "complete").await;
+    assert_eq!(complete["tokens_spent"], usage["total_tokens"]);
+    assert_eq!(
+        complete["tokens_spent"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap() + 3)
+    );
 }
 
 // 3 ------------------------------------------------------------------------------------------
@@ -318,6 +353,30 @@ async fn client_gone_mid_stream_cancels_upstream_and_frees_the_slot() {
     assert_eq!(s.stats().in_flight, 0);
     // 100 tokens at 30 ms would take 3 s: the cancel must not wait for the stream's end.
     assert!(dropped_at.elapsed() < Duration::from_millis(1500));
+    assert_eq!(tokens_held(&g).await, 0.0, "hold leaked");
+}
+
+#[tokio::test]
+async fn client_gone_before_response_headers_cancels_upstream() {
+    let s = stub(4, "fixed:3s").await;
+    let g = TestGate::start(&config(2, 5.0, 1.0, true), s.local_addr(), "preheaders").await;
+    let url = g.url("/v1/chat/completions");
+    // The client gives up while the upstream is still working on the (non-streamed) answer.
+    let gave_up = timeout(Duration::from_millis(300), post(&url, &[], &chat(4))).await;
+    assert!(gave_up.is_err(), "a 3 s upstream answered within 300 ms?");
+    assert_idle(&g).await;
+    let lines = g.log_lines().await;
+    let cancel = lines
+        .iter()
+        .find(|l| l["action"] == "cancel")
+        .unwrap_or_else(|| panic!("no cancel line: {lines:?}"));
+    assert_eq!(cancel["reason"], "client_cancelled");
+    assert!(
+        eventually(WAIT, || async { s.stats().cancelled == 1 }).await,
+        "upstream request not cancelled: {:?}",
+        s.stats()
+    );
+    assert_eq!(tokens_held(&g).await, 0.0, "hold leaked");
 }
 
 // 4 ------------------------------------------------------------------------------------------
@@ -381,6 +440,7 @@ async fn client_gone_while_queued_never_reaches_upstream() {
     assert_idle(&g).await;
     assert_eq!(s.stats().requests, 1, "{:?}", s.stats());
     assert_eq!(s.stats().served, 1);
+    assert_eq!(tokens_held(&g).await, 0.0, "hold leaked");
 }
 
 // 5 ------------------------------------------------------------------------------------------
@@ -519,9 +579,9 @@ async fn bad_input_gets_a_clear_error_and_never_reaches_upstream() {
         .header("x-job-class", &huge)
         .body(full_body(chat(4)))
         .unwrap();
-    match send_raw(req).await {
-        Ok(r) => assert!(r.status.is_client_error(), "1 MiB header: {}", r.status),
-        Err(_) => {} // the connection was closed on it: fine, as long as the gate lives
+    // The connection may simply be closed on it (an Err): fine, as long as the gate lives.
+    if let Ok(r) = send_raw(req).await {
+        assert!(r.status.is_client_error(), "1 MiB header: {}", r.status);
     }
     assert_eq!(get(&g.url("/healthz")).await.status, StatusCode::OK);
 
@@ -684,6 +744,26 @@ async fn upstream_reset_mid_stream_truncates_and_frees_the_slot() {
     assert_idle(&g).await;
     let complete = wait_line(&g, job, "complete").await;
     assert_eq!(complete["reason"], "upstream_error");
+}
+
+#[tokio::test]
+async fn upstream_reset_before_headers_is_502() {
+    let s = stub(4, "tokens:prefill_us=0,decode_us=1000").await;
+    let g = TestGate::start(&config(1, 5.0, 1.0, true), s.local_addr(), "reset0").await;
+    let r = post(
+        &g.url("/v1/chat/completions"),
+        &[("x-stub-fault", "reset")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{:?}", r.body);
+    assert_eq!(error_code(&r), "upstream_error");
+    assert_idle(&g).await;
+    let lines = g.log_lines().await;
+    assert!(lines
+        .iter()
+        .any(|l| l["action"] == "complete" && l["reason"] == "upstream_error"));
+    assert_eq!(tokens_held(&g).await, 0.0, "hold leaked");
 }
 
 // 8 ------------------------------------------------------------------------------------------
