@@ -188,6 +188,28 @@ fn complete_dispatch_refill(c: &mut Criterion) {
     group.finish();
 }
 
+/// The timer's periodic `tick` (every `server.tick_ms`) under a deep queue: the gate holds its
+/// lock while it runs, so it must not walk best-effort work that cannot die. 100 interactive
+/// jobs with deadlines sit above the deep best-effort queue.
+fn tick(c: &mut Criterion) {
+    let mut group = c.benchmark_group("tick");
+    for depth in DEPTHS {
+        let (mut gate, _) = saturated(depth);
+        for _ in 0..100 {
+            let d = gate.offer(T0, request(INTERACTIVE, Some(T0 + 86_400_000)));
+            assert!(d.admitted(), "{d:?}");
+        }
+        group.bench_function(id(depth), |b| {
+            b.iter(|| {
+                gate.tick(black_box(T0));
+                black_box(gate.poll(T0))
+            })
+        });
+        assert_eq!(gate.live_jobs(), depth + SLOTS as usize + 100);
+    }
+    group.finish();
+}
+
 fn quick() -> Criterion {
     Criterion::default()
         .sample_size(20)
@@ -198,6 +220,6 @@ fn quick() -> Criterion {
 criterion_group! {
     name = benches;
     config = quick();
-    targets = offer_reject, offer_admit, offer_admit_cancel, complete_dispatch_refill
+    targets = offer_reject, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick
 }
 criterion_main!(benches);

@@ -273,8 +273,16 @@ enum JobState {
 }
 
 impl Job {
+    /// Dispatch order within a class: earliest deadline first (the response deadline or the
+    /// first-token deadline, whichever is earlier); best-effort jobs last, in arrival order.
     fn key(&self) -> QueueKey {
-        (self.deadline.unwrap_or(Millis::MAX), self.seq)
+        let d = match (self.deadline, self.first_token_deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        // `Millis::MAX` is reserved for best effort, so a deadline at the very end of time
+        // still sorts (and is walked by `tick`) as a deadline.
+        (d.map_or(Millis::MAX, |d| d.min(Millis::MAX - 1)), self.seq)
     }
 
     /// Tightest slack if the job started after `wait` from `now`.
@@ -891,11 +899,24 @@ impl Gate {
             let classes = self.pools[pi].classes.clone();
             let mut i = 0;
             while i < classes.len() {
-                // One priority level at a time, merged in earliest-deadline order.
+                // Nothing at this level or below can die: stop walking.
+                if !classes[i..]
+                    .iter()
+                    .any(|c| self.classes[c.0].queue.has_deadlined())
+                {
+                    break;
+                }
+                // One priority level at a time: its jobs with deadlines, merged in
+                // earliest-deadline order, go first; its best-effort jobs (which cannot die)
+                // are added in bulk after them.
                 let prio = self.classes[classes[i].0].priority;
                 let mut level: Vec<(QueueKey, JobId)> = Vec::new();
+                let mut bulk = (0usize, 0u64);
                 while i < classes.len() && self.classes[classes[i].0].priority == prio {
-                    level.extend(self.classes[classes[i].0].queue.iter());
+                    let q = &self.classes[classes[i].0].queue;
+                    level.extend(q.iter_deadlined());
+                    let (n, w) = q.best_effort();
+                    bulk = (bulk.0 + n, bulk.1.saturating_add(w));
                     i += 1;
                 }
                 level.sort_unstable();
@@ -911,6 +932,8 @@ impl Gate {
                         count += 1;
                     }
                 }
+                count += bulk.0;
+                work = work.saturating_add(bulk.1);
             }
             for (id, wait) in doomed {
                 if let Some(job) = self.jobs.remove(&id) {

@@ -16,13 +16,23 @@ pub(crate) struct ClassQueue {
     order: BTreeMap<QueueKey, JobId>,
     by_age: BTreeSet<(Millis, u64)>,
     work_ms: u64,
+    /// Jobs with a deadline (key below `Millis::MAX`) and their summed work: `tick` walks only
+    /// these, and adds best-effort work in bulk.
+    deadlined: usize,
+    deadlined_work_ms: u64,
 }
 
 impl ClassQueue {
     pub(crate) fn push(&mut self, key: QueueKey, enqueued_at: Millis, id: JobId, est_ms: u64) {
-        self.order.insert(key, id);
+        if self.order.insert(key, id).is_some() {
+            return; // same key twice: keys embed a unique sequence number, so never happens
+        }
         self.by_age.insert((enqueued_at, key.1));
         self.work_ms = self.work_ms.saturating_add(est_ms);
+        if key.0 != Millis::MAX {
+            self.deadlined += 1;
+            self.deadlined_work_ms = self.deadlined_work_ms.saturating_add(est_ms);
+        }
     }
 
     pub(crate) fn remove(&mut self, key: QueueKey, enqueued_at: Millis, est_ms: u64) -> bool {
@@ -31,6 +41,10 @@ impl ClassQueue {
         }
         self.by_age.remove(&(enqueued_at, key.1));
         self.work_ms = self.work_ms.saturating_sub(est_ms);
+        if key.0 != Millis::MAX {
+            self.deadlined -= 1;
+            self.deadlined_work_ms = self.deadlined_work_ms.saturating_sub(est_ms);
+        }
         true
     }
 
@@ -50,6 +64,24 @@ impl ClassQueue {
         self.work_ms
     }
 
+    /// Jobs without a deadline: (count, summed work).
+    pub(crate) fn best_effort(&self) -> (usize, u64) {
+        (
+            self.order.len() - self.deadlined,
+            self.work_ms.saturating_sub(self.deadlined_work_ms),
+        )
+    }
+
+    /// Jobs with a deadline, earliest first (they sort before every best-effort job).
+    pub(crate) fn iter_deadlined(&self) -> impl Iterator<Item = (QueueKey, JobId)> + '_ {
+        self.order.range(..(Millis::MAX, 0)).map(|(k, v)| (*k, *v))
+    }
+
+    pub(crate) fn has_deadlined(&self) -> bool {
+        self.deadlined > 0
+    }
+
+    #[cfg(test)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = (QueueKey, JobId)> + '_ {
         self.order.iter().map(|(k, v)| (*k, *v))
     }
@@ -76,5 +108,11 @@ mod tests {
         assert_eq!(q.oldest_enqueued_at(), Some(10));
         assert_eq!(q.work_ms(), 150);
         assert_eq!(q.len(), 2);
+        assert_eq!(q.best_effort(), (0, 0));
+        q.push((Millis::MAX, 4), 30, JobId(4), 9);
+        assert_eq!(q.best_effort(), (1, 9));
+        let dl: Vec<_> = q.iter_deadlined().map(|(_, id)| id).collect();
+        assert_eq!(dl, vec![JobId(2), JobId(1)]);
+        assert_eq!(q.iter().count(), 3);
     }
 }

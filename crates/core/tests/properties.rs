@@ -500,7 +500,16 @@ impl Harness {
                         class: c.0,
                         pool: spec.pool,
                         priority: spec.priority,
-                        key: (d.deadline.unwrap_or(Millis::MAX), d.job_id.0),
+                        // The core's dispatch key: the earlier of the response and
+                        // first-token deadlines; best effort last.
+                        key: (
+                            match (d.deadline, req.first_token_deadline) {
+                                (Some(a), Some(b)) => a.min(b).min(Millis::MAX - 1),
+                                (Some(a), None) | (None, Some(a)) => a.min(Millis::MAX - 1),
+                                (None, None) => Millis::MAX,
+                            },
+                            d.job_id.0,
+                        ),
                         has_deadline,
                         life: Life::Queued,
                     },

@@ -343,3 +343,40 @@ fn time_never_runs_backwards() {
     let c = g.on_complete(10, JobId(1), Completion::default()).unwrap();
     assert_eq!(c.service_ms, 0);
 }
+
+#[test]
+fn huge_deadline_sorts_before_best_effort() {
+    let mut c = cfg(1, 1.0);
+    c.classes[1].max_queue_age_ms = None;
+    let mut g = Gate::new(c).unwrap();
+    g.offer(0, req(&g, "probe"));
+    let ev = drain(&mut g, 0);
+    assert!(
+        matches!(
+            ev[..],
+            [Event::Dispatch {
+                job_id: JobId(1),
+                ..
+            }]
+        ),
+        "{ev:?}"
+    );
+    g.offer(0, req(&g, "probe"));
+    let mut r = req(&g, "probe");
+    r.deadline = Some(Millis::MAX);
+    let d = g.offer(0, r);
+    assert!(d.admitted(), "{d:?}");
+    assert!(drain(&mut g, 0).is_empty());
+    g.on_complete(5, JobId(1), Completion::default()).unwrap();
+    let ev = drain(&mut g, 5);
+    assert!(
+        matches!(
+            ev[..],
+            [Event::Dispatch {
+                job_id: JobId(3),
+                ..
+            }]
+        ),
+        "{ev:?}"
+    );
+}
