@@ -14,8 +14,11 @@ use crate::response::BoxError;
 use crate::state::{JobGuard, Outcome};
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use slackgate_core::Reason;
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 /// Largest non-streaming body copied aside to read `usage` from.
 const MAX_JSON_COPY: usize = 4 * 1024 * 1024;
@@ -135,28 +138,40 @@ pub struct TrackedBody<B: Body> {
     scanner: UsageScanner,
     status: u16,
     seen_first: bool,
+    /// An upstream that goes silent mid-body must not hold its slot forever: after this long
+    /// without a frame the body fails and the slot is released (`upstream_timeout`).
+    idle: Duration,
+    idle_timer: Pin<Box<tokio::time::Sleep>>,
 }
 
+/// The upstream stalled mid-body.
+#[derive(Debug, thiserror::Error)]
+#[error("upstream sent nothing for {0:?} mid-response; the gate gave up on it")]
+pub struct UpstreamIdle(pub Duration);
+
 impl<B: Body> TrackedBody<B> {
-    /// Wrap an upstream body; `guard` is released when the body ends, fails or is dropped.
-    pub fn new(inner: B, guard: JobGuard, sse: bool, status: u16) -> Self {
+    /// Wrap an upstream body; `guard` is released when the body ends, fails, stalls for
+    /// `idle`, or is dropped.
+    pub fn new(inner: B, guard: JobGuard, sse: bool, status: u16, idle: Duration) -> Self {
         TrackedBody {
             inner,
             guard: Some(guard),
             scanner: UsageScanner::new(sse),
             status,
             seen_first: false,
+            idle,
+            idle_timer: Box::pin(tokio::time::sleep(idle)),
         }
     }
 
-    fn finish(&mut self, ok: bool) {
+    fn finish(&mut self, ok: bool, reason: Option<Reason>) {
         if let Some(g) = self.guard.take() {
             let (prompt_tokens, completion_tokens) = self.scanner.usage();
             let ok = ok && (200..300).contains(&self.status);
             g.finish(Outcome {
                 ok,
                 status: self.status,
-                reason: None,
+                reason,
                 prompt_tokens,
                 completion_tokens,
             });
@@ -167,7 +182,7 @@ impl<B: Body> TrackedBody<B> {
 impl<B: Body> Drop for TrackedBody<B> {
     fn drop(&mut self) {
         if self.guard.is_some() && self.inner.is_end_stream() {
-            self.finish(true);
+            self.finish(true, None);
             return;
         }
         // Dropped before the end: the client went away. Count what was generated for nobody.
@@ -191,8 +206,16 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                if this.guard.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
+                    this.finish(false, Some(Reason::UpstreamTimeout));
+                    return Poll::Ready(Some(Err(Box::new(UpstreamIdle(this.idle)))));
+                }
+                Poll::Pending
+            }
             Poll::Ready(Some(Ok(frame))) => {
+                let next = tokio::time::Instant::now() + this.idle;
+                this.idle_timer.as_mut().reset(next);
                 if let Some(data) = frame.data_ref() {
                     if !data.is_empty() {
                         if !this.seen_first {
@@ -207,16 +230,16 @@ where
                 // A body with a known length may never be polled again after its last byte
                 // (hyper stops at Content-Length): notice the end here, not only at `None`.
                 if this.inner.is_end_stream() {
-                    this.finish(true);
+                    this.finish(true, None);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.finish(false);
+                this.finish(false, Some(Reason::UpstreamError));
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Ready(None) => {
-                this.finish(true);
+                this.finish(true, None);
                 Poll::Ready(None)
             }
         }

@@ -45,6 +45,9 @@ pub struct ServerConfig {
     pub tick_ms: u64,
     /// Time to wait for upstream response headers when a request has no deadline (ms).
     pub upstream_timeout_ms: u64,
+    /// A response body that receives nothing from upstream for this long is cut off and its
+    /// slot released (ms): a stalled stream must not hold a slot until the client gives up.
+    pub stream_idle_timeout_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -54,6 +57,7 @@ impl Default for ServerConfig {
             max_body_bytes: 4 * 1024 * 1024,
             tick_ms: 50,
             upstream_timeout_ms: 600_000,
+            stream_idle_timeout_ms: 120_000,
         }
     }
 }
@@ -200,6 +204,9 @@ impl Config {
         }
         if self.server.upstream_timeout_ms == 0 {
             return Err(err("server.upstream_timeout_ms", "must be at least 1"));
+        }
+        if self.server.stream_idle_timeout_ms == 0 {
+            return Err(err("server.stream_idle_timeout_ms", "must be at least 1"));
         }
         if self.log.channel_capacity == 0 {
             return Err(err("log.channel_capacity", "must be at least 1"));

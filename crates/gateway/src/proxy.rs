@@ -280,7 +280,8 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
         HeaderValue::from(decision.projected_wait_ms),
     );
     let status = rparts.status.as_u16();
-    let tracked = TrackedBody::new(rbody, guard, sse, status);
+    let idle = Duration::from_millis(shared.server.stream_idle_timeout_ms);
+    let tracked = TrackedBody::new(rbody, guard, sse, status, idle);
     Response::from_parts(rparts, BodyExt::boxed(tracked))
 }
 

@@ -747,6 +747,44 @@ async fn upstream_reset_mid_stream_truncates_and_frees_the_slot() {
 }
 
 #[tokio::test]
+async fn upstream_stalled_mid_stream_is_cut_off_and_frees_the_slot() {
+    // Headers and then silence: the stub's first token takes 3 s; the gate's idle limit is
+    // 300 ms, so the client sees a broken body quickly and the slot is released.
+    let s = stub(4, "tokens:prefill_us=0,decode_us=3000000").await;
+    let cfg = config(1, 5.0, 1.0, false).replace(
+        "max_body_bytes = 1024",
+        "max_body_bytes = 1024\nstream_idle_timeout_ms = 300",
+    );
+    let g = TestGate::start(&cfg, s.local_addr(), "stall").await;
+    let started = Instant::now();
+    let resp = send_streaming(&g.url("/v1/chat/completions"), &[], &chat_stream(10)).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let job: u64 = resp.headers()["x-slackgate-job-id"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut body = resp.into_body();
+    let mut broke = false;
+    while let Some(f) = bounded(body.frame()).await {
+        if f.is_err() {
+            broke = true;
+            break;
+        }
+    }
+    assert!(broke, "a stalled upstream must not look like a clean end");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_millis(2000),
+        "cut off after {waited:?}"
+    );
+    assert_idle(&g).await;
+    let complete = wait_line(&g, job, "complete").await;
+    assert_eq!(complete["reason"], "upstream_timeout");
+    assert_eq!(tokens_held(&g).await, 0.0, "hold leaked");
+}
+
+#[tokio::test]
 async fn upstream_reset_before_headers_is_502() {
     let s = stub(4, "tokens:prefill_us=0,decode_us=1000").await;
     let g = TestGate::start(&config(1, 5.0, 1.0, true), s.local_addr(), "reset0").await;
