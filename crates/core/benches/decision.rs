@@ -69,6 +69,7 @@ fn request(class: ClassId, deadline: Option<Millis>) -> Request {
         first_token_deadline: None,
         prompt_tokens: PROMPT_TOKENS,
         max_tokens: Some(MAX_TOKENS),
+        deadline_is_absolute: false,
     }
 }
 

@@ -51,8 +51,12 @@ pub struct Request {
     pub first_token_deadline: Option<Millis>,
     /// Estimated prompt size.
     pub prompt_tokens: u32,
-    /// The request's output cap (`max_tokens` / `max_completion_tokens`).
+    /// The request's output cap (`max_tokens` / `max_completion_tokens`). `Some(0)` for
+    /// requests that generate nothing (embeddings).
     pub max_tokens: Option<u32>,
+    /// The client fixed its deadline in absolute time (`X-Deadline`): its slack shrinks as
+    /// fast as the queue drains, so a retry of the same request cannot succeed.
+    pub deadline_is_absolute: bool,
 }
 
 /// The answer at arrival, with every figure the decision log and the 429 body carry.

@@ -13,6 +13,11 @@ pub enum Reason {
     WithinSlack,
     /// Admitted because the `admit_always` rollback flag bypasses every threshold.
     AdmitAlways,
+    /// Admitted on an idle pool while the estimator is still learning (fewer than a handful of
+    /// completions): a prior that is too pessimistic must not lock the gate shut forever.
+    EstimatorWarmup,
+    /// Dispatched: a slot became free for the job.
+    SlotFree,
     /// The class is switched off (drain, `probe_class_enabled = false`).
     ClassDisabled,
     /// No class label (or an unknown one) and no default class configured.
@@ -51,6 +56,8 @@ impl Reason {
         match self {
             Reason::WithinSlack => "within_slack",
             Reason::AdmitAlways => "admit_always",
+            Reason::EstimatorWarmup => "estimator_warmup",
+            Reason::SlotFree => "slot_free",
             Reason::ClassDisabled => "class_disabled",
             Reason::RejectUnlabeled => "reject_unlabeled",
             Reason::QueueAgeExceeded => "queue_age_exceeded",
@@ -70,9 +77,11 @@ impl Reason {
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 19] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
+        Reason::EstimatorWarmup,
+        Reason::SlotFree,
         Reason::ClassDisabled,
         Reason::RejectUnlabeled,
         Reason::QueueAgeExceeded,

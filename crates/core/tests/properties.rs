@@ -398,6 +398,7 @@ impl Harness {
                     first_token_deadline: first_token.map(|d| d.at(self.now)),
                     prompt_tokens,
                     max_tokens,
+                    deadline_is_absolute: false,
                 };
                 self.offer(req)?;
             }

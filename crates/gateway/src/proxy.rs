@@ -119,6 +119,7 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
         first_token_deadline: hinfo.first_token_in_ms.map(|ms| now.saturating_add(ms)),
         prompt_tokens: binfo.prompt_tokens,
         max_tokens: binfo.max_tokens,
+        deadline_is_absolute: relative.is_none() && absolute.is_some(),
     };
     let meta = JobMeta {
         label: hinfo.class_label.clone(),
