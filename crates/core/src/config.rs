@@ -44,7 +44,8 @@ impl Default for GateConfig {
                     ..ClassConfig::default()
                 },
             ],
-            default_class: Some("interactive".into()),
+            // Unlabeled work must not borrow interactive priority (seed 002): it runs as batch.
+            default_class: Some("batch".into()),
             admit_always: false,
             retry: RetryConfig::default(),
         }
@@ -62,6 +63,10 @@ pub struct PoolConfig {
     /// Seed 000's depth rule: reject when every slot is busy and more than this many times
     /// `max_in_flight` jobs are queued ahead. `None` disables the rule.
     pub max_depth_factor: Option<f64>,
+    /// Hard cap on jobs queued on this pool, all classes together (`queue_depth_exceeded`
+    /// beyond). Each queued request holds a connection and its body in the gateway, so even
+    /// best-effort work without a deadline must not queue without bound.
+    pub max_queued: u32,
     /// Starting point of the service-time estimator, before it has learned anything.
     pub prior: PriorConfig,
     /// Base URL of the upstream serving this pool (`http://127.0.0.1:8000`). The core never
@@ -75,6 +80,7 @@ impl Default for PoolConfig {
             name: "default".into(),
             max_in_flight: 4,
             max_depth_factor: None,
+            max_queued: 10_000,
             prior: PriorConfig::default(),
             upstream: None,
         }
@@ -225,6 +231,9 @@ impl GateConfig {
                     at("max_in_flight"),
                     "must be between 1 and 100000",
                 ));
+            }
+            if p.max_queued == 0 {
+                return Err(ConfigError::new(at("max_queued"), "must be at least 1"));
             }
             if let Some(k) = p.max_depth_factor {
                 if !(k.is_finite() && k >= 0.0) {

@@ -21,6 +21,8 @@ const LAMBDA: f64 = 0.995;
 const MAX_TRACE: f64 = 1e9;
 /// Service time never estimated below this (an estimate of zero would admit anything).
 const MIN_SERVICE_MS: f64 = 1.0;
+/// Completions before a learning estimator's figures are trusted to reject on an idle pool.
+const WARMUP_SAMPLES: u64 = 5;
 
 /// A service-time estimate for one request.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -143,6 +145,12 @@ impl Estimator {
         self.theta = next;
         self.p = np;
         self.samples += 1;
+    }
+
+    /// True while a learning estimator has seen fewer than a handful of completions: its
+    /// figures are still the priors, not the upstream's.
+    pub fn warming_up(&self) -> bool {
+        self.learn && self.samples < WARMUP_SAMPLES
     }
 
     /// The current coefficients in operator units.

@@ -268,6 +268,10 @@ struct Job {
     prompt_tokens: u32,
     state: JobState,
     first_token_at: Option<Millis>,
+    /// The output cap (`Some(0)`: generates nothing, e.g. embeddings).
+    max_tokens: Option<u32>,
+    /// Admitted while the estimator warms up: its estimate is not trusted enough to drop it.
+    protected: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -341,6 +345,7 @@ struct PoolState {
     name: String,
     slots: u32,
     max_depth_factor: Option<f64>,
+    max_queued: u32,
     default_output_tokens: u32,
     estimator: Estimator,
     /// In-flight jobs: id -> (started_at, estimated service).
@@ -349,22 +354,81 @@ struct PoolState {
     classes: Vec<ClassId>,
 }
 
+/// Estimated time left of one in-flight job. A job past its estimate is treated as likely to
+/// run about as long again as it has overrun (a stuck slot must look stuck, not about to free),
+/// and never as done: an eighth of its estimate is the floor.
+fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
+    let elapsed = now.saturating_sub(started);
+    let left = est.saturating_sub(elapsed);
+    let overrun = elapsed.saturating_sub(est);
+    left.max(overrun).max(est / 8)
+}
+
+/// Slot counts up to this are handled on the stack when projecting a wait.
+const STACK_SLOTS: usize = 64;
+
 impl PoolState {
-    /// Estimated work left of in-flight jobs. A job past its estimate is treated as likely to
-    /// run about as long again as it has overrun (a stuck slot must look stuck, not free), and
-    /// never as done: an eighth of its estimate is the floor.
+    /// Estimated work left of all in-flight jobs (saturating: a few slots stuck for ages must
+    /// not wrap to a short wait).
     fn in_flight_remaining(&self, now: Millis) -> u64 {
         self.in_flight
             .values()
-            .map(|&(started, est)| {
-                let elapsed = now.saturating_sub(started);
-                let left = est.saturating_sub(elapsed);
-                let overrun = elapsed.saturating_sub(est);
-                left.max(overrun).max(est / 8)
-            })
-            // Saturating: a few slots stuck for ages must not wrap to a short wait.
+            .map(|&(started, est)| remaining(now, started, est))
             .fold(0, u64::saturating_add)
     }
+
+    /// When a slot is free for a job behind `work_ahead` ms of queued work: "water filling"
+    /// over the slots. Each slot is free after its in-flight job's remaining time (free slots
+    /// at once); the queued work ahead pours into the slots as they free up; the job starts
+    /// when that work is absorbed. A long job thus only takes its own slot out of the
+    /// picture instead of being averaged over every slot. O(slots).
+    fn wait_for_slot(&self, now: Millis, work_ahead: u64) -> u64 {
+        let slots = (self.slots as usize).max(1);
+        let mut stack = [0u64; STACK_SLOTS];
+        let mut heap = Vec::new();
+        let r: &mut [u64] = if slots <= STACK_SLOTS {
+            &mut stack[..slots]
+        } else {
+            heap.resize(slots.max(self.in_flight.len()), 0);
+            &mut heap
+        };
+        // In-flight jobs occupy the first slots; the rest are free now (0).
+        for (slot, &(started, est)) in r.iter_mut().zip(self.in_flight.values()) {
+            *slot = remaining(now, started, est);
+        }
+        r.sort_unstable();
+        water_fill(r, work_ahead)
+    }
+
+    /// How long the pool has failed to free a slot: when every slot is busy, the age of the
+    /// youngest in-flight job (all of them have held their slot at least that long); 0 when a
+    /// slot is free.
+    fn slot_age(&self, now: Millis) -> u64 {
+        if (self.in_flight.len() as u32) < self.slots {
+            return 0;
+        }
+        self.in_flight
+            .values()
+            .map(|&(started, _)| now.saturating_sub(started))
+            .min()
+            .unwrap_or(0)
+    }
+}
+
+/// Smallest `t >= r[0]` with `sum(max(0, t - r_i)) >= work`, for `r` sorted ascending.
+fn water_fill(r: &[u64], work: u64) -> u64 {
+    let mut prefix: u128 = 0;
+    for j in 0..r.len() {
+        prefix += u128::from(r[j]);
+        let active = (j + 1) as u128;
+        // Level at which j+1 slots absorb the work, rounded up.
+        let level = (u128::from(work) + prefix).div_ceil(active);
+        let level = level.max(u128::from(r[j]));
+        if r.get(j + 1).is_none_or(|&next| level <= u128::from(next)) {
+            return level.min(u128::from(u64::MAX)) as u64;
+        }
+    }
+    0
 }
 
 const EWMA_ALPHA: f64 = 0.2;
@@ -394,6 +458,7 @@ impl Gate {
                 name: p.name.clone(),
                 slots: p.max_in_flight,
                 max_depth_factor: p.max_depth_factor,
+                max_queued: p.max_queued,
                 default_output_tokens: p.prior.default_output_tokens,
                 estimator: Estimator::new(&p.prior),
                 in_flight: BTreeMap::new(),
@@ -541,8 +606,7 @@ impl Gate {
         if busy.saturating_add(count_ahead) < p.slots {
             return 0;
         }
-        let total = p.in_flight_remaining(now).saturating_add(work_ahead);
-        total / u64::from(p.slots.max(1))
+        p.wait_for_slot(now, work_ahead)
     }
 
     fn pool_depth(&self, pool: PoolId) -> u32 {
@@ -573,7 +637,13 @@ impl Gate {
             .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
         let (work_ahead, count_ahead, oldest) = self.ahead(pool, priority);
         let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
-        let queue_age_ms = oldest.map_or(0, |t| now.saturating_sub(t));
+        // Queue age: how long the work this request would wait behind has been waiting. That
+        // is the oldest queued job ahead, or, when every slot is busy, how long the pool has
+        // gone without freeing one (seed 002: one stuck eval, an empty queue, and a sync
+        // request that would wait behind it).
+        let queue_age_ms = oldest
+            .map_or(0, |t| now.saturating_sub(t))
+            .max(self.pools[pool.0].slot_age(now));
         let no_wait_slack = slack(now, 0, deadline, req.first_token_deadline, est);
         let slack_ms = no_wait_slack;
         let in_flight = self.pools[pool.0].in_flight.len() as u32;
@@ -604,7 +674,15 @@ impl Gate {
         } else if self.depth_exceeded(pool, in_flight, count_ahead) {
             Err(Reason::QueueDepthExceeded)
         } else if slack_ms.is_some_and(|s| i128::from(wait) > i128::from(s)) {
-            Err(Reason::ProjectedWaitExceedsSlack)
+            // A pool with a free slot and an estimator that has barely learned anything: the
+            // estimate is the prior, which may be far too pessimistic (a 256-token guess for
+            // a request that writes 20). Rejecting would keep it from ever learning, so admit
+            // and learn; such a job is never dropped on its (untrusted) estimate.
+            if wait == 0 && self.pools[pool.0].estimator.warming_up() {
+                Ok(Reason::EstimatorWarmup)
+            } else {
+                Err(Reason::ProjectedWaitExceedsSlack)
+            }
         } else {
             Ok(Reason::WithinSlack)
         };
@@ -624,6 +702,8 @@ impl Gate {
                     prompt_tokens: req.prompt_tokens,
                     state: JobState::Queued,
                     first_token_at: None,
+                    max_tokens: req.max_tokens,
+                    protected: reason == Reason::EstimatorWarmup,
                 };
                 let key = job.key();
                 self.classes[class.0]
@@ -635,7 +715,11 @@ impl Gate {
                 d.reason = reason;
                 let (after, retry) = self.retry_after(reason, wait, slack_ms, count_ahead, pool);
                 d.retry_after_ms = Some(after);
-                d.should_retry = retry;
+                // With an absolute deadline the slack shrinks exactly as fast as the queue
+                // drains: the same request retried later can never fit.
+                let absolute_miss =
+                    req.deadline_is_absolute && reason == Reason::ProjectedWaitExceedsSlack;
+                d.should_retry = retry && !absolute_miss;
             }
         }
         d
@@ -643,6 +727,11 @@ impl Gate {
 
     fn depth_exceeded(&self, pool: PoolId, in_flight: u32, count_ahead: u32) -> bool {
         let p = &self.pools[pool.0];
+        // Hard cap on everything queued on the pool, whatever the class: each queued request
+        // holds a connection and its body in the gateway.
+        if self.pool_depth(pool) >= p.max_queued {
+            return true;
+        }
         match p.max_depth_factor {
             Some(k) => in_flight >= p.slots && f64::from(count_ahead) > k * f64::from(p.slots),
             None => false,
@@ -750,7 +839,9 @@ impl Gate {
                 continue;
             };
             self.unqueue(id, &job);
-            let dead = !self.cfg.admit_always && job.slack_after(now, 0).is_some_and(|s| s < 0);
+            let dead = !self.cfg.admit_always
+                && !job.protected
+                && job.slack_after(now, 0).is_some_and(|s| s < 0);
             let pool_id = PoolId(pi);
             if dead {
                 self.jobs.remove(&id);
@@ -824,16 +915,25 @@ impl Gate {
         let pool = c.pool;
         let service_ms = now.saturating_sub(started_at);
         if done.ok {
-            if let Some(out) = done.completion_tokens {
-                let v = f64::from(out);
-                c.expected_output = Some(match c.expected_output {
-                    Some(prev) => prev + EWMA_ALPHA * (v - prev),
-                    None => v,
-                });
-                let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
-                self.pools[pool.0]
-                    .estimator
-                    .observe(prompt, out, service_ms);
+            let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
+            match done.completion_tokens {
+                Some(out) => {
+                    let v = f64::from(out);
+                    c.expected_output = Some(match c.expected_output {
+                        Some(prev) => prev + EWMA_ALPHA * (v - prev),
+                        None => v,
+                    });
+                    self.pools[pool.0]
+                        .estimator
+                        .observe(prompt, out, service_ms);
+                }
+                // A request that generates nothing (embeddings) reports no completion tokens:
+                // it still teaches the overhead and prefill costs. A generating request with
+                // no usage teaches nothing (its output length is unknown).
+                None if job.max_tokens == Some(0) => {
+                    self.pools[pool.0].estimator.observe(prompt, 0, service_ms);
+                }
+                None => {}
             }
         }
         Some(self.finish(now, id, job, pool, Some(started_at)))
@@ -891,13 +991,19 @@ impl Gate {
         }
         for pi in 0..self.pools.len() {
             let pool_id = PoolId(pi);
-            let slots = u64::from(self.pools[pi].slots.max(1));
-            let free = self.pools[pi].slots as usize
-                - self.pools[pi]
-                    .in_flight
-                    .len()
-                    .min(self.pools[pi].slots as usize);
-            let mut work = self.pools[pi].in_flight_remaining(now);
+            let pool = &self.pools[pi];
+            let slots = (pool.slots as usize).max(1);
+            let free = slots - pool.in_flight.len().min(slots);
+            // Per-slot remaining times, sorted once: each job's wait is a water fill of the
+            // queued work ahead of it over these (see `PoolState::wait_for_slot`).
+            let mut r: Vec<u64> = pool
+                .in_flight
+                .values()
+                .map(|&(started, est)| remaining(now, started, est))
+                .collect();
+            r.resize(slots.max(r.len()), 0);
+            r.sort_unstable();
+            let mut work = 0u64;
             let mut count = 0usize;
             let mut doomed: Vec<(JobId, u64)> = Vec::new();
             let classes = self.pools[pi].classes.clone();
@@ -928,8 +1034,12 @@ impl Gate {
                     let Some(job) = self.jobs.get(&id) else {
                         continue;
                     };
-                    let wait = if count < free { 0 } else { work / slots };
-                    if job.slack_after(now, wait).is_some_and(|s| s < 0) {
+                    let wait = if count < free {
+                        0
+                    } else {
+                        water_fill(&r, work)
+                    };
+                    if !job.protected && job.slack_after(now, wait).is_some_and(|s| s < 0) {
                         doomed.push((id, wait));
                     } else {
                         work = work.saturating_add(job.est.service_ms);

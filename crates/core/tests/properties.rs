@@ -487,7 +487,7 @@ impl Harness {
             Action::Admit => {
                 prop_assert!(matches!(
                     d.reason,
-                    Reason::WithinSlack | Reason::AdmitAlways
+                    Reason::WithinSlack | Reason::AdmitAlways | Reason::EstimatorWarmup
                 ));
                 prop_assert!(d.retry_after_ms.is_none());
                 let c = d.class.expect("admitted jobs have a class");

@@ -13,6 +13,7 @@ fn cfg(slots: u32, service_ms: f64) -> GateConfig {
             name: "free".into(),
             max_in_flight: slots,
             max_depth_factor: None,
+            max_queued: 10_000,
             prior: PriorConfig {
                 overhead_ms: service_ms,
                 prefill_ms_per_token: 0.0,
@@ -379,4 +380,176 @@ fn huge_deadline_sorts_before_best_effort() {
         ),
         "{ev:?}"
     );
+}
+
+#[test]
+fn water_fill_spreads_queued_work_over_slots_as_they_free() {
+    // Slots free at 100, 200, 1000. 300 ms of work ahead: slots 1 and 2 absorb it by
+    // t = (300 + 100 + 200) / 2 = 300 (< 1000), so the job starts at 300.
+    assert_eq!(water_fill(&[100, 200, 1000], 300), 300);
+    // Nothing ahead: the first slot to free.
+    assert_eq!(water_fill(&[100, 200, 1000], 0), 100);
+    // Free slots (0) take work at once.
+    assert_eq!(water_fill(&[0, 0, 0, 0], 400), 100);
+    // All three slots needed: (2000 + 1300) / 3 = 1100.
+    assert_eq!(water_fill(&[100, 200, 1000], 2000), 1100);
+    assert_eq!(water_fill(&[u64::MAX, u64::MAX], u64::MAX), u64::MAX);
+}
+
+#[test]
+fn one_long_job_does_not_poison_a_wide_pool() {
+    // 8 slots: 7 jobs with 500 ms to go and one 80 s batch job. A new request waits for the
+    // first of the short ones (500 ms), not the average (10.4 s).
+    let mut c = cfg(8, 500.0);
+    c.classes[1].max_queue_age_ms = None;
+    c.pools[0].prior.decode_ms_per_token = 1.0;
+    let mut g = Gate::new(c).unwrap();
+    let mut long = req(&g, "probe");
+    long.max_tokens = Some(79_500); // 500 + 79 500 x 1 ms = 80 s
+    g.offer(0, long);
+    for _ in 0..7 {
+        let mut r = req(&g, "probe");
+        r.max_tokens = Some(0);
+        g.offer(0, r);
+    }
+    drain(&mut g, 0);
+    let mut r = req(&g, "prod");
+    r.max_tokens = Some(0);
+    let d = g.offer(0, r);
+    assert_eq!(d.projected_wait_ms, 500, "{d:?}");
+    assert!(d.admitted());
+}
+
+#[test]
+fn a_stuck_slot_ages_the_queue_seed_002() {
+    // One slot held by an eval the gate expects to take 800 ms. At t = 2000 the queue is
+    // empty but the only slot has not freed for 2 s: sync (max age 1500) is rejected on age.
+    let mut c = cfg(1, 800.0);
+    c.classes[0].max_queue_age_ms = Some(1500);
+    let mut g = Gate::new(c).unwrap();
+    g.offer(0, req(&g, "eval"));
+    drain(&mut g, 0);
+    let d = g.offer(1000, req(&g, "sync"));
+    assert!(d.admitted(), "1 s in, the slot is not stuck yet: {d:?}");
+    g.cancel(1000, d.job_id);
+    let d = g.offer(2000, req(&g, "sync"));
+    assert_eq!(
+        (d.reason, d.queue_age_ms),
+        (Reason::QueueAgeExceeded, 2000),
+        "{d:?}"
+    );
+    assert_eq!(g.retry_hint(ClassId(0)), Some("dedicated_pool"));
+}
+
+#[test]
+fn warm_up_admits_on_an_idle_pool_until_the_estimator_has_learned() {
+    // The prior guesses 256 output tokens at 20 ms each (5.1 s); the deadline is 3 s. On an
+    // idle, still-learning pool the request is admitted (and never dropped on that guess).
+    let mut c = cfg(1, 100.0);
+    c.pools[0].prior.decode_ms_per_token = 20.0;
+    c.pools[0].prior.default_output_tokens = 256;
+    c.pools[0].prior.learn = true;
+    c.classes[0].deadline_ms = Some(3000);
+    let mut g = Gate::new(c).unwrap();
+    let d = g.offer(0, req(&g, "prod"));
+    assert_eq!(d.reason, Reason::EstimatorWarmup, "{d:?}");
+    let ev = drain(&mut g, 0);
+    assert!(
+        matches!(ev[..], [Event::Dispatch { .. }]),
+        "warm-up jobs are not dropped: {ev:?}"
+    );
+    // While busy, the usual rule applies.
+    let d = g.offer(0, req(&g, "prod"));
+    assert_eq!(d.reason, Reason::ProjectedWaitExceedsSlack);
+    g.cancel(0, d.job_id);
+    // After a few real completions (20 tokens in 500 ms) the estimate is the upstream's and
+    // the ordinary rule decides: a 20-token request now fits the 3 s deadline on its merits.
+    g.on_complete(
+        500,
+        JobId(1),
+        Completion {
+            ok: true,
+            prompt_tokens: Some(1),
+            completion_tokens: Some(20),
+        },
+    );
+    let mut t = 1000;
+    for _ in 0..5 {
+        let d = g.offer(t, req(&g, "prod"));
+        assert!(d.admitted(), "{d:?}");
+        drain(&mut g, t);
+        let done = Completion {
+            ok: true,
+            prompt_tokens: Some(1),
+            completion_tokens: Some(20),
+        };
+        g.on_complete(t + 500, d.job_id, done).unwrap();
+        t += 1000;
+    }
+    let d = g.offer(t, req(&g, "prod"));
+    assert_eq!(d.reason, Reason::WithinSlack, "{d:?}");
+    assert!((300..=700).contains(&d.est_service_ms), "{d:?}");
+}
+
+#[test]
+fn embeddings_cost_no_decode_and_teach_prefill() {
+    let mut c = cfg(1, 100.0);
+    c.pools[0].prior.decode_ms_per_token = 20.0;
+    c.pools[0].prior.learn = true;
+    c.classes[0].deadline_ms = Some(1000);
+    let mut g = Gate::new(c).unwrap();
+    let mut r = req(&g, "prod");
+    r.max_tokens = Some(0);
+    r.prompt_tokens = 100;
+    let d = g.offer(0, r);
+    assert_eq!(
+        (d.reason, d.est_service_ms),
+        (Reason::WithinSlack, 100),
+        "{d:?}"
+    );
+    drain(&mut g, 0);
+    // No completion tokens reported: still a sample, as output 0.
+    g.on_complete(
+        40,
+        d.job_id,
+        Completion {
+            ok: true,
+            prompt_tokens: Some(100),
+            completion_tokens: None,
+        },
+    );
+    assert_eq!(g.snapshot(40).pools[0].estimator.samples, 1);
+}
+
+#[test]
+fn absolute_deadlines_are_told_not_to_retry() {
+    let mut g = Gate::new(cfg(1, 800.0)).unwrap();
+    g.offer(0, req(&g, "prod"));
+    drain(&mut g, 0);
+    let mut r = req(&g, "prod");
+    r.deadline = Some(1000);
+    let relative = g.offer(0, r.clone());
+    assert_eq!(relative.reason, Reason::ProjectedWaitExceedsSlack);
+    assert!(relative.should_retry);
+    r.deadline_is_absolute = true;
+    let absolute = g.offer(0, r);
+    assert!(!absolute.should_retry, "{absolute:?}");
+}
+
+#[test]
+fn the_pool_queue_is_capped_for_best_effort_work_too() {
+    let mut c = cfg(1, 800.0);
+    c.pools[0].max_queued = 3;
+    c.classes[1].max_queue_age_ms = None;
+    let mut g = Gate::new(c).unwrap();
+    let reasons: Vec<Reason> = (0..6)
+        .map(|_| {
+            let d = g.offer(0, req(&g, "probe"));
+            drain(&mut g, 0);
+            d.reason
+        })
+        .collect();
+    // One runs, three queue, the rest are refused.
+    assert_eq!(&reasons[..4], &[Reason::WithinSlack; 4]);
+    assert_eq!(&reasons[4..], &[Reason::QueueDepthExceeded; 2]);
 }
