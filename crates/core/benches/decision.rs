@@ -49,6 +49,8 @@ fn config() -> GateConfig {
         pools: vec![PoolConfig {
             name: "gpu".into(),
             max_in_flight: SLOTS,
+            // The bench queues 100k jobs on purpose; the default cap is 10k.
+            max_queued: 1_000_000,
             prior: PriorConfig::default(),
             ..PoolConfig::default()
         }],
@@ -207,6 +209,23 @@ fn tick(c: &mut Criterion) {
             })
         });
         assert_eq!(gate.live_jobs(), depth + SLOTS as usize + 100);
+    }
+    // The worst case: every queued job carries a deadline (far enough that none dies), so
+    // the walk must visit each one.
+    for depth in [1_000usize, 10_000] {
+        let mut gate = Gate::new(config()).expect("valid config");
+        for _ in 0..depth + SLOTS as usize {
+            let d = gate.offer(T0, request(INTERACTIVE, Some(T0 + 1_000_000_000)));
+            assert!(d.admitted(), "{d:?}");
+            while gate.poll(T0).is_some() {}
+        }
+        group.bench_function(format!("all_deadlines/queued={depth}"), |b| {
+            b.iter(|| {
+                gate.tick(black_box(T0));
+                black_box(gate.poll(T0))
+            })
+        });
+        assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
     }
     group.finish();
 }
