@@ -46,16 +46,19 @@ impl UsageScanner {
         }
     }
 
-    /// Feed one frame of body bytes.
-    pub fn feed(&mut self, data: &[u8]) {
+    /// Feed one frame of body bytes. Returns true when this frame completed the stream's first
+    /// chunk with content: the first token reached the client (time to first token). A JSON
+    /// body never returns true: its first byte is the whole answer, not a first token.
+    pub fn feed(&mut self, data: &[u8]) -> bool {
         if !self.sse {
             if self.json.len() + data.len() <= MAX_JSON_COPY {
                 self.json.extend_from_slice(data);
             } else {
                 self.json_overflow = true;
             }
-            return;
+            return false;
         }
+        let before = self.chunks_with_content;
         for &b in data {
             if b == b'\n' {
                 let line = std::mem::take(&mut self.line);
@@ -64,6 +67,7 @@ impl UsageScanner {
                 self.line.push(b);
             }
         }
+        before == 0 && self.chunks_with_content > 0
     }
 
     fn sse_line(&mut self, line: &[u8]) {
@@ -137,7 +141,6 @@ pub struct TrackedBody<B: Body> {
     guard: Option<JobGuard>,
     scanner: UsageScanner,
     status: u16,
-    seen_first: bool,
     /// An upstream that goes silent mid-body must not hold its slot forever: after this long
     /// without a frame the body fails and the slot is released (`upstream_timeout`).
     idle: Duration,
@@ -158,7 +161,6 @@ impl<B: Body> TrackedBody<B> {
             guard: Some(guard),
             scanner: UsageScanner::new(sse),
             status,
-            seen_first: false,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
         }
@@ -217,14 +219,12 @@ where
                 let next = tokio::time::Instant::now() + this.idle;
                 this.idle_timer.as_mut().reset(next);
                 if let Some(data) = frame.data_ref() {
-                    if !data.is_empty() {
-                        if !this.seen_first {
-                            this.seen_first = true;
-                            if let Some(g) = &this.guard {
-                                g.shared().first_token(g.id());
-                            }
+                    // Time to first token: the first SSE chunk that carries content, not the
+                    // role-only preamble and not the first byte of a JSON body.
+                    if this.scanner.feed(data) {
+                        if let Some(g) = &this.guard {
+                            g.shared().first_token(g.id());
                         }
-                        this.scanner.feed(data);
                     }
                 }
                 // A body with a known length may never be polled again after its last byte
@@ -261,7 +261,7 @@ mod tests {
     #[test]
     fn reads_usage_from_json_body_split_across_frames() {
         let mut s = UsageScanner::new(false);
-        s.feed(br#"{"choices":[],"usage":{"prompt_tok"#);
+        assert!(!s.feed(br#"{"choices":[],"usage":{"prompt_tok"#));
         s.feed(br#"ens":12,"completion_tokens":7}}"#);
         assert_eq!(s.usage(), (Some(12), Some(7)));
     }
@@ -269,9 +269,9 @@ mod tests {
     #[test]
     fn counts_sse_chunks_and_prefers_reported_usage() {
         let mut s = UsageScanner::new(true);
-        s.feed(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n");
-        s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choi");
-        s.feed(b"ces\":[{\"delta\":{\"content\":\"b\"}}]}\n\n");
+        assert!(!s.feed(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n"));
+        assert!(s.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choi"));
+        assert!(!s.feed(b"ces\":[{\"delta\":{\"content\":\"b\"}}]}\n\n"));
         assert_eq!(s.tokens_so_far(), 2);
         let mut counted = UsageScanner::new(true);
         counted.feed(b"data: {\"choices\":[{\"text\":\"x\"}]}\n\ndata: [DONE]\n\n");

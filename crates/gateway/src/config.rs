@@ -22,6 +22,9 @@ use slackgate_core::{ClassConfig, ConfigError, GateConfig, PoolConfig, RetryConf
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+/// Largest `log.channel_capacity` accepted (2^24 lines).
+pub const MAX_LOG_CHANNEL_CAPACITY: usize = 1 << 24;
+
 /// Everything `slackgate serve` needs.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Config {
@@ -48,6 +51,15 @@ pub struct ServerConfig {
     /// A response body that receives nothing from upstream for this long is cut off and its
     /// slot released (ms): a stalled stream must not hold a slot until the client gives up.
     pub stream_idle_timeout_ms: u64,
+    /// A client whose connection accepts no bytes for this long (it stopped reading) is
+    /// disconnected and its job cancelled (ms): a client that never reads must not pin a slot.
+    pub client_write_timeout_ms: u64,
+    /// Longest time to receive a whole request body once its headers arrived (ms); a slower
+    /// upload gets 408 `body_read_timeout`.
+    pub body_read_timeout_ms: u64,
+    /// On shutdown, how long requests already in flight may take to finish before their
+    /// connections are closed anyway (ms).
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +70,9 @@ impl Default for ServerConfig {
             tick_ms: 50,
             upstream_timeout_ms: 600_000,
             stream_idle_timeout_ms: 120_000,
+            client_write_timeout_ms: 30_000,
+            body_read_timeout_ms: 30_000,
+            shutdown_grace_ms: 30_000,
         }
     }
 }
@@ -208,8 +223,18 @@ impl Config {
         if self.server.stream_idle_timeout_ms == 0 {
             return Err(err("server.stream_idle_timeout_ms", "must be at least 1"));
         }
-        if self.log.channel_capacity == 0 {
-            return Err(err("log.channel_capacity", "must be at least 1"));
+        if self.server.client_write_timeout_ms == 0 {
+            return Err(err("server.client_write_timeout_ms", "must be at least 1"));
+        }
+        if self.server.body_read_timeout_ms == 0 {
+            return Err(err("server.body_read_timeout_ms", "must be at least 1"));
+        }
+        if !(1..=MAX_LOG_CHANNEL_CAPACITY).contains(&self.log.channel_capacity) {
+            // tokio allocates the channel's slots up front and panics on absurd capacities.
+            return Err(err(
+                "log.channel_capacity",
+                &format!("must be between 1 and {MAX_LOG_CHANNEL_CAPACITY}"),
+            ));
         }
         for (i, p) in self.gate.pools.iter().enumerate() {
             if let Some(u) = &p.upstream {
@@ -262,6 +287,16 @@ mod tests {
         let missing = c.map(|c| c.validate()).ok();
         let path = missing.and_then(|r| r.err()).map(|e| e.path);
         assert_eq!(path.as_deref(), Some("pools[0].upstream"));
+        let e = Config::from_toml("[log]\nchannel_capacity = 16777217\n").err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("log.channel_capacity"), "{msg}");
+        assert!(Config::from_toml("[log]\nchannel_capacity = 16777216\n").is_ok());
+        let e = Config::from_toml("[server]\nclient_write_timeout_ms = 0\n").err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("server.client_write_timeout_ms"), "{msg}");
+        let e = Config::from_toml("[server]\nbody_read_timeout_ms = 0\n").err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("server.body_read_timeout_ms"), "{msg}");
         let e = Config::from_toml("this is not toml = = =").err();
         assert!(matches!(e, Some(ConfigFileError::Parse(_))));
     }

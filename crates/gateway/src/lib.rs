@@ -6,7 +6,8 @@
 //! [`state`] (the core behind a lock, waiting requests, one place where transitions are
 //! logged), [`proxy`] (the request path), [`body`] (the body wrapper that releases a slot
 //! exactly once), [`response`] (every response the gate writes), [`telemetry`] (decision
-//! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle).
+//! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle), [`stall`] (the
+//! write-stall guard that disconnects clients that stop reading).
 
 #![forbid(unsafe_code)]
 
@@ -17,6 +18,7 @@ pub mod proxy;
 pub mod request_info;
 pub mod response;
 pub mod server;
+pub mod stall;
 pub mod state;
 pub mod stats;
 pub mod telemetry;

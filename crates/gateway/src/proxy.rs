@@ -1,20 +1,21 @@
 //! The proxy path: parse, decide, wait for a slot, forward, stream back.
 //!
-//! Order of work for an OpenAI request: headers are checked first (cheap), then the body is
-//! read under a size limit and parsed, then the core decides. A rejected request never touches
+//! Order of work for an OpenAI request: the arrival time is taken and headers are checked
+//! first (cheap), then the body is read under a size and time limit and parsed, then the core
+//! decides. The deadline counts from arrival: a slow upload spends the client's budget. A rejected request never touches
 //! the upstream. An admitted one waits for its dispatch signal; while it waits, dropping the
 //! request (client gone) drops its [`JobGuard`], which takes it out of the queue.
 
 use crate::body::TrackedBody;
-use crate::request_info::{parse_body, parse_headers, BadRequest};
+use crate::request_info::{parse_body, parse_body_lenient, parse_headers, BadRequest};
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use crate::state::{Admission, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use slackgate_core::{Decision, Reason, Request as CoreRequest};
+use slackgate_core::{Action, Decision, Reason, Request as CoreRequest};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,12 +32,57 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
+/// Remove the headers that describe one hop, in either direction: the fixed list, and every
+/// header the `Connection` header names (RFC 9110 section 7.6.1: `Connection: x-trace` makes
+/// `x-trace` hop-by-hop).
 fn strip_hop_by_hop(h: &mut HeaderMap) {
+    let named: Vec<HeaderName> = h
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        h.remove(name);
+    }
     for name in HOP_BY_HOP {
         h.remove(name);
     }
+}
+
+/// Headers of a request about to be forwarded: hop-by-hop ones go, and so do `Host` and
+/// `Content-Length`, which the client sets for the upstream connection.
+fn upstream_request_headers(mut h: HeaderMap) -> HeaderMap {
+    strip_hop_by_hop(&mut h);
     h.remove(http::header::HOST);
     h.remove(http::header::CONTENT_LENGTH);
+    h
+}
+
+/// The kind of admission-controlled endpoint a `POST /v1/...` is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/embeddings`: generates no tokens.
+    Embeddings,
+    /// Any other `POST /v1/...`: body read leniently.
+    Other,
+}
+
+impl Endpoint {
+    /// The endpoint of a normalised path (no trailing slash).
+    pub fn of(path: &str) -> Endpoint {
+        match path {
+            "/v1/chat/completions" => Endpoint::Chat,
+            "/v1/completions" => Endpoint::Completions,
+            "/v1/embeddings" => Endpoint::Embeddings,
+            _ => Endpoint::Other,
+        }
+    }
 }
 
 fn bad_request(
@@ -53,11 +99,29 @@ fn bad_request(
     response::error(status, e.reason, &e.message, None, None)
 }
 
-/// Read the whole request body, refusing more than `limit` bytes.
-async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<Bytes, BadRequest> {
-    let too_large = || BadRequest {
-        reason: Reason::BodyTooLarge,
-        message: format!("request body exceeds the limit of {limit} bytes"),
+/// Why a request body could not be read.
+enum BodyError {
+    /// Too large or malformed: answered with 4xx and an `error` line.
+    Bad(BadRequest),
+    /// Not all there within `server.body_read_timeout_ms`: 408.
+    TimedOut(u64),
+    /// The client went away mid-upload: a `cancel` line.
+    ClientGone(String),
+}
+
+/// Read the whole request body, refusing more than `limit` bytes or taking longer than the
+/// configured body read timeout.
+async fn read_body(
+    shared: &Shared,
+    body: Incoming,
+    headers: &HeaderMap,
+) -> Result<Bytes, BodyError> {
+    let limit = shared.server.max_body_bytes;
+    let too_large = || {
+        BodyError::Bad(BadRequest {
+            reason: Reason::BodyTooLarge,
+            message: format!("request body exceeds the limit of {limit} bytes"),
+        })
     };
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
@@ -66,23 +130,85 @@ async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e)
+    let timeout_ms = shared.server.body_read_timeout_ms;
+    let collected = tokio::time::timeout(
+        Duration::from_millis(timeout_ms),
+        Limited::new(body, limit).collect(),
+    )
+    .await;
+    match collected {
+        Err(_) => Err(BodyError::TimedOut(timeout_ms)),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e))
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some() =>
         {
             Err(too_large())
         }
-        Err(e) => Err(BadRequest {
-            reason: Reason::InvalidJson,
-            message: format!("could not read the request body: {e}"),
-        }),
+        // A body the client framed wrongly (bad chunked encoding) is its mistake, not a cancel.
+        Ok(Err(e))
+            if e.downcast_ref::<hyper::Error>()
+                .is_some_and(|h| h.is_parse()) =>
+        {
+            Err(BodyError::Bad(BadRequest {
+                reason: Reason::InvalidJson,
+                message: format!("could not read the request body: {e}"),
+            }))
+        }
+        // Anything else is the connection ending before the body did: the client vanished.
+        Ok(Err(e)) => Err(BodyError::ClientGone(e.to_string())),
     }
 }
 
-/// Handle an admission-controlled OpenAI request.
-pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
+/// Answer (and log) a request whose body could not be read.
+fn body_failure(
+    shared: &Shared,
+    path: &str,
+    label: Option<String>,
+    e: BodyError,
+) -> Response<ResBody> {
+    match e {
+        BodyError::Bad(b) => bad_request(shared, path, label, b),
+        BodyError::TimedOut(ms) => {
+            shared.log_unqueued(
+                Action::Error,
+                response::BODY_READ_TIMEOUT,
+                Some(StatusCode::REQUEST_TIMEOUT.as_u16()),
+                path,
+                label,
+            );
+            response::body_read_timeout(ms)
+        }
+        BodyError::ClientGone(why) => {
+            // Nobody will read this answer; the line is what matters: a cancel, not bad input.
+            shared.log_unqueued(
+                Action::Cancel,
+                Reason::ClientCancelled.as_str(),
+                None,
+                path,
+                label,
+            );
+            response::error(
+                StatusCode::BAD_REQUEST,
+                Reason::ClientCancelled,
+                &format!("the connection ended during the request body: {why}"),
+                None,
+                None,
+            )
+        }
+    }
+}
+
+/// Handle an admission-controlled request (`POST /v1/...`) to an endpoint of kind `kind`.
+pub async fn admitted(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    kind: Endpoint,
+) -> Response<ResBody> {
+    // Arrival: the client's deadline budget runs from here, so the time its body takes to
+    // arrive is spent from that budget, not added on top of it.
+    let now = shared.clock.now_ms();
+    let now_epoch = epoch_ms();
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_string();
     let raw_label = parts
@@ -90,21 +216,27 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
         .get("x-job-class")
         .and_then(|v| v.to_str().ok())
         .map(|s| s.chars().take(64).collect::<String>());
-    let hinfo = match parse_headers(&parts.headers, epoch_ms()) {
+    let hinfo = match parse_headers(&parts.headers, now_epoch) {
         Ok(h) => h,
         Err(e) => return bad_request(&shared, &path, raw_label, e),
     };
-    let bytes = match read_body(body, &parts.headers, shared.server.max_body_bytes).await {
+    let bytes = match read_body(&shared, body, &parts.headers).await {
         Ok(b) => b,
-        Err(e) => return bad_request(&shared, &path, raw_label, e),
+        Err(e) => return body_failure(&shared, &path, raw_label, e),
     };
-    let binfo = match parse_body(&bytes) {
-        Ok((_, b)) => b,
-        Err(e) => return bad_request(&shared, &path, raw_label, e),
+    let binfo = match kind {
+        Endpoint::Other => parse_body_lenient(&bytes),
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Embeddings => match parse_body(&bytes) {
+            Ok((_, b)) => b,
+            Err(e) => return bad_request(&shared, &path, raw_label, e),
+        },
+    };
+    // An embedding generates no tokens: its service time is prefill only.
+    let max_tokens = match kind {
+        Endpoint::Embeddings => Some(0),
+        _ => binfo.max_tokens,
     };
 
-    let now = shared.clock.now_ms();
-    let now_epoch = epoch_ms();
     let relative = hinfo.deadline_in_ms.map(|ms| now.saturating_add(ms));
     let absolute = hinfo
         .deadline_epoch_ms
@@ -118,7 +250,7 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
         deadline,
         first_token_deadline: hinfo.first_token_in_ms.map(|ms| now.saturating_add(ms)),
         prompt_tokens: binfo.prompt_tokens,
-        max_tokens: binfo.max_tokens,
+        max_tokens,
         deadline_is_absolute: relative.is_none() && absolute.is_some(),
     };
     let meta = JobMeta {
@@ -127,6 +259,7 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
         idempotency_key: hinfo.idempotency_key.clone(),
         attempt: hinfo.attempt,
         path: path.clone(),
+        arrived_epoch_ms: now_epoch,
         ..JobMeta::default()
     };
     let label = hinfo.class_label.clone();
@@ -202,10 +335,15 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
             );
         }
     };
-    let mut headers = parts.headers.clone();
-    strip_hop_by_hop(&mut headers);
+    let mut headers = upstream_request_headers(parts.headers);
+    // The gate reads `usage` from the response as it streams past; a compressed body would
+    // hide it (and the SSE chunk boundaries), so ask the upstream for an uncompressed one.
+    headers.insert(
+        http::header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
     let mut up = Request::new(Full::new(bytes));
-    *up.method_mut() = parts.method.clone();
+    *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
     *up.headers_mut() = headers;
 
@@ -259,9 +397,7 @@ pub async fn admitted(shared: Arc<Shared>, req: Request<Incoming>) -> Response<R
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    for name in HOP_BY_HOP {
-        rparts.headers.remove(name);
-    }
+    strip_hop_by_hop(&mut rparts.headers);
     let h = &mut rparts.headers;
     h.insert("x-slackgate-job-id", HeaderValue::from(decision.job_id.0));
     h.insert(
@@ -319,14 +455,14 @@ fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
     )
 }
 
-/// Forward a request that is not admission-controlled (`GET /v1/models`, ...) to the first
-/// pool's upstream, unchanged.
+/// Forward a request that is not admission-controlled (`GET /v1/models`, any non-POST under
+/// `/v1`) to the first pool's upstream, unchanged but for hop-by-hop headers.
 pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_string();
-    let bytes = match read_body(body, &parts.headers, shared.server.max_body_bytes).await {
+    let bytes = match read_body(&shared, body, &parts.headers).await {
         Ok(b) => b,
-        Err(e) => return bad_request(&shared, &path, None, e),
+        Err(e) => return body_failure(&shared, &path, None, e),
     };
     let Some(base) = shared.upstreams.first() else {
         return response::error(
@@ -349,8 +485,7 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             )
         }
     };
-    let mut headers = parts.headers;
-    strip_hop_by_hop(&mut headers);
+    let headers = upstream_request_headers(parts.headers);
     let mut up = Request::new(Full::new(bytes));
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
@@ -359,9 +494,7 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     match tokio::time::timeout(limit, shared.client.request(up)).await {
         Ok(Ok(r)) => {
             let (mut p, b) = r.into_parts();
-            for name in HOP_BY_HOP {
-                p.headers.remove(name);
-            }
+            strip_hop_by_hop(&mut p.headers);
             Response::from_parts(
                 p,
                 b.map_err(|e| -> crate::response::BoxError { Box::new(e) })

@@ -211,6 +211,20 @@ pub fn parse_body(bytes: &[u8]) -> Result<(serde_json::Value, BodyInfo), BadRequ
     Ok((v, info))
 }
 
+/// Read the body of a request to an endpoint the gate does not know in detail
+/// (`/v1/responses`, `/v1/audio/transcriptions`, ...): a JSON object is parsed as
+/// [`parse_body`] does; anything else (multipart, binary, a JSON array) is never refused, and
+/// its prompt is estimated as body bytes / 4 (at least 1), with no output cap.
+pub fn parse_body_lenient(bytes: &[u8]) -> BodyInfo {
+    match parse_body(bytes) {
+        Ok((_, info)) => info,
+        Err(_) => BodyInfo {
+            prompt_tokens: (bytes.len() as u64 / 4).clamp(1, u64::from(u32::MAX)) as u32,
+            ..BodyInfo::default()
+        },
+    }
+}
+
 /// Characters of text in a content value: a string, an array of strings, or an array of
 /// content parts (`{"type": "text", "text": ...}`). Token-id arrays count one token each
 /// (four characters).
@@ -312,6 +326,12 @@ mod tests {
                 Some(Reason::InvalidJson)
             );
         }
+        let b =
+            parse_body_lenient(b"--boundary\r\ncontent-disposition: form-data\r\n\r\n0123456789");
+        assert_eq!((b.prompt_tokens, b.max_tokens), (14, None));
+        let b = parse_body_lenient(br#"{"input":"12345678","max_output_tokens":5,"max_tokens":3}"#);
+        assert_eq!((b.prompt_tokens, b.max_tokens), (2, Some(3)));
+        assert_eq!(parse_body_lenient(b"").prompt_tokens, 1);
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
         assert!(
             parse_body(deep.as_bytes()).is_err(),

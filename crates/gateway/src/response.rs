@@ -62,15 +62,33 @@ pub struct RetryAdvice {
 /// The error type string OpenAI-style clients see for each family of reasons.
 fn error_type(reason: Reason) -> &'static str {
     match reason {
-        Reason::InvalidJson | Reason::BodyTooLarge | Reason::InvalidDeadline => {
-            "invalid_request_error"
-        }
+        Reason::InvalidJson
+        | Reason::BodyTooLarge
+        | Reason::InvalidDeadline
+        | Reason::ClientCancelled => "invalid_request_error",
         Reason::UpstreamUnavailable | Reason::UpstreamTimeout | Reason::UpstreamError => {
             "upstream_error"
         }
         Reason::ShuttingDown => "service_unavailable",
         _ => "admission_rejected",
     }
+}
+
+/// Reason code of a request whose body did not arrive within `server.body_read_timeout_ms`.
+/// Not an admission-core reason (the core never sees the request), so it lives here, the one
+/// place the gateway writes its own responses; the decision log uses this same constant.
+pub const BODY_READ_TIMEOUT: &str = "body_read_timeout";
+
+/// 408: the request body did not arrive within `limit_ms`.
+pub fn body_read_timeout(limit_ms: u64) -> Response<ResBody> {
+    with_code(
+        StatusCode::REQUEST_TIMEOUT,
+        BODY_READ_TIMEOUT,
+        "invalid_request_error",
+        &format!("the request body did not arrive within {limit_ms} ms"),
+        None,
+        None,
+    )
 }
 
 /// Build an error response with the one body shape every client can parse.
@@ -81,12 +99,30 @@ pub fn error(
     admission: Option<&AdmissionBody>,
     retry: Option<RetryAdvice>,
 ) -> Response<ResBody> {
+    with_code(
+        status,
+        reason.as_str(),
+        error_type(reason),
+        message,
+        admission,
+        retry,
+    )
+}
+
+fn with_code(
+    status: StatusCode,
+    code: &'static str,
+    kind: &'static str,
+    message: &str,
+    admission: Option<&AdmissionBody>,
+    retry: Option<RetryAdvice>,
+) -> Response<ResBody> {
     let body = serde_json::json!({
         "error": {
             "message": message,
-            "type": error_type(reason),
+            "type": kind,
             "param": null,
-            "code": reason.as_str(),
+            "code": code,
         },
         "admission": admission,
     });
@@ -98,10 +134,7 @@ pub fn error(
         http::header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    h.insert(
-        "x-slackgate-reason",
-        HeaderValue::from_static(reason.as_str()),
-    );
+    h.insert("x-slackgate-reason", HeaderValue::from_static(code));
     if let Some(r) = retry {
         // Whole seconds, rounded up (RFC 9110), and the exact figure for SDKs that read it.
         let secs = r.after_ms.div_ceil(1000).max(1);

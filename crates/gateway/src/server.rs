@@ -3,29 +3,51 @@
 //! The entry point takes an already-bound listener (mini-redis style) so tests bind
 //! `127.0.0.1:0` and never fight over ports. One tokio task per connection; one timer task
 //! ticks the core so queued jobs whose slack died are dropped promptly.
+//!
+//! Shutdown is graceful: the listener closes, every open connection is told to finish the
+//! response it is writing and then close, and the gate waits (up to
+//! `server.shutdown_grace_ms`) for those responses, so requests in flight complete and get
+//! their `complete` lines before the decision log is flushed.
 
 use crate::config::Config;
 use crate::proxy;
 use crate::response::{self, ResBody};
+use crate::stall::WriteStallGuard;
 use crate::state::Shared;
 use crate::telemetry::DecisionLog;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// Longest time a client may take to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Route one request.
+///
+/// Every `POST /v1/...` is admission-controlled: the three OpenAI JSON endpoints require a
+/// JSON object body; any other one (`/v1/responses`, `/v1/audio/transcriptions`, ...) is
+/// admitted through the gate too, with its body read leniently. Other methods under `/v1`
+/// (`GET /v1/models`) are passed through unchanged.
 pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
     let path = req.uri().path();
+    // `/v1/chat/completions/` is the same endpoint as `/v1/chat/completions`.
+    let endpoint = match path.trim_end_matches('/') {
+        "" => "/",
+        p => p,
+    };
+    if req.method() == Method::POST && endpoint.starts_with("/v1/") {
+        let kind = proxy::Endpoint::of(endpoint);
+        return proxy::admitted(shared, req, kind).await;
+    }
     match (req.method(), path) {
-        (&Method::POST, "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings") => {
-            proxy::admitted(shared, req).await
-        }
         (&Method::GET, "/healthz") => response::text("text/plain", "ok\n".into()),
         (&Method::GET, "/metrics") => {
             let snap = shared.snapshot();
@@ -75,7 +97,8 @@ impl Gateway {
         &self.shared
     }
 
-    /// Stop accepting, then flush the decision log.
+    /// Stop accepting, let every open connection finish the response it is writing (up to
+    /// `server.shutdown_grace_ms`), then flush the decision log.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
@@ -83,7 +106,8 @@ impl Gateway {
     }
 }
 
-/// Serve until `shutdown` resolves, then flush the decision log.
+/// Serve until `shutdown` resolves, drain open connections (up to
+/// `server.shutdown_grace_ms`), then flush the decision log.
 pub async fn run(
     listener: TcpListener,
     cfg: &Config,
@@ -97,52 +121,82 @@ pub async fn run(
 }
 
 async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
-    let ticker = tokio::spawn(tick_loop(Arc::clone(&shared), stopped.clone()));
+    // The ticker runs until the very end: jobs still queued during the grace period must be
+    // dropped when their slack dies, as at any other time.
+    let ticker = tokio::spawn(tick_loop(Arc::clone(&shared)));
+    let mut conns = JoinSet::new();
     loop {
         tokio::select! {
             _ = stopped.changed() => break,
+            // Reap finished connection tasks so the set does not grow with every connection.
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
             accepted = listener.accept() => {
                 let (stream, _) = match accepted {
                     Ok(a) => a,
                     // Out of file descriptors and the like: back off briefly, keep serving.
                     Err(_) => {
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
                 };
-                let _ = stream.set_nodelay(true);
-                let shared = Arc::clone(&shared);
-                let mut conn_stop = stopped.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let shared = Arc::clone(&shared);
-                        async move { Ok::<_, std::convert::Infallible>(route(shared, req).await) }
-                    });
-                    let conn = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc);
-                    tokio::pin!(conn);
-                    tokio::select! {
-                        _ = conn.as_mut() => {}
-                        _ = conn_stop.changed() => {
-                            conn.as_mut().graceful_shutdown();
-                            let _ = conn.await;
-                        }
-                    }
-                });
+                conns.spawn(connection(stream, Arc::clone(&shared), stopped.clone()));
             }
         }
+    }
+    // Stop accepting: new connections are refused from here on.
+    drop(listener);
+    // Every connection task saw the stop signal too and called `graceful_shutdown`: it ends
+    // once the response in progress is written. Wait for them, but not forever.
+    let grace = Duration::from_millis(shared.server.shutdown_grace_ms);
+    let drained =
+        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        // Past the grace period: close what is left. Aborting drops each response body, whose
+        // guard cancels its job (and logs it); wait for that to happen before the log flush.
+        conns.shutdown().await;
     }
     ticker.abort();
 }
 
-async fn tick_loop(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
-    let period = std::time::Duration::from_millis(shared.server.tick_ms.max(1));
+/// Serve one client connection until it closes, or until shutdown once its response is done.
+async fn connection(
+    stream: tokio::net::TcpStream,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let write_timeout = Duration::from_millis(shared.server.client_write_timeout_ms);
+    let io = TokioIo::new(WriteStallGuard::new(stream, write_timeout));
+    let svc = service_fn(move |req| {
+        let shared = Arc::clone(&shared);
+        async move { Ok::<_, std::convert::Infallible>(route(shared, req).await) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(io, svc);
+    tokio::pin!(conn);
+    // A connection accepted just as the stop signal went out may never see the change.
+    if *stop.borrow_and_update() {
+        conn.as_mut().graceful_shutdown();
+        let _ = conn.await;
+        return;
+    }
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        }
+    }
+}
+
+async fn tick_loop(shared: Arc<Shared>) {
+    let period = Duration::from_millis(shared.server.tick_ms.max(1));
     let mut interval = tokio::time::interval(period);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tokio::select! {
-            _ = stopped.changed() => return,
-            _ = interval.tick() => shared.tick(),
-        }
+        interval.tick().await;
+        shared.tick();
     }
 }

@@ -66,6 +66,19 @@ pub struct CoreState {
     /// The admission core.
     pub gate: Gate,
     waiting: HashMap<JobId, Waiting>,
+    /// Sequence number of the last log line; every line gets the next one under this lock,
+    /// so `seq` is the order in which the core decided.
+    seq: u64,
+}
+
+impl CoreState {
+    /// Number `lines` in order, continuing the sequence.
+    fn number(&mut self, lines: &mut [LogLine]) {
+        for line in lines {
+            self.seq += 1;
+            line.seq = self.seq;
+        }
+    }
 }
 
 /// Monotonic milliseconds since the gate started: the core's clock.
@@ -160,6 +173,7 @@ impl Shared {
             core: Mutex::new(CoreState {
                 gate,
                 waiting: HashMap::new(),
+                seq: 0,
             }),
             clock: Clock::new(),
             metrics: Metrics::default(),
@@ -183,6 +197,7 @@ impl Shared {
             let now = self.clock.now_ms();
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
+            st.number(&mut lines);
             r
         };
         for line in &lines {
@@ -217,7 +232,9 @@ impl Shared {
                 .pool
                 .map(|p| st.gate.pool_name(p).to_string())
                 .unwrap_or_default();
-            meta.arrived_epoch_ms = epoch_ms();
+            if meta.arrived_epoch_ms == 0 {
+                meta.arrived_epoch_ms = epoch_ms();
+            }
             meta.tokens_held = u64::from(req.prompt_tokens) + u64::from(d.expected_output_tokens);
             let hint = d
                 .class
@@ -256,7 +273,7 @@ impl Shared {
         self.with_core(|st, _, _| st.gate.config().admit_always)
     }
 
-    /// The first byte of a job's response arrived.
+    /// The first generated token of a job's (streamed) response arrived.
     pub fn first_token(&self, id: JobId) {
         self.with_core(|st, now, _| st.gate.on_first_token(now, id));
     }
@@ -273,17 +290,39 @@ impl Shared {
 
     /// Log and count a request refused before it reached the core (bad input).
     pub fn log_error(&self, reason: Reason, status: u16, path: &str, label: Option<String>) {
-        let line = LogLine {
+        self.log_unqueued(Action::Error, reason.as_str(), Some(status), path, label);
+    }
+
+    /// Log and count a request that ended before it reached the core: `action` is `error`
+    /// (bad input, with the `status` answered) or `cancel` (the client vanished mid-upload).
+    /// `reason` is a reason code; the few codes that are not core reasons (such as
+    /// `body_read_timeout`) are defined in [`crate::response`].
+    pub fn log_unqueued(
+        &self,
+        action: Action,
+        reason: &'static str,
+        status: Option<u16>,
+        path: &str,
+        label: Option<String>,
+    ) {
+        let mut lines = vec![LogLine {
             ts_ms: epoch_ms(),
-            action: Action::Error.as_str(),
-            reason: reason.as_str(),
-            status: Some(status),
+            action: action.as_str(),
+            reason,
+            status,
             path: Some(path.to_string()),
             class_label: label,
             ..LogLine::default()
-        };
-        self.metrics.observe(&line);
-        self.log.log(&line);
+        }];
+        // Numbered under the core lock, like every other line, so `seq` is one total order.
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .number(&mut lines);
+        for line in &lines {
+            self.metrics.observe(line);
+            self.log.log(line);
+        }
     }
 
     fn end(&self, id: JobId, outcome: Option<Outcome>, wasted: u64) {
@@ -300,8 +339,10 @@ impl Shared {
                 ),
                 None => st.gate.cancel(now, id),
             };
-            let waiting = st.waiting.remove(&id);
-            if let (Some(c), Some(w)) = (ended, waiting) {
+            // Only a job the core really ended loses its waiter: if the core did not know the
+            // job (already dropped, or ended by another path) the entry is not ours to touch.
+            let Some(c) = ended else { return };
+            if let Some(w) = st.waiting.remove(&id) {
                 lines.push(end_line(&c, &w.meta, outcome, wasted));
             }
         });
@@ -364,15 +405,18 @@ fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 ..
             } => {
                 let Some(w) = st.waiting.get_mut(&job_id) else {
+                    // Nobody waits for this job (its request is gone): a slot must not stay
+                    // taken by it, so end it in the core at once. Its end line went out with
+                    // whichever path removed the waiter.
+                    let _ = st.gate.cancel(now, job_id);
                     continue;
                 };
-                let mut line = base_line(job_id, &w.meta, Action::Dispatch, Reason::WithinSlack);
+                let mut line = base_line(job_id, &w.meta, Action::Dispatch, Reason::SlotFree);
                 line.queue_age_ms = Some(queue_wait_ms);
                 line.deadline_slack_ms = deadline_slack_ms;
                 line.est_service_ms = Some(est_service_ms);
                 line.in_flight = Some(in_flight);
                 line.depth = Some(depth);
-                line.reason = "slot_free";
                 lines.push(line);
                 let sent =
                     w.tx.take()
@@ -517,3 +561,7 @@ fn admission_body(d: &Decision, meta: &JobMeta, retry_hint: Option<String>) -> A
         job_class: (!meta.class.is_empty()).then(|| meta.class.clone()),
     }
 }
+
+#[cfg(test)]
+#[path = "state_tests.rs"]
+mod tests;

@@ -18,6 +18,10 @@ use tokio::sync::{mpsc, oneshot};
 pub struct LogLine {
     /// Wall-clock time of the event, epoch milliseconds.
     pub ts_ms: u64,
+    /// Position of the line in the order the gate decided (assigned under the core lock,
+    /// strictly increasing, starting at 1): lines are written by several threads, so their
+    /// order in the file may differ; sort by `seq` to replay the core's order exactly.
+    pub seq: u64,
     /// Job id assigned by the gate.
     pub job_id: u64,
     /// Resolved class.
@@ -81,7 +85,7 @@ pub struct DecisionLog {
 /// Lines written and dropped.
 #[derive(Debug, Default)]
 pub struct LogCounters {
-    /// Lines handed to the writer.
+    /// Lines written to the sink (after the write succeeded).
     pub written: AtomicU64,
     /// Lines dropped because the channel was full (or the writer died).
     pub dropped: AtomicU64,
@@ -163,10 +167,11 @@ async fn writer(
     let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
     while let Some(msg) = rx.recv().await {
         let mut acks = Vec::new();
+        let mut lines: u64 = 0;
         let mut take = |m: Msg, buf: &mut Vec<u8>| match m {
             Msg::Line(s) => {
                 buf.extend_from_slice(s.as_bytes());
-                counters.written.fetch_add(1, Ordering::Relaxed);
+                lines += 1;
             }
             Msg::Flush(ack) => acks.push(ack),
         };
@@ -178,10 +183,12 @@ async fn writer(
                 Err(_) => break,
             }
         }
-        if sink.write_all(&buf).await.is_err() || sink.flush().await.is_err() {
-            // The sink is gone (closed pipe, full disk): count what we could not write.
-            let lost = buf.iter().filter(|b| **b == b'\n').count() as u64;
-            counters.dropped.fetch_add(lost, Ordering::Relaxed);
+        // A line counts as written only once the write succeeded; a failed batch (closed
+        // pipe, full disk) counts as dropped only, so the two counters never overlap.
+        if sink.write_all(&buf).await.is_ok() && sink.flush().await.is_ok() {
+            counters.written.fetch_add(lines, Ordering::Relaxed);
+        } else {
+            counters.dropped.fetch_add(lines, Ordering::Relaxed);
         }
         buf.clear();
         for ack in acks {

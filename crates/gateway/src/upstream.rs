@@ -15,13 +15,23 @@ use hyper_util::rt::TokioExecutor;
 /// The client every pool shares (connection pooling per upstream host).
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
 
+/// How long an idle upstream connection is kept for reuse.
+pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+
 /// Build the shared client.
 pub fn client() -> UpstreamClient {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.set_connect_timeout(Some(std::time::Duration::from_secs(5)));
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(std::time::Duration::from_secs(30))
+        // Below the 5 s keep-alive of uvicorn (vLLM) and similar servers: the gate must give up
+        // an idle connection before the upstream does, or it writes a request onto a socket
+        // the upstream is closing and gets a spurious reset.
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        // The default, made explicit: a request found to be on a dead pooled connection
+        // before any byte of it was written is retried once on a fresh connection (safe: the
+        // upstream never saw it).
+        .retry_canceled_requests(true)
         .build(http)
 }
 
@@ -109,6 +119,12 @@ mod tests {
             target("http://h:1/openai", "/v1/embeddings"),
             "http://h:1/openai/v1/embeddings"
         );
+    }
+
+    #[test]
+    fn idle_connections_are_given_up_before_a_uvicorn_upstream_closes_them() {
+        // uvicorn (vLLM's server) closes keep-alive connections idle for 5 s.
+        assert!(POOL_IDLE_TIMEOUT < std::time::Duration::from_secs(5));
     }
 
     #[test]
