@@ -168,6 +168,9 @@ pub struct RetryConfig {
     pub max_useful_retry_after_ms: u64,
     /// Retry-After for rejections no retry can fix soon (class disabled, unlabeled).
     pub hopeless_retry_after_ms: u64,
+    /// Up to this many percent are added to each Retry-After (deterministically per job) so
+    /// clients rejected together do not all come back at the same instant.
+    pub jitter_percent: u32,
 }
 
 impl Default for RetryConfig {
@@ -176,6 +179,7 @@ impl Default for RetryConfig {
             min_retry_after_ms: 1_000,
             max_useful_retry_after_ms: 30_000,
             hopeless_retry_after_ms: 60_000,
+            jitter_percent: 20,
         }
     }
 }
@@ -310,6 +314,12 @@ impl GateConfig {
             }
         }
         let r = &self.retry;
+        if r.jitter_percent > 100 {
+            return Err(ConfigError::new(
+                "retry.jitter_percent",
+                "must be between 0 and 100",
+            ));
+        }
         if r.min_retry_after_ms > r.max_useful_retry_after_ms {
             return Err(ConfigError::new(
                 "retry.min_retry_after_ms",

@@ -415,6 +415,26 @@ impl PoolState {
     }
 }
 
+/// Spread rejected clients out: add 0 to `percent`% to a Retry-After, deterministically from
+/// the job id (splitmix64), so clients rejected together do not return in lockstep and the
+/// same inputs still give the same decisions.
+fn jitter(after_ms: u64, job_id: JobId, percent: u32) -> u64 {
+    if percent == 0 || after_ms == 0 {
+        return after_ms;
+    }
+    let mut z = job_id.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let span = u128::from(after_ms) * u128::from(percent.min(100)) / 100;
+    let extra = if span == 0 {
+        0
+    } else {
+        u128::from(z) % (span + 1)
+    };
+    (u128::from(after_ms) + extra).min(u128::from(u64::MAX)) as u64
+}
+
 /// Smallest `t >= r[0]` with `sum(max(0, t - r_i)) >= work`, for `r` sorted ascending.
 fn water_fill(r: &[u64], work: u64) -> u64 {
     let mut prefix: u128 = 0;
@@ -713,7 +733,8 @@ impl Gate {
             }
             Err(reason) => {
                 d.reason = reason;
-                let (after, retry) = self.retry_after(reason, wait, slack_ms, count_ahead, pool);
+                let (after, retry) =
+                    self.retry_after(job_id, reason, wait, slack_ms, count_ahead, pool);
                 d.retry_after_ms = Some(after);
                 // With an absolute deadline the slack shrinks exactly as fast as the queue
                 // drains: the same request retried later can never fit.
@@ -741,6 +762,7 @@ impl Gate {
     /// Retry-After from the projected drain time: how long until the wait would fit.
     fn retry_after(
         &self,
+        job_id: JobId,
         reason: Reason,
         wait: u64,
         slack_ms: Option<i64>,
@@ -769,7 +791,8 @@ impl Gate {
             _ => wait,
         };
         let after = need.max(r.min_retry_after_ms);
-        (after, after <= r.max_useful_retry_after_ms)
+        let useful = after <= r.max_useful_retry_after_ms;
+        (jitter(after, job_id, r.jitter_percent), useful)
     }
 
     fn rejection(&self, job_id: JobId, class: Option<ClassId>, reason: Reason) -> Decision {

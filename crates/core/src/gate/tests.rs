@@ -110,8 +110,10 @@ fn projected_wait_counts_in_flight_and_queued_work_ahead() {
     let last = g.offer(0, req(&g, "prod"));
     assert_eq!(last.reason, Reason::ProjectedWaitExceedsSlack);
     assert_eq!(last.deadline_slack_ms, Some(3200));
-    // Retry-After: the wait must shrink by 4000 - 3200 = 800 ms, floored at 1000 ms.
-    assert_eq!(last.retry_after_ms, Some(1000));
+    // Retry-After: the wait must shrink by 4000 - 3200 = 800 ms, floored at 1000 ms, plus up
+    // to 20% jitter.
+    let after = last.retry_after_ms.unwrap();
+    assert!((1000..=1200).contains(&after), "{after}");
     assert!(last.should_retry);
 }
 
@@ -552,4 +554,27 @@ fn the_pool_queue_is_capped_for_best_effort_work_too() {
     // One runs, three queue, the rest are refused.
     assert_eq!(&reasons[..4], &[Reason::WithinSlack; 4]);
     assert_eq!(&reasons[4..], &[Reason::QueueDepthExceeded; 2]);
+}
+
+#[test]
+fn retry_after_is_jittered_deterministically() {
+    // Five clients rejected at the same instant for the same reason get spread-out times,
+    // each within [base, base x 1.2], and the same job id always gets the same figure.
+    let mut g = Gate::new(cfg(1, 800.0)).unwrap();
+    for _ in 0..6 {
+        g.offer(0, req(&g, "prod"));
+        drain(&mut g, 0);
+    }
+    let afters: Vec<u64> = (0..5)
+        .map(|_| g.offer(0, req(&g, "prod")).retry_after_ms.unwrap())
+        .collect();
+    let distinct: std::collections::BTreeSet<_> = afters.iter().collect();
+    assert!(distinct.len() >= 4, "{afters:?}");
+    assert!(
+        afters.iter().all(|a| (1000..=1200).contains(a)),
+        "{afters:?}"
+    );
+    assert_eq!(jitter(1000, JobId(42), 20), jitter(1000, JobId(42), 20));
+    assert_eq!(jitter(1000, JobId(42), 0), 1000);
+    assert!(jitter(u64::MAX, JobId(1), 100) == u64::MAX);
 }
