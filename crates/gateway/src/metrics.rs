@@ -6,7 +6,7 @@
 //! dashboards in `deploy/` use them.
 
 use crate::telemetry::LogCounters;
-use slackgate_core::GateSnapshot;
+use slackgate_core::{ClassSnapshot, GateSnapshot, PoolSnapshot};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -159,223 +159,228 @@ impl Metrics {
     pub fn render(&self, snap: &GateSnapshot, log: &LogCounters) -> String {
         let mut out = String::with_capacity(8 * 1024);
         let o = &mut out;
-        header(
-            o,
-            "slackgate_queue_oldest_age_seconds",
-            "gauge",
-            "Age of the oldest queued job, per class.",
-        );
-        for c in &snap.classes {
-            let _ = writeln!(
+        let class_labels =
+            |c: &ClassSnapshot| format!("class=\"{}\",pool=\"{}\"", esc(&c.name), esc(&c.pool));
+        let pool_label = |p: &PoolSnapshot| format!("pool=\"{}\"", esc(&p.name));
+        type ClassGauge = (&'static str, &'static str, fn(&ClassSnapshot) -> f64);
+        let class_gauges: [ClassGauge; 3] = [
+            (
+                "slackgate_queue_oldest_age_seconds",
+                "Age of the oldest queued job, per class.",
+                |c| ms_to_s(c.oldest_queue_age_ms),
+            ),
+            ("slackgate_queue_depth", "Jobs queued, per class.", |c| {
+                f64::from(c.depth)
+            }),
+            (
+                "slackgate_projected_wait_seconds",
+                "Projected wait a new request of the class would see now.",
+                |c| ms_to_s(c.projected_wait_ms),
+            ),
+        ];
+        for (name, help, value) in class_gauges {
+            family(
                 o,
-                "slackgate_queue_oldest_age_seconds{{class=\"{}\",pool=\"{}\"}} {}",
-                esc(&c.name),
-                esc(&c.pool),
-                ms_to_s(c.oldest_queue_age_ms)
+                name,
+                "gauge",
+                help,
+                snap.classes.iter().map(|c| (class_labels(c), value(c))),
             );
         }
-        header(
-            o,
-            "slackgate_queue_depth",
-            "gauge",
-            "Jobs queued, per class.",
-        );
-        for c in &snap.classes {
-            let _ = writeln!(
-                o,
-                "slackgate_queue_depth{{class=\"{}\",pool=\"{}\"}} {}",
-                esc(&c.name),
-                esc(&c.pool),
-                c.depth
-            );
-        }
-        header(
-            o,
-            "slackgate_projected_wait_seconds",
-            "gauge",
-            "Projected wait a new request of the class would see now.",
-        );
-        for c in &snap.classes {
-            let _ = writeln!(
-                o,
-                "slackgate_projected_wait_seconds{{class=\"{}\",pool=\"{}\"}} {}",
-                esc(&c.name),
-                esc(&c.pool),
-                ms_to_s(c.projected_wait_ms)
-            );
-        }
-        header(
+        family(
             o,
             "slackgate_class_enabled",
             "gauge",
             "1 when the class admits work.",
+            snap.classes.iter().map(|c| {
+                (
+                    format!("class=\"{}\"", esc(&c.name)),
+                    f64::from(u8::from(c.enabled)),
+                )
+            }),
         );
-        for c in &snap.classes {
-            let _ = writeln!(
+        type PoolGauge = (
+            &'static str,
+            &'static str,
+            &'static str,
+            fn(&PoolSnapshot) -> f64,
+        );
+        let pool_gauges: [PoolGauge; 7] = [
+            (
+                "slackgate_in_flight",
+                "gauge",
+                "Requests holding an upstream slot, per pool.",
+                |p| f64::from(p.in_flight),
+            ),
+            (
+                "slackgate_in_flight_oldest_age_seconds",
+                "gauge",
+                "How long the oldest in-flight request has held its slot, per pool.",
+                |p| ms_to_s(p.oldest_in_flight_age_ms),
+            ),
+            (
+                "slackgate_slots",
+                "gauge",
+                "Configured max_in_flight, per pool.",
+                |p| f64::from(p.slots),
+            ),
+            (
+                "slackgate_estimator_overhead_seconds",
+                "gauge",
+                "Learned fixed cost per request.",
+                |p| p.estimator.overhead_ms / 1000.0,
+            ),
+            (
+                "slackgate_estimator_prefill_seconds_per_token",
+                "gauge",
+                "Learned cost per prompt token.",
+                |p| p.estimator.prefill_ms_per_token / 1000.0,
+            ),
+            (
+                "slackgate_estimator_decode_seconds_per_token",
+                "gauge",
+                "Learned cost per output token.",
+                |p| p.estimator.decode_ms_per_token / 1000.0,
+            ),
+            (
+                "slackgate_estimator_samples_total",
+                "counter",
+                "Completions the estimator learned from.",
+                |p| p.estimator.samples as f64,
+            ),
+        ];
+        for (name, kind, help, value) in pool_gauges {
+            family(
                 o,
-                "slackgate_class_enabled{{class=\"{}\"}} {}",
-                esc(&c.name),
-                u8::from(c.enabled)
+                name,
+                kind,
+                help,
+                snap.pools.iter().map(|p| (pool_label(p), value(p))),
             );
         }
-        header(
-            o,
-            "slackgate_in_flight",
-            "gauge",
-            "Requests holding an upstream slot, per pool.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_in_flight{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                p.in_flight
-            );
-        }
-        header(
-            o,
-            "slackgate_in_flight_oldest_age_seconds",
-            "gauge",
-            "How long the oldest in-flight request has held its slot, per pool.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_in_flight_oldest_age_seconds{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                ms_to_s(p.oldest_in_flight_age_ms)
-            );
-        }
-        header(
-            o,
-            "slackgate_slots",
-            "gauge",
-            "Configured max_in_flight, per pool.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_slots{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                p.slots
-            );
-        }
-        header(
-            o,
-            "slackgate_estimator_overhead_seconds",
-            "gauge",
-            "Learned fixed cost per request.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_estimator_overhead_seconds{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                p.estimator.overhead_ms / 1000.0
-            );
-        }
-        header(
-            o,
-            "slackgate_estimator_prefill_seconds_per_token",
-            "gauge",
-            "Learned cost per prompt token.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_estimator_prefill_seconds_per_token{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                p.estimator.prefill_ms_per_token / 1000.0
-            );
-        }
-        header(
-            o,
-            "slackgate_estimator_decode_seconds_per_token",
-            "gauge",
-            "Learned cost per output token.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_estimator_decode_seconds_per_token{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                p.estimator.decode_ms_per_token / 1000.0
-            );
-        }
-        header(
-            o,
-            "slackgate_estimator_samples_total",
-            "counter",
-            "Completions the estimator learned from.",
-        );
-        for p in &snap.pools {
-            let _ = writeln!(
-                o,
-                "slackgate_estimator_samples_total{{pool=\"{}\"}} {}",
-                esc(&p.name),
-                p.estimator.samples
-            );
-        }
-        header(
+        family(
             o,
             "slackgate_admit_always",
             "gauge",
             "1 when the admit_always rollback flag is set.",
+            std::iter::once((String::new(), f64::from(u8::from(snap.admit_always)))),
         );
-        let _ = writeln!(o, "slackgate_admit_always {}", u8::from(snap.admit_always));
-        header(
+        family(
             o,
             "slackgate_log_lines_total",
             "counter",
             "Decision log lines written.",
+            std::iter::once((String::new(), log.written.load(Ordering::Relaxed) as f64)),
         );
-        let _ = writeln!(
-            o,
-            "slackgate_log_lines_total {}",
-            log.written.load(Ordering::Relaxed)
-        );
-        header(
+        family(
             o,
             "slackgate_log_dropped_total",
             "counter",
             "Decision log lines dropped (writer too slow or gone).",
-        );
-        let _ = writeln!(
-            o,
-            "slackgate_log_dropped_total {}",
-            log.dropped.load(Ordering::Relaxed)
+            std::iter::once((String::new(), log.dropped.load(Ordering::Relaxed) as f64)),
         );
 
         self.with(|m| {
-            header(o, "slackgate_decisions_total", "counter", "Decisions, drops, completions and errors by class, action and reason.");
-            for ((class, action, reason), n) in &m.decisions {
-                let _ = writeln!(o, "slackgate_decisions_total{{class=\"{}\",action=\"{action}\",reason=\"{reason}\"}} {n}", esc(class));
-            }
-            header(o, "slackgate_slo_breaches_total", "counter", "Requests that completed after their deadline.");
-            for (class, n) in &m.slo_breaches {
-                let _ = writeln!(o, "slackgate_slo_breaches_total{{class=\"{}\"}} {n}", esc(class));
-            }
-            header(o, "slackgate_tokens_held", "gauge", "Tokens reserved by admitted, unfinished requests.");
-            for (class, n) in &m.tokens_held {
-                let _ = writeln!(o, "slackgate_tokens_held{{class=\"{}\"}} {n}", esc(class));
-            }
-            header(o, "slackgate_tokens_spent_total", "counter", "Tokens the upstream reported for served requests.");
-            for (class, n) in &m.tokens_spent {
-                let _ = writeln!(o, "slackgate_tokens_spent_total{{class=\"{}\"}} {n}", esc(class));
-            }
-            header(o, "slackgate_tokens_wasted_total", "counter", "Tokens generated for clients that went away.");
-            for (class, n) in &m.tokens_wasted {
-                let _ = writeln!(o, "slackgate_tokens_wasted_total{{class=\"{}\"}} {n}", esc(class));
-            }
-            header(o, "slackgate_upstream_responses_total", "counter", "Upstream responses by status (0: none: refused, reset or timed out).");
-            for ((pool, status), n) in &m.upstream {
-                let _ = writeln!(o, "slackgate_upstream_responses_total{{pool=\"{}\",status=\"{status}\"}} {n}", esc(pool));
-            }
-            histograms(o, "slackgate_turnaround_seconds", "Arrival to end of response, per class.", &m.turnaround);
-            histograms(o, "slackgate_time_to_first_token_seconds", "Arrival to first response byte, per class.", &m.ttft);
-            histograms(o, "slackgate_queue_wait_seconds", "Time queued in the gate before dispatch, per class.", &m.queue_wait);
+            family(
+                o,
+                "slackgate_decisions_total",
+                "counter",
+                "Decisions, drops, completions and errors by class, action and reason.",
+                m.decisions.iter().map(|((class, action, reason), n)| {
+                    (
+                        format!(
+                            "class=\"{}\",action=\"{action}\",reason=\"{reason}\"",
+                            esc(class)
+                        ),
+                        *n as f64,
+                    )
+                }),
+            );
+            let per_class = |map: &BTreeMap<String, u64>| -> Vec<(String, f64)> {
+                map.iter()
+                    .map(|(c, n)| (format!("class=\"{}\"", esc(c)), *n as f64))
+                    .collect()
+            };
+            family(
+                o,
+                "slackgate_slo_breaches_total",
+                "counter",
+                "Requests that completed after their deadline.",
+                per_class(&m.slo_breaches).into_iter(),
+            );
+            family(
+                o,
+                "slackgate_tokens_held",
+                "gauge",
+                "Tokens reserved by admitted, unfinished requests.",
+                m.tokens_held
+                    .iter()
+                    .map(|(c, n)| (format!("class=\"{}\"", esc(c)), *n as f64)),
+            );
+            family(
+                o,
+                "slackgate_tokens_spent_total",
+                "counter",
+                "Tokens the upstream reported for served requests.",
+                per_class(&m.tokens_spent).into_iter(),
+            );
+            family(
+                o,
+                "slackgate_tokens_wasted_total",
+                "counter",
+                "Tokens generated for clients that went away.",
+                per_class(&m.tokens_wasted).into_iter(),
+            );
+            family(
+                o,
+                "slackgate_upstream_responses_total",
+                "counter",
+                "Upstream responses by status (0: none: refused, reset or timed out).",
+                m.upstream.iter().map(|((pool, status), n)| {
+                    (
+                        format!("pool=\"{}\",status=\"{status}\"", esc(pool)),
+                        *n as f64,
+                    )
+                }),
+            );
+            histograms(
+                o,
+                "slackgate_turnaround_seconds",
+                "Arrival to end of response, per class.",
+                &m.turnaround,
+            );
+            histograms(
+                o,
+                "slackgate_time_to_first_token_seconds",
+                "Arrival to the first streamed content chunk, per class.",
+                &m.ttft,
+            );
+            histograms(
+                o,
+                "slackgate_queue_wait_seconds",
+                "Time queued in the gate before dispatch, per class.",
+                &m.queue_wait,
+            );
         });
         out
+    }
+}
+
+/// One metric family: its HELP and TYPE lines, then one sample per (labels, value).
+fn family(
+    o: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    rows: impl Iterator<Item = (String, f64)>,
+) {
+    header(o, name, kind, help);
+    for (labels, value) in rows {
+        if labels.is_empty() {
+            let _ = writeln!(o, "{name} {value}");
+        } else {
+            let _ = writeln!(o, "{name}{{{labels}}} {value}");
+        }
     }
 }
 

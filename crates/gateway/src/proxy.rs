@@ -9,7 +9,7 @@
 use crate::body::TrackedBody;
 use crate::request_info::{parse_body, parse_body_lenient, parse_headers, BadRequest};
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
-use crate::state::{Admission, JobMeta, Outcome, Shared, Signal};
+use crate::state::{Admission, JobGuard, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
@@ -307,31 +307,21 @@ pub async fn admitted(
     };
 
     let Some(base) = shared.upstreams.get(pool.0) else {
-        guard.finish(Outcome {
-            reason: Some(Reason::UpstreamUnavailable),
-            ..Outcome::default()
-        });
-        return response::error(
+        return fail(
+            guard,
             StatusCode::BAD_GATEWAY,
             Reason::UpstreamUnavailable,
             "no upstream configured for this pool",
-            None,
-            None,
         );
     };
     let uri = match base.target(parts.uri.path_and_query()) {
         Ok(u) => u,
         Err(e) => {
-            guard.finish(Outcome {
-                reason: Some(Reason::UpstreamUnavailable),
-                ..Outcome::default()
-            });
-            return response::error(
+            return fail(
+                guard,
                 StatusCode::BAD_GATEWAY,
                 Reason::UpstreamUnavailable,
                 &format!("cannot build upstream URL: {e}"),
-                None,
-                None,
             );
         }
     };
@@ -364,29 +354,19 @@ pub async fn admitted(
             } else {
                 Reason::UpstreamError
             };
-            guard.finish(Outcome {
-                reason: Some(reason),
-                ..Outcome::default()
-            });
-            return response::error(
+            return fail(
+                guard,
                 StatusCode::BAD_GATEWAY,
                 reason,
                 &format!("upstream request failed: {e}"),
-                None,
-                None,
             );
         }
         Err(_) => {
-            guard.finish(Outcome {
-                reason: Some(Reason::UpstreamTimeout),
-                ..Outcome::default()
-            });
-            return response::error(
+            return fail(
+                guard,
                 StatusCode::GATEWAY_TIMEOUT,
                 Reason::UpstreamTimeout,
                 &format!("upstream sent no response within {limit_ms} ms (the request's deadline)"),
-                None,
-                None,
             );
         }
     };
@@ -420,6 +400,16 @@ pub async fn admitted(
     let idle = Duration::from_millis(shared.server.stream_idle_timeout_ms);
     let tracked = TrackedBody::new(rbody, guard, sse, status, idle);
     Response::from_parts(rparts, BodyExt::boxed(tracked))
+}
+
+/// End the job with `reason` and answer the client with the matching error: the one place a
+/// dispatched request that never reached (or never heard from) the upstream is settled.
+fn fail(guard: JobGuard, status: StatusCode, reason: Reason, message: &str) -> Response<ResBody> {
+    guard.finish(Outcome {
+        reason: Some(reason),
+        ..Outcome::default()
+    });
+    response::error(status, reason, message, None, None)
 }
 
 fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
