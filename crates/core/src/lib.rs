@@ -11,6 +11,7 @@
 pub mod config;
 pub mod estimator;
 pub mod gate;
+pub mod ledger;
 mod queue;
 pub mod reason;
 
@@ -20,6 +21,7 @@ pub use gate::{
     ClassId, ClassSnapshot, Completed, Completion, Decision, Event, Gate, GateSnapshot, JobId,
     PoolId, PoolSnapshot, Request,
 };
+pub use ledger::{HoldRecord, HoldState};
 pub use reason::{Action, Reason};
 
 /// Milliseconds on the caller's monotonic clock. The core never reads a clock itself.
