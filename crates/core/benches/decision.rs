@@ -72,6 +72,7 @@ fn request(class: ClassId, deadline: Option<Millis>) -> Request {
         prompt_tokens: PROMPT_TOKENS,
         max_tokens: Some(MAX_TOKENS),
         deadline_is_absolute: false,
+        ..Request::default()
     }
 }
 

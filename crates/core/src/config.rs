@@ -22,6 +22,8 @@ pub struct GateConfig {
     pub admit_always: bool,
     /// How Retry-After is computed and when clients are told not to retry.
     pub retry: RetryConfig,
+    /// The token reservation ledger: hold TTL, retry cap, tenant grants.
+    pub ledger: crate::ledger::LedgerConfig,
 }
 
 impl Default for GateConfig {
@@ -48,6 +50,7 @@ impl Default for GateConfig {
             default_class: Some("batch".into()),
             admit_always: false,
             retry: RetryConfig::default(),
+            ledger: crate::ledger::LedgerConfig::default(),
         }
     }
 }
@@ -310,6 +313,24 @@ impl GateConfig {
                 return Err(ConfigError::new(
                     "default_class",
                     format!("unknown class {d:?}"),
+                ));
+            }
+        }
+        let l = &self.ledger;
+        if l.hold_ttl_ms == 0 || l.hold_ttl_ms > 7 * MAX_CONFIG_MS {
+            return Err(ConfigError::new(
+                "ledger.hold_ttl_ms",
+                "must be between 1 ms and 7 days",
+            ));
+        }
+        if l.retry_cap > 1000 {
+            return Err(ConfigError::new("ledger.retry_cap", "must be at most 1000"));
+        }
+        for (tenant, grant) in &l.grants {
+            if tenant.is_empty() || *grant > crate::ledger::MAX_TOKENS {
+                return Err(ConfigError::new(
+                    format!("ledger.grants.{tenant:?}"),
+                    "tenant ids must be non-empty and grants at most 2^40 tokens",
                 ));
             }
         }

@@ -16,6 +16,7 @@
 
 use crate::config::{ConfigError, GateConfig};
 use crate::estimator::{Estimate, Estimator, EstimatorSnapshot};
+use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError};
 use crate::queue::{ClassQueue, QueueKey};
 use crate::reason::{Action, Reason};
 use crate::Millis;
@@ -57,6 +58,15 @@ pub struct Request {
     /// The client fixed its deadline in absolute time (`X-Deadline`): its slack shrinks as
     /// fast as the queue drains, so a retry of the same request cannot succeed.
     pub deadline_is_absolute: bool,
+    /// Idempotency key; `None`: the gate generates one (such a request can never be a
+    /// duplicate).
+    pub idempotency_key: Option<String>,
+    /// Hashed tenant, for token grants.
+    pub tenant: Option<String>,
+    /// Attempt number (0 for the first try).
+    pub attempt: u32,
+    /// Tokens to hold; `None`: prompt tokens + expected output.
+    pub hold_tokens: Option<u64>,
 }
 
 /// The answer at arrival, with every figure the decision log and the 429 body carry.
@@ -93,6 +103,12 @@ pub struct Decision {
     pub should_retry: bool,
     /// The absolute deadline the gate holds the request to.
     pub deadline: Option<Millis>,
+    /// The idempotency key the hold is (or would be) under.
+    pub idempotency_key: String,
+    /// Tokens held for this request (0 when rejected).
+    pub tokens_held: u64,
+    /// For ledger rejections: duplicate, retry cap or budget details.
+    pub ledger: Option<LedgerReject>,
 }
 
 impl Decision {
@@ -192,6 +208,8 @@ pub struct Completed {
     pub in_flight: u32,
     /// Queued on the pool.
     pub depth: u32,
+    /// The job's hold as settled in the ledger (spent or wasted tokens).
+    pub hold: Option<HoldRecord>,
 }
 
 impl Completed {
@@ -272,6 +290,8 @@ struct Job {
     max_tokens: Option<u32>,
     /// Admitted while the estimator warms up: its estimate is not trusted enough to drop it.
     protected: bool,
+    /// Idempotency key of its hold in the ledger.
+    key: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -453,6 +473,17 @@ fn water_fill(r: &[u64], work: u64) -> u64 {
 
 const EWMA_ALPHA: f64 = 0.2;
 
+/// How a job's hold is settled when the job ends.
+#[derive(Clone, Copy, Debug)]
+enum Settle {
+    /// Done: tokens spent.
+    Commit(u64),
+    /// Cancelled: tokens wasted.
+    Cancel(u64),
+    /// The ledger already expired it.
+    AlreadyExpired,
+}
+
 /// The admission core. See the module docs for the calling protocol.
 #[derive(Debug)]
 pub struct Gate {
@@ -465,6 +496,13 @@ pub struct Gate {
     events: VecDeque<Event>,
     next_id: u64,
     last_now: Millis,
+    ledger: Ledger,
+    /// Ledger records changed since the caller last took them (to persist).
+    ledger_out: Vec<HoldRecord>,
+    /// Live jobs by idempotency key.
+    keys: HashMap<String, JobId>,
+    /// Prefix of generated keys, unique per process start (set by the caller).
+    key_prefix: String,
 }
 
 impl Gate {
@@ -515,6 +553,7 @@ impl Gate {
             p.classes
                 .sort_by_key(|id| (std::cmp::Reverse(classes[id.0].priority), id.0));
         }
+        let cfg_ledger = cfg.ledger.clone();
         let default_class = cfg
             .default_class
             .as_ref()
@@ -529,6 +568,10 @@ impl Gate {
             events: VecDeque::new(),
             next_id: 1,
             last_now: 0,
+            ledger: Ledger::new(cfg_ledger),
+            ledger_out: Vec::new(),
+            keys: HashMap::new(),
+            key_prefix: "gen".into(),
         })
     }
 
@@ -642,8 +685,14 @@ impl Gate {
         let now = self.clock(now);
         let job_id = JobId(self.next_id);
         self.next_id += 1;
+        let key = match &req.idempotency_key {
+            Some(k) => k.clone(),
+            None => format!("{}-{}", self.key_prefix, job_id.0),
+        };
         let Some(class) = req.class.filter(|c| c.0 < self.classes.len()) else {
-            return self.rejection(job_id, None, Reason::RejectUnlabeled);
+            let mut d = self.rejection(job_id, None, Reason::RejectUnlabeled);
+            d.idempotency_key = key;
+            return d;
         };
         let c = &self.classes[class.0];
         let pool = c.pool;
@@ -683,7 +732,34 @@ impl Gate {
             retry_after_ms: None,
             should_retry: false,
             deadline,
+            idempotency_key: key.clone(),
+            tokens_held: 0,
+            ledger: None,
         };
+        let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
+            u64::from(req.prompt_tokens).saturating_add(u64::from(expected_output))
+        });
+        let tenant = req.tenant.as_deref();
+        // Never spend twice: a held or done key is a duplicate even under `admit_always`.
+        // The retry cap and the tenant grant are thresholds, bypassed by the rollback flag.
+        let ledger_verdict = match self.ledger.check(&key, tenant, req.attempt, hold_tokens) {
+            Err(dup @ LedgerReject::Duplicate { .. }) => Some(dup),
+            Err(other) if !self.cfg.admit_always => Some(other),
+            _ => None,
+        };
+        if let Some(rej) = ledger_verdict {
+            d.reason = match rej {
+                LedgerReject::Duplicate { .. } => Reason::RejectDuplicate,
+                LedgerReject::RetryCap { .. } => Reason::RejectRetryCap,
+                LedgerReject::BudgetExhausted { .. } => Reason::BudgetExhausted,
+            };
+            let (after, retry) =
+                self.retry_after(job_id, d.reason, wait, slack_ms, count_ahead, pool);
+            d.retry_after_ms = Some(after);
+            d.should_retry = retry;
+            d.ledger = Some(rej);
+            return d;
+        }
 
         let verdict = if self.cfg.admit_always {
             Ok(Reason::AdmitAlways)
@@ -711,6 +787,34 @@ impl Gate {
             Ok(reason) => {
                 d.action = Action::Admit;
                 d.reason = reason;
+                let cap = self.ledger.config().retry_cap;
+                // Under admit_always the cap and grant were bypassed: reserve past them.
+                let attempt = if self.cfg.admit_always {
+                    req.attempt.min(cap)
+                } else {
+                    req.attempt
+                };
+                let hold = if self.cfg.admit_always {
+                    self.ledger
+                        .reserve_unchecked(now, &key, tenant, attempt, hold_tokens)
+                } else {
+                    self.ledger.reserve(now, &key, tenant, attempt, hold_tokens)
+                };
+                match hold {
+                    Ok(r) => {
+                        d.tokens_held = r.tokens_held;
+                        self.ledger_out.push(r);
+                    }
+                    Err(rej) => {
+                        // check() just passed; only a duplicate can remain, and that was
+                        // handled above. Refuse rather than hold twice.
+                        d.action = Action::Reject;
+                        d.reason = Reason::RejectDuplicate;
+                        d.ledger = Some(rej);
+                        return d;
+                    }
+                }
+                self.keys.insert(key.clone(), job_id);
                 let seq = job_id.0;
                 let job = Job {
                     class,
@@ -724,6 +828,7 @@ impl Gate {
                     first_token_at: None,
                     max_tokens: req.max_tokens,
                     protected: reason == Reason::EstimatorWarmup,
+                    key: key.clone(),
                 };
                 let key = job.key();
                 self.classes[class.0]
@@ -733,6 +838,12 @@ impl Gate {
             }
             Err(reason) => {
                 d.reason = reason;
+                if let Some(r) =
+                    self.ledger
+                        .record_rejection(now, &key, tenant, req.attempt, hold_tokens)
+                {
+                    self.ledger_out.push(r);
+                }
                 let (after, retry) =
                     self.retry_after(job_id, reason, wait, slack_ms, count_ahead, pool);
                 d.retry_after_ms = Some(after);
@@ -818,6 +929,9 @@ impl Gate {
             retry_after_ms: Some(after),
             should_retry: retry,
             deadline: None,
+            idempotency_key: String::new(),
+            tokens_held: 0,
+            ledger: None,
         }
     }
 
@@ -868,6 +982,7 @@ impl Gate {
             let pool_id = PoolId(pi);
             if dead {
                 self.jobs.remove(&id);
+                self.settle_hold(now, &job, Settle::Cancel(0));
                 let ev = self.drop_event(now, id, &job, pool_id, 0);
                 self.events.push_back(ev);
                 return true;
@@ -959,23 +1074,67 @@ impl Gate {
                 None => {}
             }
         }
-        Some(self.finish(now, id, job, pool, Some(started_at)))
+        // Settle the hold: spent per the upstream's usage (or, without usage, what was held);
+        // a failed response spent nothing billable and wasted what it streamed.
+        let settle = if done.ok {
+            let spent = match (done.prompt_tokens, done.completion_tokens) {
+                (None, None) => self.ledger.get(&job.key).map_or(0, |r| r.tokens_held),
+                (p, c) => u64::from(p.unwrap_or(job.prompt_tokens)) + u64::from(c.unwrap_or(0)),
+            };
+            Settle::Commit(spent)
+        } else {
+            Settle::Cancel(u64::from(done.completion_tokens.unwrap_or(0)))
+        };
+        Some(self.finish(now, id, job, pool, Some(started_at), settle))
     }
 
-    /// The client went away (or the caller gave up): release the job's queue place or slot.
-    /// Returns `None` for an unknown or already-ended job.
+    /// The client went away (or the caller gave up): release the job's queue place or slot
+    /// and settle its hold as cancelled. Returns `None` for an unknown or already-ended job.
     pub fn cancel(&mut self, now: Millis, id: JobId) -> Option<Completed> {
+        self.cancel_wasted(now, id, 0)
+    }
+
+    /// [`Gate::cancel`], recording `wasted` tokens generated for the vanished client.
+    pub fn cancel_wasted(&mut self, now: Millis, id: JobId, wasted: u64) -> Option<Completed> {
         let now = self.clock(now);
         let job = self.jobs.remove(&id)?;
         let pool = self.classes[job.class.0].pool;
-        match job.state {
+        let started = match job.state {
             JobState::Queued => {
                 self.unqueue(id, &job);
-                Some(self.finish(now, id, job, pool, None))
+                None
             }
-            JobState::InFlight { started_at } => {
-                Some(self.finish(now, id, job, pool, Some(started_at)))
+            JobState::InFlight { started_at } => Some(started_at),
+        };
+        Some(self.finish(now, id, job, pool, started, Settle::Cancel(wasted)))
+    }
+
+    /// Settle a job's hold in the ledger and forget its key; returns the settled record.
+    fn settle_hold(&mut self, now: Millis, job: &Job, settle: Settle) -> Option<HoldRecord> {
+        if self
+            .keys
+            .get(&job.key)
+            .is_some_and(|j| !self.jobs.contains_key(j))
+        {
+            self.keys.remove(&job.key);
+        }
+        let r = match settle {
+            Settle::Commit(spent) => self.ledger.commit(now, &job.key, spent),
+            Settle::Cancel(wasted) => self.ledger.cancel(now, &job.key, wasted),
+            Settle::AlreadyExpired => return self.ledger.get(&job.key).cloned(),
+        };
+        match r {
+            Ok(r) => {
+                self.ledger_out.push(r.clone());
+                Some(r)
             }
+            // Expired on the way (its TTL passed): that is its settlement, and it must be
+            // persisted like any other.
+            Err(SettleError::HoldExpired(r)) => {
+                self.ledger_out.push(r.clone());
+                Some(r)
+            }
+            Err(_) => None,
         }
     }
 
@@ -986,8 +1145,10 @@ impl Gate {
         job: Job,
         pool: PoolId,
         started_at: Option<Millis>,
+        settle: Settle,
     ) -> Completed {
         self.pools[pool.0].in_flight.remove(&id);
+        let hold = self.settle_hold(now, &job, settle);
         let queue_wait_ms = started_at.unwrap_or(now).saturating_sub(job.arrived_at);
         Completed {
             job_id: id,
@@ -1001,6 +1162,7 @@ impl Gate {
             deadline_slack_ms: job.deadline.map(|d| signed_diff(d, now)),
             in_flight: self.pools[pool.0].in_flight.len() as u32,
             depth: self.pool_depth(pool),
+            hold,
         }
     }
 
@@ -1009,6 +1171,7 @@ impl Gate {
     /// their timeout. Walks the queues in dispatch order: O(queued jobs); call it on a timer.
     pub fn tick(&mut self, now: Millis) {
         let now = self.clock(now);
+        self.expire_holds(now);
         if self.cfg.admit_always {
             return;
         }
@@ -1075,6 +1238,7 @@ impl Gate {
             for (id, wait) in doomed {
                 if let Some(job) = self.jobs.remove(&id) {
                     self.unqueue(id, &job);
+                    self.settle_hold(now, &job, Settle::Cancel(0));
                     let ev = self.drop_event(now, id, &job, pool_id, wait);
                     self.events.push_back(ev);
                 }
@@ -1140,5 +1304,6 @@ impl Gate {
     }
 }
 
+mod holds;
 #[cfg(test)]
 mod tests;

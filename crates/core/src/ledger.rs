@@ -58,7 +58,10 @@ impl HoldState {
 
     /// True for `done`, `cancelled` and `expired`: the hold's tokens are accounted for.
     pub fn is_terminal(self) -> bool {
-        matches!(self, HoldState::Done | HoldState::Cancelled | HoldState::Expired)
+        matches!(
+            self,
+            HoldState::Done | HoldState::Cancelled | HoldState::Expired
+        )
     }
 }
 
@@ -89,3 +92,516 @@ pub struct HoldRecord {
     /// reordered writes can never move a key backwards.
     pub version: u64,
 }
+
+/// Ledger settings (`[ledger]` in the config file).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LedgerConfig {
+    /// How long an unsettled hold lives before it expires and its tokens count as wasted.
+    /// Must exceed the longest request you serve (default 15 min).
+    pub hold_ttl_ms: u64,
+    /// Highest attempt number accepted for a key (`X-Attempt` / `x-stainless-retry-count`);
+    /// beyond it: `reject_retry_cap`. The default matches the OpenAI SDKs' two retries.
+    pub retry_cap: u32,
+    /// How long settled client keys are remembered in memory to answer duplicates.
+    pub retention_ms: u64,
+    /// Token grant of a tenant not listed in `grants`; `None`: unlimited.
+    pub default_grant_tokens: Option<u64>,
+    /// Token grants by tenant id (as logged: `k:<hash of the API key>` or `t:<hash>`).
+    pub grants: std::collections::BTreeMap<String, u64>,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig {
+            hold_ttl_ms: 900_000,
+            retry_cap: 2,
+            retention_ms: 86_400_000,
+            default_grant_tokens: None,
+            grants: std::collections::BTreeMap::new(),
+        }
+    }
+}
+
+/// Longest idempotency key accepted.
+pub const MAX_KEY_LEN: usize = 256;
+/// Largest token count accepted anywhere in the ledger (a unit mistake beyond this).
+pub const MAX_TOKENS: u64 = 1 << 40;
+
+/// Why the ledger refuses a reservation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LedgerReject {
+    /// The key's latest hold is held or done: a replay must not reserve or spend again.
+    Duplicate {
+        /// `held` or `done`.
+        state: HoldState,
+        /// Tokens the existing hold reserves.
+        tokens_held: u64,
+    },
+    /// The attempt number is over the retry cap.
+    RetryCap {
+        /// The attempt asked for.
+        attempt: u32,
+        /// The cap.
+        retry_cap: u32,
+    },
+    /// The tenant's grant cannot cover the hold.
+    BudgetExhausted {
+        /// Tokens left in the grant.
+        remaining: u64,
+        /// Tokens the hold needs.
+        requested: u64,
+    },
+}
+
+/// Why a settlement (commit or cancel) could not apply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SettleError {
+    /// No hold under that key (or it was never reserved).
+    MissingHold,
+    /// The hold had already expired (now, or earlier: `record` says when).
+    HoldExpired(HoldRecord),
+    /// The key's latest hold is already settled (`done`, `cancelled`) or was rejected.
+    NotHeld(HoldState),
+}
+
+/// Totals for `/stats`, metrics and the decision log.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct LedgerStats {
+    /// Holds currently `held`.
+    pub held: u64,
+    /// Tokens reserved by current holds.
+    pub tokens_held: u64,
+    /// Tokens spent by settled holds.
+    pub tokens_spent: u64,
+    /// Tokens wasted by cancelled and expired holds.
+    pub tokens_wasted: u64,
+    /// `(spent + wasted) / spent`: 1.0 means nothing was wasted; `None` before any spend.
+    pub amplification: Option<f64>,
+    /// Holds ended `done`, `cancelled`, `expired`, and reservations `rejected` (since start).
+    pub done: u64,
+    /// See `done`.
+    pub cancelled: u64,
+    /// See `done`.
+    pub expired: u64,
+    /// See `done`.
+    pub rejected: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Usage {
+    held: u64,
+    spent: u64,
+    wasted: u64,
+}
+
+impl Usage {
+    fn consumed(&self) -> u64 {
+        self.held
+            .saturating_add(self.spent)
+            .saturating_add(self.wasted)
+    }
+}
+
+/// The reservation ledger.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    cfg: LedgerConfig,
+    holds: std::collections::HashMap<String, HoldRecord>,
+    /// Unsettled holds by expiry time.
+    expiry: std::collections::BTreeSet<(Millis, String)>,
+    /// Settled or rejected keys by last change, for forgetting them after `retention_ms`.
+    settled: std::collections::BTreeSet<(Millis, String)>,
+    tenants: std::collections::HashMap<String, Usage>,
+    totals: LedgerStats,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new(cfg: LedgerConfig) -> Ledger {
+        Ledger {
+            cfg,
+            ..Ledger::default()
+        }
+    }
+
+    /// Rebuild from persisted records (the latest version of each key wins), then expire every
+    /// hold whose TTL passed while the process was down. Returns the records that changed, to
+    /// persist back.
+    pub fn restore(
+        cfg: LedgerConfig,
+        records: impl IntoIterator<Item = HoldRecord>,
+        now: Millis,
+    ) -> (Ledger, Vec<HoldRecord>) {
+        let mut l = Ledger::new(cfg);
+        let mut latest: std::collections::HashMap<String, HoldRecord> =
+            std::collections::HashMap::new();
+        for r in records {
+            if r.key.is_empty() || r.key.len() > MAX_KEY_LEN {
+                continue;
+            }
+            match latest.get(&r.key) {
+                Some(prev) if prev.version >= r.version => {}
+                _ => {
+                    latest.insert(r.key.clone(), r);
+                }
+            }
+        }
+        let mut keys: Vec<String> = latest.keys().cloned().collect();
+        keys.sort_unstable(); // deterministic rebuild
+        for k in keys {
+            if let Some(r) = latest.remove(&k) {
+                l.install(r);
+            }
+        }
+        let changed = l.expire_due(now);
+        (l, changed)
+    }
+
+    /// Account a record as the key's current one (no previous record for the key).
+    fn install(&mut self, r: HoldRecord) {
+        let tenant = r.tenant.clone().unwrap_or_default();
+        let u = self.tenants.entry(tenant).or_default();
+        match r.state {
+            HoldState::Held => {
+                u.held = u.held.saturating_add(r.tokens_held);
+                self.totals.held += 1;
+                self.totals.tokens_held = self.totals.tokens_held.saturating_add(r.tokens_held);
+                self.expiry.insert((r.expires_at_ms, r.key.clone()));
+            }
+            _ => {
+                u.spent = u.spent.saturating_add(r.tokens_spent);
+                u.wasted = u.wasted.saturating_add(r.tokens_wasted);
+                self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
+                self.totals.tokens_wasted =
+                    self.totals.tokens_wasted.saturating_add(r.tokens_wasted);
+                self.count_state(r.state);
+                self.settled.insert((r.updated_at_ms, r.key.clone()));
+            }
+        }
+        self.holds.insert(r.key.clone(), r);
+    }
+
+    fn count_state(&mut self, s: HoldState) {
+        match s {
+            HoldState::Done => self.totals.done += 1,
+            HoldState::Cancelled => self.totals.cancelled += 1,
+            HoldState::Expired => self.totals.expired += 1,
+            HoldState::Rejected => self.totals.rejected += 1,
+            HoldState::Held => {}
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &LedgerConfig {
+        &self.cfg
+    }
+
+    /// Replace the configuration (grants, cap, TTL for new holds). Existing holds keep theirs.
+    pub fn set_config(&mut self, cfg: LedgerConfig) {
+        self.cfg = cfg;
+    }
+
+    /// The latest hold under a key.
+    pub fn get(&self, key: &str) -> Option<&HoldRecord> {
+        self.holds.get(key)
+    }
+
+    /// Tokens left in a tenant's grant (`None`: unlimited).
+    pub fn remaining(&self, tenant: Option<&str>) -> Option<u64> {
+        let t = tenant.unwrap_or("");
+        let grant = self
+            .cfg
+            .grants
+            .get(t)
+            .copied()
+            .or(self.cfg.default_grant_tokens)?;
+        let used = self.tenants.get(t).map_or(0, Usage::consumed);
+        Some(grant.saturating_sub(used))
+    }
+
+    /// Would a reservation be accepted? Read-only: duplicates, retry cap, budget.
+    pub fn check(
+        &self,
+        key: &str,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+    ) -> Result<(), LedgerReject> {
+        if let Some(r) = self.holds.get(key) {
+            if matches!(r.state, HoldState::Held | HoldState::Done) {
+                return Err(LedgerReject::Duplicate {
+                    state: r.state,
+                    tokens_held: r.tokens_held,
+                });
+            }
+        }
+        if attempt > self.cfg.retry_cap {
+            return Err(LedgerReject::RetryCap {
+                attempt,
+                retry_cap: self.cfg.retry_cap,
+            });
+        }
+        if let Some(remaining) = self.remaining(tenant) {
+            if tokens > remaining {
+                return Err(LedgerReject::BudgetExhausted {
+                    remaining,
+                    requested: tokens,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn next_version(&self, key: &str) -> u64 {
+        self.holds.get(key).map_or(1, |r| r.version + 1)
+    }
+
+    /// Place a hold. The previous record of the key (rejected, cancelled or expired) is
+    /// replaced; a held or done key is a duplicate.
+    pub fn reserve(
+        &mut self,
+        now: Millis,
+        key: &str,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+    ) -> Result<HoldRecord, LedgerReject> {
+        let tokens = tokens.min(MAX_TOKENS);
+        self.check(key, tenant, attempt, tokens)?;
+        Ok(self.place(now, key, tenant, attempt, tokens))
+    }
+
+    /// Place a hold past the retry cap and the tenant grant (the `admit_always` rollback),
+    /// but never over a held or done key: a replay still cannot spend twice.
+    pub fn reserve_unchecked(
+        &mut self,
+        now: Millis,
+        key: &str,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+    ) -> Result<HoldRecord, LedgerReject> {
+        if let Some(r) = self.holds.get(key) {
+            if matches!(r.state, HoldState::Held | HoldState::Done) {
+                return Err(LedgerReject::Duplicate {
+                    state: r.state,
+                    tokens_held: r.tokens_held,
+                });
+            }
+        }
+        Ok(self.place(now, key, tenant, attempt, tokens.min(MAX_TOKENS)))
+    }
+
+    fn place(
+        &mut self,
+        now: Millis,
+        key: &str,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+    ) -> HoldRecord {
+        self.forget_settled(key);
+        let r = HoldRecord {
+            key: key.to_string(),
+            tenant: tenant.map(str::to_string),
+            state: HoldState::Held,
+            attempt,
+            tokens_held: tokens,
+            tokens_spent: 0,
+            tokens_wasted: 0,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(self.cfg.hold_ttl_ms),
+            updated_at_ms: now,
+            version: self.next_version(key),
+        };
+        let u = self
+            .tenants
+            .entry(tenant.unwrap_or("").to_string())
+            .or_default();
+        u.held = u.held.saturating_add(tokens);
+        self.totals.held += 1;
+        self.totals.tokens_held = self.totals.tokens_held.saturating_add(tokens);
+        self.expiry.insert((r.expires_at_ms, r.key.clone()));
+        self.holds.insert(r.key.clone(), r.clone());
+        r
+    }
+
+    /// Record that admission refused this key (nothing reserved). A held or done key is left
+    /// alone (the refusal was a duplicate); returns the record to persist otherwise.
+    pub fn record_rejection(
+        &mut self,
+        now: Millis,
+        key: &str,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+    ) -> Option<HoldRecord> {
+        if self
+            .holds
+            .get(key)
+            .is_some_and(|r| matches!(r.state, HoldState::Held | HoldState::Done))
+        {
+            return None;
+        }
+        self.forget_settled(key);
+        let r = HoldRecord {
+            key: key.to_string(),
+            tenant: tenant.map(str::to_string),
+            state: HoldState::Rejected,
+            attempt,
+            tokens_held: tokens.min(MAX_TOKENS),
+            tokens_spent: 0,
+            tokens_wasted: 0,
+            created_at_ms: now,
+            expires_at_ms: now,
+            updated_at_ms: now,
+            version: self.next_version(key),
+        };
+        self.totals.rejected += 1;
+        self.settled.insert((now, r.key.clone()));
+        self.holds.insert(r.key.clone(), r.clone());
+        Some(r)
+    }
+
+    /// Drop a settled key's previous record from the retention index (it is being replaced).
+    fn forget_settled(&mut self, key: &str) {
+        if let Some(prev) = self.holds.get(key) {
+            if prev.state != HoldState::Held {
+                self.settled.remove(&(prev.updated_at_ms, key.to_string()));
+            }
+        }
+    }
+
+    /// End a held key in `state`, moving its tokens from held to spent or wasted.
+    fn end(
+        &mut self,
+        now: Millis,
+        key: &str,
+        state: HoldState,
+        spent: u64,
+        wasted: u64,
+    ) -> Option<HoldRecord> {
+        let r = self.holds.get_mut(key)?;
+        if r.state != HoldState::Held {
+            return None;
+        }
+        self.expiry.remove(&(r.expires_at_ms, r.key.clone()));
+        r.state = state;
+        r.tokens_spent = spent.min(MAX_TOKENS);
+        r.tokens_wasted = wasted.min(MAX_TOKENS);
+        r.updated_at_ms = now;
+        r.version += 1;
+        let r = r.clone();
+        let u = self
+            .tenants
+            .entry(r.tenant.clone().unwrap_or_default())
+            .or_default();
+        u.held = u.held.saturating_sub(r.tokens_held);
+        u.spent = u.spent.saturating_add(r.tokens_spent);
+        u.wasted = u.wasted.saturating_add(r.tokens_wasted);
+        self.totals.held = self.totals.held.saturating_sub(1);
+        self.totals.tokens_held = self.totals.tokens_held.saturating_sub(r.tokens_held);
+        self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
+        self.totals.tokens_wasted = self.totals.tokens_wasted.saturating_add(r.tokens_wasted);
+        self.count_state(state);
+        self.settled.insert((now, r.key.clone()));
+        Some(r)
+    }
+
+    fn settle(
+        &mut self,
+        now: Millis,
+        key: &str,
+        state: HoldState,
+        spent: u64,
+        wasted: u64,
+    ) -> Result<HoldRecord, SettleError> {
+        let Some(r) = self.holds.get(key) else {
+            return Err(SettleError::MissingHold);
+        };
+        match r.state {
+            HoldState::Held if now >= r.expires_at_ms => {
+                let held = r.tokens_held;
+                let rec = self
+                    .end(now, key, HoldState::Expired, 0, held)
+                    .ok_or(SettleError::MissingHold)?;
+                Err(SettleError::HoldExpired(rec))
+            }
+            HoldState::Held => self
+                .end(now, key, state, spent, wasted)
+                .ok_or(SettleError::MissingHold),
+            HoldState::Expired => Err(SettleError::HoldExpired(r.clone())),
+            other => Err(SettleError::NotHeld(other)),
+        }
+    }
+
+    /// Settle a hold as `done`: the upstream used `spent` tokens.
+    pub fn commit(
+        &mut self,
+        now: Millis,
+        key: &str,
+        spent: u64,
+    ) -> Result<HoldRecord, SettleError> {
+        self.settle(now, key, HoldState::Done, spent, 0)
+    }
+
+    /// Settle a hold as `cancelled`: `wasted` tokens were generated for nobody.
+    pub fn cancel(
+        &mut self,
+        now: Millis,
+        key: &str,
+        wasted: u64,
+    ) -> Result<HoldRecord, SettleError> {
+        self.settle(now, key, HoldState::Cancelled, 0, wasted)
+    }
+
+    /// Expire every hold whose TTL has passed (its tokens count as wasted), and forget settled
+    /// keys older than the retention. Returns the expired records, to persist.
+    pub fn expire_due(&mut self, now: Millis) -> Vec<HoldRecord> {
+        let mut out = Vec::new();
+        while let Some((at, key)) = self.expiry.first().cloned() {
+            if at > now {
+                break;
+            }
+            let held = self.holds.get(&key).map_or(0, |r| r.tokens_held);
+            match self.end(now, &key, HoldState::Expired, 0, held) {
+                Some(r) => out.push(r),
+                None => {
+                    self.expiry.remove(&(at, key));
+                }
+            }
+        }
+        let horizon = now.saturating_sub(self.cfg.retention_ms);
+        while let Some((at, key)) = self.settled.first().cloned() {
+            if at >= horizon {
+                break;
+            }
+            self.settled.remove(&(at, key.clone()));
+            self.holds.remove(&key);
+        }
+        out
+    }
+
+    /// Current totals.
+    pub fn stats(&self) -> LedgerStats {
+        let mut s = self.totals;
+        s.amplification = (s.tokens_spent > 0)
+            .then(|| (s.tokens_spent as f64 + s.tokens_wasted as f64) / s.tokens_spent as f64);
+        s
+    }
+
+    /// Keys currently remembered (held, or settled within the retention).
+    pub fn len(&self) -> usize {
+        self.holds.len()
+    }
+
+    /// True when no key is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.holds.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests;

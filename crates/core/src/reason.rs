@@ -22,6 +22,14 @@ pub enum Reason {
     ClassDisabled,
     /// No class label (or an unknown one) and no default class configured.
     RejectUnlabeled,
+    /// The idempotency key is already held or done: a replay never reserves or spends twice.
+    RejectDuplicate,
+    /// The attempt number is over the ledger's retry cap.
+    RejectRetryCap,
+    /// The tenant's token grant cannot cover the hold.
+    BudgetExhausted,
+    /// The hold outlived its TTL before it was settled; its tokens count as wasted.
+    HoldExpired,
     /// The oldest job this request would wait behind is older than the class's `max_queue_age_ms`.
     QueueAgeExceeded,
     /// Every slot is busy and the queue ahead is deeper than `max_depth_factor` x slots.
@@ -60,6 +68,10 @@ impl Reason {
             Reason::SlotFree => "slot_free",
             Reason::ClassDisabled => "class_disabled",
             Reason::RejectUnlabeled => "reject_unlabeled",
+            Reason::RejectDuplicate => "reject_duplicate",
+            Reason::RejectRetryCap => "reject_retry_cap",
+            Reason::BudgetExhausted => "budget_exhausted",
+            Reason::HoldExpired => "hold_expired",
             Reason::QueueAgeExceeded => "queue_age_exceeded",
             Reason::QueueDepthExceeded => "queue_depth_exceeded",
             Reason::ProjectedWaitExceedsSlack => "projected_wait_exceeds_slack",
@@ -77,13 +89,17 @@ impl Reason {
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 19] = [
+    pub const ALL: [Reason; 23] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
         Reason::SlotFree,
         Reason::ClassDisabled,
         Reason::RejectUnlabeled,
+        Reason::RejectDuplicate,
+        Reason::RejectRetryCap,
+        Reason::BudgetExhausted,
+        Reason::HoldExpired,
         Reason::QueueAgeExceeded,
         Reason::QueueDepthExceeded,
         Reason::ProjectedWaitExceedsSlack,

@@ -399,6 +399,7 @@ impl Harness {
                     prompt_tokens,
                     max_tokens,
                     deadline_is_absolute: false,
+                    ..Request::default()
                 };
                 self.offer(req)?;
             }
@@ -583,7 +584,20 @@ impl Harness {
                 self.jobs.get(&id).cloned().ok_or_else(|| {
                     TestCaseError::fail(format!("event for unknown {id}: {ev:?}"))
                 })?;
-            prop_assert_eq!(job.life, Life::Queued, "{:?} for a job not queued", ev);
+            // A hold that outlives its TTL ends its job wherever it is (queued or in flight);
+            // every other event is about a queued job.
+            let expiry = matches!(
+                ev,
+                Event::Drop {
+                    reason: Reason::HoldExpired,
+                    ..
+                }
+            );
+            if expiry {
+                prop_assert!(job.life != Life::Ended, "{:?} for an ended job", ev);
+            } else {
+                prop_assert_eq!(job.life, Life::Queued, "{:?} for a job not queued", ev);
+            }
             match ev {
                 Event::Dispatch {
                     class,
@@ -618,6 +632,14 @@ impl Harness {
                     let slots = self.spec.pools[job.pool].slots as usize;
                     prop_assert!(running <= slots, "{running} in flight > {slots} slots");
                     prop_assert_eq!(in_flight as usize, running);
+                }
+                Event::Drop {
+                    reason: Reason::HoldExpired,
+                    pool,
+                    ..
+                } => {
+                    prop_assert_eq!(pool.0, job.pool);
+                    self.end(id);
                 }
                 Event::Drop { reason, pool, .. } => {
                     prop_assert_eq!(reason, Reason::DeadlineUnmeetable);

@@ -136,6 +136,8 @@ struct FileConfig {
     admit_always: bool,
     #[serde(default)]
     retry: RetryConfig,
+    #[serde(default)]
+    ledger: slackgate_core::ledger::LedgerConfig,
 }
 
 /// A configuration that cannot be used.
@@ -175,6 +177,7 @@ impl Config {
             default_class,
             admit_always: f.admit_always,
             retry: f.retry,
+            ledger: f.ledger,
         };
         let cfg = Config {
             server: f.server,

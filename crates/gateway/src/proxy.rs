@@ -252,6 +252,10 @@ pub async fn admitted(
         prompt_tokens: binfo.prompt_tokens,
         max_tokens,
         deadline_is_absolute: relative.is_none() && absolute.is_some(),
+        idempotency_key: hinfo.idempotency_key.clone(),
+        tenant: hinfo.tenant.clone(),
+        attempt: hinfo.attempt.unwrap_or(0),
+        hold_tokens: None,
     };
     let meta = JobMeta {
         label: hinfo.class_label.clone(),

@@ -81,10 +81,11 @@ impl CoreState {
     }
 }
 
-/// Monotonic milliseconds since the gate started: the core's clock.
+/// The core's clock: epoch milliseconds that only ever move forward.
 #[derive(Clone, Copy, Debug)]
 pub struct Clock {
     start: Instant,
+    start_epoch_ms: Millis,
 }
 
 impl Clock {
@@ -92,12 +93,16 @@ impl Clock {
     pub fn new() -> Clock {
         Clock {
             start: Instant::now(),
+            start_epoch_ms: epoch_ms(),
         }
     }
 
-    /// Milliseconds since start.
+    /// Epoch milliseconds, advanced by the monotonic clock since start: it never runs
+    /// backwards (NTP steps do not move it), and it stays comparable with times persisted by
+    /// an earlier run, which the ledger's hold TTLs need after a restart.
     pub fn now_ms(&self) -> Millis {
-        self.start.elapsed().as_millis() as Millis
+        self.start_epoch_ms
+            .saturating_add(self.start.elapsed().as_millis() as Millis)
     }
 }
 

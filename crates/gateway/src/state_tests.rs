@@ -34,6 +34,7 @@ fn request() -> Request {
         prompt_tokens: 4,
         max_tokens: Some(4),
         deadline_is_absolute: false,
+        ..Request::default()
     }
 }
 

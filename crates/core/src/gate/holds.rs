@@ -1,0 +1,134 @@
+//! The gate's side of the reservation ledger: key-based settlement for the reservation API
+//! (workers that call the model themselves), hold expiry, restore after a restart, and the
+//! records the caller must persist.
+
+use super::{Event, Gate, JobId, JobState, Settle};
+use crate::ledger::{HoldRecord, Ledger, LedgerStats, SettleError};
+use crate::reason::Reason;
+use crate::Millis;
+
+impl Gate {
+    /// Ledger records changed since the last call, oldest first: persist them.
+    pub fn take_ledger_records(&mut self) -> Vec<HoldRecord> {
+        std::mem::take(&mut self.ledger_out)
+    }
+
+    /// The ledger (read-only).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    /// Ledger totals.
+    pub fn ledger_stats(&self) -> LedgerStats {
+        self.ledger.stats()
+    }
+
+    /// Prefix for generated idempotency keys; make it unique per process start so keys never
+    /// collide with those persisted by an earlier run.
+    pub fn set_key_prefix(&mut self, prefix: &str) {
+        self.key_prefix = prefix.to_string();
+    }
+
+    /// Rebuild the ledger from persisted records after a restart. Holds still inside their TTL
+    /// keep counting (tokens held, tenant grants); holds past it expire with their tokens
+    /// wasted (those records are queued for persistence); done keys still answer duplicates.
+    pub fn restore_ledger(&mut self, records: Vec<HoldRecord>, now: Millis) {
+        let now = self.clock(now);
+        let (ledger, changed) = Ledger::restore(self.ledger.config().clone(), records, now);
+        self.ledger = ledger;
+        self.ledger_out.extend(changed);
+    }
+
+    /// The live job holding `key`, if any.
+    pub fn job_for_key(&self, key: &str) -> Option<JobId> {
+        self.keys
+            .get(key)
+            .copied()
+            .filter(|id| self.jobs.contains_key(id))
+    }
+
+    /// Settle a key as done with `spent` tokens (the reservation API's commit). Ends its job,
+    /// queued or in flight, exactly once.
+    pub fn commit_key(
+        &mut self,
+        now: Millis,
+        key: &str,
+        spent: u64,
+    ) -> Result<HoldRecord, SettleError> {
+        self.settle_key(now, key, Settle::Commit(spent))
+    }
+
+    /// Settle a key as cancelled with `wasted` tokens (the reservation API's cancel).
+    pub fn cancel_key(
+        &mut self,
+        now: Millis,
+        key: &str,
+        wasted: u64,
+    ) -> Result<HoldRecord, SettleError> {
+        self.settle_key(now, key, Settle::Cancel(wasted))
+    }
+
+    fn settle_key(
+        &mut self,
+        now: Millis,
+        key: &str,
+        settle: Settle,
+    ) -> Result<HoldRecord, SettleError> {
+        let now = self.clock(now);
+        // An expired hold is refused (and settles as expired), whatever the job's state.
+        self.expire_holds(now);
+        if let Some(id) = self.job_for_key(key) {
+            if let Some(job) = self.jobs.remove(&id) {
+                let pool = self.classes[job.class.0].pool;
+                let started = match job.state {
+                    JobState::Queued => {
+                        self.unqueue(id, &job);
+                        None
+                    }
+                    JobState::InFlight { started_at } => Some(started_at),
+                };
+                let done = self.finish(now, id, job, pool, started, settle);
+                return done.hold.ok_or(SettleError::MissingHold);
+            }
+        }
+        // No live job (e.g. restored after a restart): settle the ledger alone.
+        let r = match settle {
+            Settle::Commit(spent) => self.ledger.commit(now, key, spent),
+            Settle::Cancel(wasted) => self.ledger.cancel(now, key, wasted),
+            Settle::AlreadyExpired => return Err(SettleError::MissingHold),
+        };
+        match &r {
+            Ok(rec) | Err(SettleError::HoldExpired(rec)) if rec.updated_at_ms == now => {
+                self.ledger_out.push(rec.clone());
+            }
+            _ => {}
+        }
+        r
+    }
+
+    /// Expire holds whose TTL passed; a live job under an expired hold releases its queue
+    /// place or slot at once, and its client is told (`hold_expired`).
+    pub(super) fn expire_holds(&mut self, now: Millis) {
+        for r in self.ledger.expire_due(now) {
+            if let Some(id) = self.keys.remove(&r.key) {
+                if let Some(job) = self.jobs.remove(&id) {
+                    let pool = self.classes[job.class.0].pool;
+                    let started = match job.state {
+                        JobState::Queued => {
+                            self.unqueue(id, &job);
+                            None
+                        }
+                        JobState::InFlight { started_at } => Some(started_at),
+                    };
+                    let mut ev = self.drop_event(now, id, &job, pool, 0);
+                    if let Event::Drop { reason, .. } = &mut ev {
+                        *reason = Reason::HoldExpired;
+                    }
+                    self.finish(now, id, job, pool, started, Settle::AlreadyExpired);
+                    self.events.push_back(ev);
+                }
+            }
+            self.ledger_out.push(r);
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! Seed 001's ledger rules, computed by hand.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+
+fn cfg() -> LedgerConfig {
+    LedgerConfig {
+        hold_ttl_ms: 20_000,
+        retry_cap: 1,
+        ..LedgerConfig::default()
+    }
+}
+
+#[test]
+fn seed_001_duplicate_and_retry_cap() {
+    let mut l = Ledger::new(cfg());
+    l.reserve(0, "job-17", None, 0, 800).unwrap();
+    l.reserve(0, "job-18", None, 0, 800).unwrap();
+    // A replay of a held key never reserves again, and reports what the hold holds.
+    assert_eq!(
+        l.reserve(1, "job-17", None, 1, 800),
+        Err(LedgerReject::Duplicate {
+            state: HoldState::Held,
+            tokens_held: 800
+        })
+    );
+    assert_eq!(
+        l.reserve(1, "job-20", None, 2, 800),
+        Err(LedgerReject::RetryCap {
+            attempt: 2,
+            retry_cap: 1
+        })
+    );
+    let s = l.stats();
+    assert_eq!((s.held, s.tokens_held), (2, 1600));
+}
+
+#[test]
+fn amplification_is_one_after_commit_and_above_one_after_expiry() {
+    let mut l = Ledger::new(cfg());
+    l.reserve(0, "a", None, 0, 800).unwrap();
+    let done = l.commit(12_000, "a", 800).unwrap();
+    assert_eq!((done.state, done.tokens_spent), (HoldState::Done, 800));
+    assert_eq!(l.stats().amplification, Some(1.0));
+    // A done key still answers duplicates.
+    assert!(matches!(
+        l.reserve(13_000, "a", None, 1, 800),
+        Err(LedgerReject::Duplicate {
+            state: HoldState::Done,
+            ..
+        })
+    ));
+
+    l.reserve(0, "b", None, 0, 800).unwrap();
+    let expired = l.expire_due(20_000);
+    assert_eq!(expired.len(), 1);
+    assert_eq!(
+        (expired[0].state, expired[0].tokens_wasted),
+        (HoldState::Expired, 800)
+    );
+    assert_eq!(l.stats().amplification, Some(2.0)); // (800 + 800) / 800
+                                                    // Committing an expired hold is refused and changes nothing.
+    assert!(matches!(
+        l.commit(21_000, "b", 800),
+        Err(SettleError::HoldExpired(_))
+    ));
+    assert_eq!(l.stats().tokens_spent, 800);
+}
+
+#[test]
+fn commit_after_ttl_expires_the_hold_instead() {
+    let mut l = Ledger::new(cfg());
+    l.reserve(0, "a", None, 0, 500).unwrap();
+    match l.commit(20_000, "a", 500) {
+        Err(SettleError::HoldExpired(r)) => {
+            assert_eq!((r.state, r.tokens_wasted), (HoldState::Expired, 500))
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(l.stats().held, 0);
+}
+
+#[test]
+fn a_cancelled_or_rejected_key_may_be_retried_within_the_cap() {
+    let mut l = Ledger::new(cfg());
+    l.record_rejection(0, "k", None, 0, 100).unwrap();
+    let r = l.reserve(5, "k", None, 1, 100).unwrap();
+    assert_eq!((r.state, r.version), (HoldState::Held, 2));
+    let c = l.cancel(6, "k", 30).unwrap();
+    assert_eq!(
+        (c.state, c.tokens_wasted, c.version),
+        (HoldState::Cancelled, 30, 3)
+    );
+    assert_eq!(
+        l.commit(7, "k", 1),
+        Err(SettleError::NotHeld(HoldState::Cancelled))
+    );
+    assert_eq!(l.commit(7, "nope", 1), Err(SettleError::MissingHold));
+    let s = l.stats();
+    assert_eq!((s.cancelled, s.rejected, s.tokens_wasted), (1, 1, 30));
+}
+
+#[test]
+fn tenant_grants_cover_holds_spend_and_waste() {
+    let mut c = cfg();
+    c.grants.insert("k:team".into(), 1000);
+    let mut l = Ledger::new(c);
+    l.reserve(0, "a", Some("k:team"), 0, 600).unwrap();
+    assert_eq!(
+        l.reserve(0, "b", Some("k:team"), 0, 500),
+        Err(LedgerReject::BudgetExhausted {
+            remaining: 400,
+            requested: 500
+        })
+    );
+    l.commit(1, "a", 550).unwrap();
+    assert_eq!(l.remaining(Some("k:team")), Some(450));
+    assert_eq!(
+        l.remaining(Some("k:other")),
+        None,
+        "no default grant: unlimited"
+    );
+}
+
+#[test]
+fn restore_keeps_live_holds_expires_stale_ones_and_remembers_done_keys() {
+    let mut l = Ledger::new(cfg());
+    l.reserve(0, "live", None, 0, 100).unwrap();
+    l.reserve(0, "stale", None, 0, 200).unwrap();
+    l.commit(1, "stale", 0).ok();
+    l.reserve(0, "gone", None, 0, 300).unwrap();
+    let mut records: Vec<HoldRecord> = ["live", "stale", "gone"]
+        .iter()
+        .map(|k| l.get(k).unwrap().clone())
+        .collect();
+    // An older version of "stale" arrives too (a replayed write): the newer one wins.
+    let mut old = records[1].clone();
+    old.version = 1;
+    old.state = HoldState::Held;
+    records.push(old);
+    // The process restarts at t = 20 000: "live" and "gone" were both placed at 0 with a
+    // 20 s TTL, so both expire on load; "stale" is done and still answers duplicates.
+    let (r, changed) = Ledger::restore(cfg(), records, 20_000);
+    assert_eq!(changed.len(), 2);
+    assert!(changed.iter().all(|c| c.state == HoldState::Expired));
+    assert!(matches!(
+        r.check("stale", None, 0, 1),
+        Err(LedgerReject::Duplicate {
+            state: HoldState::Done,
+            ..
+        })
+    ));
+    let s = r.stats();
+    assert_eq!((s.held, s.tokens_wasted), (0, 400));
+}
+
+#[test]
+fn settled_keys_are_forgotten_after_the_retention() {
+    let mut c = cfg();
+    c.retention_ms = 1000;
+    let mut l = Ledger::new(c);
+    l.reserve(0, "a", None, 0, 1).unwrap();
+    l.commit(10, "a", 1).unwrap();
+    l.expire_due(500);
+    assert_eq!(l.len(), 1);
+    l.expire_due(1011);
+    assert_eq!(l.len(), 0);
+    assert_eq!(l.stats().tokens_spent, 1, "totals survive forgetting");
+}
