@@ -683,6 +683,8 @@ impl Gate {
     /// Decide at arrival. An admitted job is queued; call [`Gate::poll`] to dispatch it.
     pub fn offer(&mut self, now: Millis, req: Request) -> Decision {
         let now = self.clock(now);
+        // A hold past its TTL must not answer duplicates until the next tick: expire first.
+        self.expire_holds(now);
         let job_id = JobId(self.next_id);
         self.next_id += 1;
         let key = match &req.idempotency_key {
@@ -882,9 +884,14 @@ impl Gate {
     ) -> (u64, bool) {
         let r = &self.cfg.retry;
         let need = match reason {
-            Reason::ClassDisabled | Reason::RejectUnlabeled => {
-                return (r.hopeless_retry_after_ms, false)
-            }
+            // No retry of the same request can succeed soon: the class is off, the work is
+            // unlabeled, the key is already held or done, the attempts are used up, or the
+            // grant is spent.
+            Reason::ClassDisabled
+            | Reason::RejectUnlabeled
+            | Reason::RejectDuplicate
+            | Reason::RejectRetryCap
+            | Reason::BudgetExhausted => return (r.hopeless_retry_after_ms, false),
             Reason::ProjectedWaitExceedsSlack => match slack_ms {
                 // Even an empty queue cannot make this deadline: retrying the same request
                 // is pointless.

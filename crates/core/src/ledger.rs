@@ -91,6 +91,12 @@ pub struct HoldRecord {
     /// Monotonic version of this key's record: a store keeps the highest, so replays and
     /// reordered writes can never move a key backwards.
     pub version: u64,
+    /// Tokens spent by this key's earlier holds (a key retried after a cancel or expiry).
+    #[serde(default)]
+    pub prior_spent: u64,
+    /// Tokens wasted by this key's earlier holds.
+    #[serde(default)]
+    pub prior_wasted: u64,
 }
 
 /// Ledger settings (`[ledger]` in the config file).
@@ -263,6 +269,11 @@ impl Ledger {
     fn install(&mut self, r: HoldRecord) {
         let tenant = r.tenant.clone().unwrap_or_default();
         let u = self.tenants.entry(tenant).or_default();
+        // Earlier holds of this key (retried after a cancel or an expiry) still count.
+        u.spent = u.spent.saturating_add(r.prior_spent);
+        u.wasted = u.wasted.saturating_add(r.prior_wasted);
+        self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.prior_spent);
+        self.totals.tokens_wasted = self.totals.tokens_wasted.saturating_add(r.prior_wasted);
         match r.state {
             HoldState::Held => {
                 u.held = u.held.saturating_add(r.tokens_held);
@@ -354,8 +365,22 @@ impl Ledger {
         Ok(())
     }
 
-    fn next_version(&self, key: &str) -> u64 {
-        self.holds.get(key).map_or(1, |r| r.version + 1)
+    /// Versions never go back, even for a key forgotten after the retention and reserved
+    /// again: at least the time of the change, and above the key's previous version.
+    fn next_version(&self, key: &str, now: Millis) -> u64 {
+        let prev = self.holds.get(key).map_or(0, |r| r.version);
+        prev.saturating_add(1).max(now)
+    }
+
+    /// Spend and waste of a key's earlier holds, carried into its next record so that a
+    /// restart (which keeps one record per key) loses none of a retried key's history.
+    fn carried(&self, key: &str) -> (u64, u64) {
+        self.holds.get(key).map_or((0, 0), |r| {
+            (
+                r.prior_spent.saturating_add(r.tokens_spent),
+                r.prior_wasted.saturating_add(r.tokens_wasted),
+            )
+        })
     }
 
     /// Place a hold. The previous record of the key (rejected, cancelled or expired) is
@@ -402,6 +427,7 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> HoldRecord {
+        let carried = self.carried(key);
         self.forget_settled(key);
         let r = HoldRecord {
             key: key.to_string(),
@@ -414,7 +440,9 @@ impl Ledger {
             created_at_ms: now,
             expires_at_ms: now.saturating_add(self.cfg.hold_ttl_ms),
             updated_at_ms: now,
-            version: self.next_version(key),
+            version: self.next_version(key, now),
+            prior_spent: carried.0,
+            prior_wasted: carried.1,
         };
         let u = self
             .tenants
@@ -445,6 +473,7 @@ impl Ledger {
         {
             return None;
         }
+        let carried = self.carried(key);
         self.forget_settled(key);
         let r = HoldRecord {
             key: key.to_string(),
@@ -457,7 +486,9 @@ impl Ledger {
             created_at_ms: now,
             expires_at_ms: now,
             updated_at_ms: now,
-            version: self.next_version(key),
+            version: self.next_version(key, now),
+            prior_spent: carried.0,
+            prior_wasted: carried.1,
         };
         self.totals.rejected += 1;
         self.settled.insert((now, r.key.clone()));
@@ -492,7 +523,7 @@ impl Ledger {
         r.tokens_spent = spent.min(MAX_TOKENS);
         r.tokens_wasted = wasted.min(MAX_TOKENS);
         r.updated_at_ms = now;
-        r.version += 1;
+        r.version = r.version.saturating_add(1);
         let r = r.clone();
         let u = self
             .tenants

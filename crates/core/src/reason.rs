@@ -48,6 +48,8 @@ pub enum Reason {
     BodyTooLarge,
     /// A deadline header is malformed, negative or absurd.
     InvalidDeadline,
+    /// A well-formed body with a missing or invalid field (reservation API).
+    InvalidRequest,
     /// The upstream refused the connection or could not be reached.
     UpstreamUnavailable,
     /// The upstream stayed silent past the request's deadline.
@@ -81,6 +83,7 @@ impl Reason {
             Reason::InvalidJson => "invalid_json",
             Reason::BodyTooLarge => "body_too_large",
             Reason::InvalidDeadline => "invalid_deadline",
+            Reason::InvalidRequest => "invalid_request",
             Reason::UpstreamUnavailable => "upstream_unavailable",
             Reason::UpstreamTimeout => "upstream_timeout",
             Reason::UpstreamError => "upstream_error",
@@ -89,7 +92,7 @@ impl Reason {
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 23] = [
+    pub const ALL: [Reason; 24] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -109,6 +112,7 @@ impl Reason {
         Reason::InvalidJson,
         Reason::BodyTooLarge,
         Reason::InvalidDeadline,
+        Reason::InvalidRequest,
         Reason::UpstreamUnavailable,
         Reason::UpstreamTimeout,
         Reason::UpstreamError,

@@ -97,11 +97,11 @@ impl Gate {
             Settle::Cancel(wasted) => self.ledger.cancel(now, key, wasted),
             Settle::AlreadyExpired => return Err(SettleError::MissingHold),
         };
-        match &r {
-            Ok(rec) | Err(SettleError::HoldExpired(rec)) if rec.updated_at_ms == now => {
-                self.ledger_out.push(rec.clone());
-            }
-            _ => {}
+        // Only a settlement is new here: a hold past its TTL was expired (and its record
+        // queued) by `expire_holds` above, so a `HoldExpired` answer is that same record and
+        // must not be persisted twice.
+        if let Ok(rec) = &r {
+            self.ledger_out.push(rec.clone());
         }
         r
     }
