@@ -54,6 +54,10 @@ struct ServeArgs {
     /// Decision log: `-` (stdout), `off`, or a file path.
     #[arg(long)]
     log: Option<String>,
+    /// Ledger store: a SQLite file (default `slackgate-ledger.db`, durable) or `memory`.
+    /// `--demo` uses `memory` unless this is given.
+    #[arg(long)]
+    ledger: Option<String>,
     /// Start a built-in fake model upstream and point every pool without an upstream at it:
     /// a gate you can curl at once, no external service needed.
     #[arg(long)]
@@ -154,6 +158,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
     if let Some(l) = &a.log {
         cfg.log.path = l.clone();
     }
+    match &a.ledger {
+        Some(l) => cfg.server.ledger = l.clone(),
+        None if a.demo => cfg.server.ledger = "memory".into(),
+        None => {}
+    }
     let mut _demo_stub = None;
     if a.demo {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -200,7 +209,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     let log = DecisionLog::start(cfg.log.target(), cfg.log.channel_capacity)
         .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
-    eprintln!("slackgate: gate listening on http://{addr}");
+    eprintln!(
+        "slackgate: gate listening on http://{addr} (ledger: {})",
+        cfg.server.ledger
+    );
     if a.demo {
         eprintln!(
             "slackgate: try\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -H 'x-job-class: interactive' -H 'x-deadline-ms: 5000' \\\n    -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":16}}'\n  curl -s http://{addr}/metrics | grep slackgate_decisions"

@@ -1138,8 +1138,8 @@ impl Gate {
             // Expired on the way (its TTL passed): that is its settlement, and it must be
             // persisted like any other.
             Err(SettleError::HoldExpired(r)) => {
-                self.ledger_out.push(r.clone());
-                Some(r)
+                self.ledger_out.push((*r).clone());
+                Some(*r)
             }
             Err(_) => None,
         }

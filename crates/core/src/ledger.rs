@@ -167,7 +167,7 @@ pub enum SettleError {
     /// No hold under that key (or it was never reserved).
     MissingHold,
     /// The hold had already expired (now, or earlier: `record` says when).
-    HoldExpired(HoldRecord),
+    HoldExpired(Box<HoldRecord>),
     /// The key's latest hold is already settled (`done`, `cancelled`) or was rejected.
     NotHeld(HoldState),
 }
@@ -558,12 +558,12 @@ impl Ledger {
                 let rec = self
                     .end(now, key, HoldState::Expired, 0, held)
                     .ok_or(SettleError::MissingHold)?;
-                Err(SettleError::HoldExpired(rec))
+                Err(SettleError::HoldExpired(Box::new(rec)))
             }
             HoldState::Held => self
                 .end(now, key, state, spent, wasted)
                 .ok_or(SettleError::MissingHold),
-            HoldState::Expired => Err(SettleError::HoldExpired(r.clone())),
+            HoldState::Expired => Err(SettleError::HoldExpired(Box::new(r.clone()))),
             other => Err(SettleError::NotHeld(other)),
         }
     }

@@ -570,7 +570,7 @@ impl Model {
         match r.state {
             HoldState::Held if self.now >= r.expires_at_ms => {
                 let rec = self.end(k, HoldState::Expired, 0, r.tokens_held);
-                (Err(SettleError::HoldExpired(rec)), true)
+                (Err(SettleError::HoldExpired(Box::new(rec))), true)
             }
             HoldState::Held => {
                 let (spent, wasted) = if state == HoldState::Done {
@@ -580,7 +580,7 @@ impl Model {
                 };
                 (Ok(self.end(k, state, spent, wasted)), true)
             }
-            HoldState::Expired => (Err(SettleError::HoldExpired(r)), false),
+            HoldState::Expired => (Err(SettleError::HoldExpired(Box::new(r))), false),
             other => (Err(SettleError::NotHeld(other)), false),
         }
     }
@@ -763,7 +763,8 @@ fn run_ledger(cfg: &LedgerConfig, ops: &[LOp]) -> Result<(), TestCaseError> {
                 prop_assert_eq!(&got, &want, "{:?}", op);
                 if changed {
                     match got {
-                        Ok(r) | Err(SettleError::HoldExpired(r)) => m.log.push(r),
+                        Ok(r) => m.log.push(r),
+                        Err(SettleError::HoldExpired(r)) => m.log.push(*r),
                         Err(e) => prop_assert!(false, "changed but {:?}", e),
                     }
                 } else {

@@ -51,6 +51,13 @@ pub struct ServerConfig {
     /// A response body that receives nothing from upstream for this long is cut off and its
     /// slot released (ms): a stalled stream must not hold a slot until the client gives up.
     pub stream_idle_timeout_ms: u64,
+    /// Ask upstreams for the final usage chunk of streams (`stream_options.include_usage`)
+    /// when the client did not say, so holds settle on the upstream's own token count. The
+    /// client then also receives that chunk (`choices: []`); turn off for clients that
+    /// cannot ignore it.
+    pub stream_usage: bool,
+    /// Ledger store: a SQLite file path (durable; the default) or `memory`.
+    pub ledger: String,
     /// A client whose connection accepts no bytes for this long (it stopped reading) is
     /// disconnected and its job cancelled (ms): a client that never reads must not pin a slot.
     pub client_write_timeout_ms: u64,
@@ -70,6 +77,8 @@ impl Default for ServerConfig {
             tick_ms: 50,
             upstream_timeout_ms: 600_000,
             stream_idle_timeout_ms: 120_000,
+            stream_usage: true,
+            ledger: "slackgate-ledger.db".into(),
             client_write_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,

@@ -11,8 +11,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admission_api;
 pub mod body;
 pub mod config;
+pub mod ledger_store;
 pub mod metrics;
 pub mod proxy;
 pub mod request_info;

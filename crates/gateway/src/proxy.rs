@@ -85,7 +85,7 @@ impl Endpoint {
     }
 }
 
-fn bad_request(
+pub(crate) fn bad_request(
     shared: &Shared,
     path: &str,
     label: Option<String>,
@@ -100,7 +100,7 @@ fn bad_request(
 }
 
 /// Why a request body could not be read.
-enum BodyError {
+pub(crate) enum BodyError {
     /// Too large or malformed: answered with 4xx and an `error` line.
     Bad(BadRequest),
     /// Not all there within `server.body_read_timeout_ms`: 408.
@@ -111,7 +111,7 @@ enum BodyError {
 
 /// Read the whole request body, refusing more than `limit` bytes or taking longer than the
 /// configured body read timeout.
-async fn read_body(
+pub(crate) async fn read_body(
     shared: &Shared,
     body: Incoming,
     headers: &HeaderMap,
@@ -161,7 +161,7 @@ async fn read_body(
 }
 
 /// Answer (and log) a request whose body could not be read.
-fn body_failure(
+pub(crate) fn body_failure(
     shared: &Shared,
     path: &str,
     label: Option<String>,
@@ -220,14 +220,27 @@ pub async fn admitted(
         Ok(h) => h,
         Err(e) => return bad_request(&shared, &path, raw_label, e),
     };
-    let bytes = match read_body(&shared, body, &parts.headers).await {
+    let mut bytes = match read_body(&shared, body, &parts.headers).await {
         Ok(b) => b,
         Err(e) => return body_failure(&shared, &path, raw_label, e),
     };
     let binfo = match kind {
         Endpoint::Other => parse_body_lenient(&bytes),
         Endpoint::Chat | Endpoint::Completions | Endpoint::Embeddings => match parse_body(&bytes) {
-            Ok((_, b)) => b,
+            Ok((mut json, b)) => {
+                // Settle streams on the upstream's own count: ask for the final usage chunk
+                // (`stream_options.include_usage`) unless the client already said either way.
+                if b.stream
+                    && shared.server.stream_usage
+                    && matches!(kind, Endpoint::Chat | Endpoint::Completions)
+                    && ask_for_stream_usage(&mut json)
+                {
+                    if let Ok(v) = serde_json::to_vec(&json) {
+                        bytes = bytes::Bytes::from(v);
+                    }
+                }
+                b
+            }
             Err(e) => return bad_request(&shared, &path, raw_label, e),
         },
     };
@@ -283,7 +296,15 @@ pub async fn admitted(
         Ok(Signal::Go {
             pool,
             queue_wait_ms,
-        }) => (pool, queue_wait_ms),
+        }) => {
+            // The hold must be on disk before upstream tokens are spent on it: a crash after
+            // this point leaves a hold that expires (wasted), never a spend nobody recorded.
+            // Group commit: every request dispatched meanwhile shares the same sync.
+            if let Err(e) = shared.durable().await {
+                shared.note_store_error(&e);
+            }
+            (pool, queue_wait_ms)
+        }
         Ok(Signal::Dropped(body)) => {
             let advice = RetryAdvice {
                 after_ms: 1000,
@@ -416,6 +437,23 @@ fn fail(guard: JobGuard, status: StatusCode, reason: Reason, message: &str) -> R
     response::error(status, reason, message, None, None)
 }
 
+/// Set `stream_options.include_usage = true` unless the client set it; true when changed.
+fn ask_for_stream_usage(json: &mut serde_json::Value) -> bool {
+    let Some(obj) = json.as_object_mut() else {
+        return false;
+    };
+    let opts = obj
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::json!({}));
+    match opts.as_object_mut() {
+        Some(o) if !o.contains_key("include_usage") => {
+            o.insert("include_usage".into(), serde_json::Value::Bool(true));
+            true
+        }
+        _ => false,
+    }
+}
+
 fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
     let advice = d.retry_after_ms.map(|ms| RetryAdvice {
         after_ms: ms,
@@ -438,15 +476,31 @@ fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
             d.projected_wait_ms,
             d.deadline_slack_ms.unwrap_or(0)
         ),
+        Reason::RejectDuplicate => format!(
+            "idempotency key {:?} is already {}: a replay never reserves or spends twice",
+            d.idempotency_key,
+            match &d.ledger {
+                Some(slackgate_core::ledger::LedgerReject::Duplicate { state, .. }) =>
+                    state.as_str(),
+                _ => "held",
+            }
+        ),
+        Reason::RejectRetryCap => {
+            "attempt number is over the retry cap for this idempotency key".to_string()
+        }
+        Reason::BudgetExhausted => {
+            "the tenant's token grant cannot cover this request's hold".to_string()
+        }
         other => format!("rejected: {other}"),
     };
-    response::error(
-        StatusCode::TOO_MANY_REQUESTS,
-        d.reason,
-        &msg,
-        Some(body),
-        advice,
-    )
+    // A duplicate is a conflict with the key's existing hold (409, as seed 001 answers it);
+    // every other refusal is "not now" (429).
+    let status = if d.reason == Reason::RejectDuplicate {
+        StatusCode::CONFLICT
+    } else {
+        StatusCode::TOO_MANY_REQUESTS
+    };
+    response::error(status, d.reason, &msg, Some(body), advice)
 }
 
 /// Forward a request that is not admission-controlled (`GET /v1/models`, any non-POST under

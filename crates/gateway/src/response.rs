@@ -48,6 +48,11 @@ pub struct AdmissionBody {
     pub job_id: u64,
     /// Resolved class.
     pub job_class: Option<String>,
+    /// The idempotency key the decision is about.
+    pub idempotency_key: Option<String>,
+    /// Ledger details of a `reject_duplicate` (state, tokens held), `reject_retry_cap` or
+    /// `budget_exhausted` (remaining grant) rejection.
+    pub ledger: Option<slackgate_core::ledger::LedgerReject>,
 }
 
 /// Retry advice for a rejection.
@@ -135,6 +140,22 @@ fn with_code(
         HeaderValue::from_static("application/json"),
     );
     h.insert("x-slackgate-reason", HeaderValue::from_static(code));
+    set_retry(&mut resp, retry);
+    resp
+}
+
+/// Add the reason and retry advice headers to a response built elsewhere (the reservation
+/// API's seed-shaped bodies).
+pub fn add_retry_headers(resp: &mut Response<ResBody>, reason: Reason, retry: Option<RetryAdvice>) {
+    resp.headers_mut().insert(
+        "x-slackgate-reason",
+        HeaderValue::from_static(reason.as_str()),
+    );
+    set_retry(resp, retry);
+}
+
+fn set_retry(resp: &mut Response<ResBody>, retry: Option<RetryAdvice>) {
+    let h = resp.headers_mut();
     if let Some(r) = retry {
         // Whole seconds, rounded up (RFC 9110), and the exact figure for SDKs that read it.
         let secs = r.after_ms.div_ceil(1000).max(1);
@@ -145,7 +166,6 @@ fn with_code(
             HeaderValue::from_static(if r.should_retry { "true" } else { "false" }),
         );
     }
-    resp
 }
 
 /// A 200 JSON response.

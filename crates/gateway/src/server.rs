@@ -10,6 +10,7 @@
 //! their `complete` lines before the decision log is flushed.
 
 use crate::config::Config;
+use crate::ledger_store::{LedgerStore, MemoryStore, SqliteOptions, SqliteStore};
 use crate::proxy;
 use crate::response::{self, ResBody};
 use crate::stall::WriteStallGuard;
@@ -47,6 +48,9 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
         let kind = proxy::Endpoint::of(endpoint);
         return proxy::admitted(shared, req, kind).await;
     }
+    if path.starts_with("/admission/v1/") {
+        return crate::admission_api::handle(shared, req).await;
+    }
     match (req.method(), path) {
         (&Method::GET, "/healthz") => response::text("text/plain", "ok\n".into()),
         (&Method::GET, "/metrics") => {
@@ -74,9 +78,19 @@ pub struct Gateway {
 impl Gateway {
     /// Start serving on `listener` with `cfg` (validated here) and `log`.
     pub fn spawn(listener: TcpListener, cfg: &Config, log: DecisionLog) -> Result<Gateway, String> {
+        Gateway::spawn_with_store(listener, cfg, log, Arc::new(MemoryStore::new()))
+    }
+
+    /// Start serving with the ledger kept in `store` (restored from it first).
+    pub fn spawn_with_store(
+        listener: TcpListener,
+        cfg: &Config,
+        log: DecisionLog,
+        store: Arc<dyn LedgerStore>,
+    ) -> Result<Gateway, String> {
         cfg.validate().map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let shared = Arc::new(Shared::new(cfg, log)?);
+        let shared = Arc::new(Shared::with_store(cfg, log, store)?);
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(serve(listener, Arc::clone(&shared), stopped));
         Ok(Gateway {
@@ -103,6 +117,9 @@ impl Gateway {
         let _ = self.stop.send(true);
         let _ = self.task.await;
         self.shared.log.flush().await;
+        if let Err(e) = self.shared.durable().await {
+            eprintln!("slackgate: ledger flush at shutdown failed: {e}");
+        }
     }
 }
 
@@ -114,10 +131,20 @@ pub async fn run(
     log: DecisionLog,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
-    let gw = Gateway::spawn(listener, cfg, log)?;
+    let gw = Gateway::spawn_with_store(listener, cfg, log, open_store(&cfg.server.ledger)?)?;
     shutdown.await;
     gw.shutdown().await;
     Ok(())
+}
+
+/// Open the ledger store a config names: `memory`, or a SQLite file (created if absent).
+pub fn open_store(spec: &str) -> Result<Arc<dyn LedgerStore>, String> {
+    if spec == "memory" {
+        return Ok(Arc::new(MemoryStore::new()));
+    }
+    let store = SqliteStore::open(std::path::Path::new(spec), SqliteOptions::default())
+        .map_err(|e| format!("cannot open the ledger {spec:?}: {e}"))?;
+    Ok(Arc::new(store))
 }
 
 async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {

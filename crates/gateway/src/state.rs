@@ -7,6 +7,7 @@
 //! updates metrics from those same lines, so the log and `/metrics` cannot disagree.
 
 use crate::config::{Config, ServerConfig};
+use crate::ledger_store::{LedgerStore, MemoryStore};
 use crate::metrics::Metrics;
 use crate::response::AdmissionBody;
 use crate::telemetry::{epoch_ms, DecisionLog, LogLine};
@@ -59,6 +60,9 @@ pub struct JobMeta {
 struct Waiting {
     meta: JobMeta,
     tx: Option<oneshot::Sender<Signal>>,
+    /// A reservation-API hold: no HTTP request waits on it; the worker calls the model itself
+    /// and settles with commit/cancel (or the hold expires).
+    reservation: bool,
 }
 
 /// The core and the requests waiting on it.
@@ -127,6 +131,8 @@ pub struct Shared {
     pub upstreams: Vec<UpstreamBase>,
     /// Server settings.
     pub server: ServerConfig,
+    /// Where ledger records are persisted.
+    pub store: Arc<dyn LedgerStore>,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -162,7 +168,27 @@ pub enum Admission {
 impl Shared {
     /// Build the shared state for a validated configuration.
     pub fn new(cfg: &Config, log: DecisionLog) -> Result<Shared, String> {
-        let gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
+        Shared::with_store(cfg, log, Arc::new(MemoryStore::new()))
+    }
+
+    /// Build the shared state over a ledger store, restoring the ledger from it: holds still
+    /// inside their TTL keep counting, holds past it expire (tokens wasted), done keys still
+    /// answer duplicates.
+    pub fn with_store(
+        cfg: &Config,
+        log: DecisionLog,
+        store: Arc<dyn LedgerStore>,
+    ) -> Result<Shared, String> {
+        let mut gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
+        let clock = Clock::new();
+        let records = store
+            .load()
+            .map_err(|e| format!("cannot load the ledger: {e}"))?;
+        // Generated keys carry the start time, so they never collide with an earlier run's.
+        gate.set_key_prefix(&format!("gen-{:x}", clock.now_ms()));
+        gate.restore_ledger(records, clock.now_ms());
+        let restored = gate.take_ledger_records();
+        store.write(restored);
         let mut upstreams = Vec::new();
         for (i, p) in cfg.gate.pools.iter().enumerate() {
             let url = p
@@ -180,12 +206,13 @@ impl Shared {
                 waiting: HashMap::new(),
                 seq: 0,
             }),
-            clock: Clock::new(),
+            clock,
             metrics: Metrics::default(),
             log,
             client: crate::upstream::client(),
             upstreams,
             server: cfg.server.clone(),
+            store,
         })
     }
 
@@ -203,6 +230,12 @@ impl Shared {
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
             st.number(&mut lines);
+            let records = st.gate.take_ledger_records();
+            // Queued to the store's single writer while still under the lock, so records reach
+            // it in the order the core produced them (the store also keeps the highest version).
+            if !records.is_empty() {
+                self.store.write(records);
+            }
             r
         };
         for line in &lines {
@@ -210,6 +243,134 @@ impl Shared {
             self.log.log(line);
         }
         r
+    }
+
+    /// Wait until every ledger record written so far is durable (group commit: concurrent
+    /// callers share one transaction). Runs the blocking flush off the async workers.
+    pub async fn durable(&self) -> Result<(), String> {
+        let store = Arc::clone(&self.store);
+        match tokio::task::spawn_blocking(move || store.flush()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("ledger flush task failed: {e}")),
+        }
+    }
+
+    /// Place a reservation-API hold (seed 001): the same decision and the same ledger as the
+    /// proxy, but no request waits on it. Returns the decision and the ledger's held count.
+    pub fn reserve(
+        &self,
+        label: Option<&str>,
+        mut req: Request,
+        mut meta: JobMeta,
+    ) -> (Decision, u64) {
+        self.with_core(|st, now, lines| {
+            req.class = st.gate.classify(label);
+            let d = st.gate.offer(now, req.clone());
+            meta.class = d
+                .class
+                .map(|c| st.gate.class_name(c).to_string())
+                .unwrap_or_default();
+            meta.pool = d
+                .pool
+                .map(|p| st.gate.pool_name(p).to_string())
+                .unwrap_or_default();
+            meta.arrived_epoch_ms = epoch_ms();
+            meta.tokens_held = d.tokens_held;
+            meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
+            lines.push(decision_line(&d, &meta));
+            if d.admitted() {
+                st.waiting.insert(
+                    d.job_id,
+                    Waiting {
+                        meta,
+                        tx: None,
+                        reservation: true,
+                    },
+                );
+            }
+            (d, st.gate.ledger_stats().held)
+        })
+    }
+
+    /// Settle a key as done (`spent`) or cancelled (`wasted`) through the reservation API.
+    pub fn settle_key(
+        &self,
+        key: &str,
+        commit: bool,
+        tokens: u64,
+    ) -> Result<slackgate_core::HoldRecord, slackgate_core::ledger::SettleError> {
+        self.with_core(|st, now, lines| {
+            let job = st.gate.job_for_key(key);
+            let r = if commit {
+                st.gate.commit_key(now, key, tokens)
+            } else {
+                st.gate.cancel_key(now, key, tokens)
+            };
+            if let Some(w) = job.and_then(|id| st.waiting.remove(&id).map(|w| (id, w))) {
+                let (id, w) = w;
+                let hold = match &r {
+                    Ok(h) => Some(h),
+                    Err(slackgate_core::ledger::SettleError::HoldExpired(h)) => Some(&**h),
+                    Err(_) => None,
+                };
+                let action = if commit {
+                    Action::Complete
+                } else {
+                    Action::Cancel
+                };
+                let reason = match hold.map(|h| h.state) {
+                    Some(slackgate_core::HoldState::Expired) => Reason::HoldExpired,
+                    _ if commit => Reason::Completed,
+                    _ => Reason::ClientCancelled,
+                };
+                let mut line = base_line(id, &w.meta, action, reason);
+                line.tokens_held = Some(w.meta.tokens_held);
+                line.tokens_spent = hold.map(|h| h.tokens_spent);
+                line.tokens_wasted = hold.map(|h| h.tokens_wasted);
+                lines.push(line);
+            }
+            r
+        })
+    }
+
+    /// Expire due holds now (the reservation API's `/expire`): (released, tokens wasted).
+    pub fn expire_now(&self) -> (u64, u64) {
+        self.with_core(|st, now, _| {
+            let before = st.gate.ledger_stats();
+            st.gate.tick(now);
+            let after = st.gate.ledger_stats();
+            (
+                after.expired.saturating_sub(before.expired),
+                after.tokens_wasted.saturating_sub(before.tokens_wasted),
+            )
+        })
+    }
+
+    /// Ledger totals and the projected wait a default request would see, for `/stats`.
+    pub fn ledger_view(
+        &self,
+    ) -> (
+        slackgate_core::ledger::LedgerStats,
+        slackgate_core::GateSnapshot,
+    ) {
+        self.with_core(|st, now, _| (st.gate.ledger_stats(), st.gate.snapshot(now)))
+    }
+
+    /// Tokens held under a key (for a commit that names no spend).
+    pub fn held_tokens(&self, key: &str) -> Option<u64> {
+        self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.tokens_held))
+    }
+
+    /// The configured hold TTL.
+    pub fn hold_ttl_ms(&self) -> u64 {
+        self.with_core(|st, _, _| st.gate.ledger().config().hold_ttl_ms)
+    }
+
+    /// Record a ledger store failure (the request proceeds: fail open, counted in metrics).
+    pub fn note_store_error(&self, e: &str) {
+        self.metrics.decision("none", "error", "ledger_store_error");
+        let _ = e;
     }
 
     /// Translate a monotonic time to epoch milliseconds (for log lines).
@@ -240,7 +401,8 @@ impl Shared {
             if meta.arrived_epoch_ms == 0 {
                 meta.arrived_epoch_ms = epoch_ms();
             }
-            meta.tokens_held = u64::from(req.prompt_tokens) + u64::from(d.expected_output_tokens);
+            meta.tokens_held = d.tokens_held;
+            meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
             let hint = d
                 .class
                 .and_then(|c| st.gate.retry_hint(c))
@@ -259,6 +421,7 @@ impl Shared {
                 Waiting {
                     meta: meta.clone(),
                     tx: Some(tx),
+                    reservation: false,
                 },
             );
             Admission::Queued {
@@ -342,7 +505,7 @@ impl Shared {
                         completion_tokens: o.completion_tokens,
                     },
                 ),
-                None => st.gate.cancel(now, id),
+                None => st.gate.cancel_wasted(now, id, wasted),
             };
             // Only a job the core really ended loses its waiter: if the core did not know the
             // job (already dropped, or ended by another path) the entry is not ours to touch.
@@ -423,6 +586,10 @@ fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 line.in_flight = Some(in_flight);
                 line.depth = Some(depth);
                 lines.push(line);
+                if w.reservation {
+                    // The worker holds the slot from now until it commits or cancels.
+                    continue;
+                }
                 let sent =
                     w.tx.take()
                         .map(|tx| {
@@ -477,6 +644,8 @@ fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                         retry_after_ms: None,
                         job_id: job_id.0,
                         job_class: Some(w.meta.class.clone()),
+                        idempotency_key: w.meta.idempotency_key.clone(),
+                        ledger: None,
                     }));
                 }
             }
@@ -539,13 +708,25 @@ fn end_line(c: &Completed, meta: &JobMeta, outcome: Option<Outcome>, wasted: u64
     line.tokens_held = Some(meta.tokens_held);
     if let Some(o) = outcome {
         line.status = Some(o.status);
-        let spent =
-            u64::from(o.prompt_tokens.unwrap_or(0)) + u64::from(o.completion_tokens.unwrap_or(0));
-        line.tokens_spent = Some(spent);
-        line.tokens_wasted = Some(0);
-    } else {
-        line.tokens_spent = Some(0);
-        line.tokens_wasted = Some(wasted);
+    }
+    // The ledger's settlement is the truth for tokens; without one (never reserved), fall
+    // back to what the response reported.
+    match &c.hold {
+        Some(h) => {
+            line.tokens_spent = Some(h.tokens_spent);
+            line.tokens_wasted = Some(h.tokens_wasted);
+            if h.state == slackgate_core::HoldState::Expired {
+                line.reason = Reason::HoldExpired.as_str();
+            }
+        }
+        None => {
+            let spent = outcome.map_or(0, |o| {
+                u64::from(o.prompt_tokens.unwrap_or(0))
+                    + u64::from(o.completion_tokens.unwrap_or(0))
+            });
+            line.tokens_spent = Some(spent);
+            line.tokens_wasted = Some(if outcome.is_some() { 0 } else { wasted });
+        }
     }
     line
 }
@@ -564,6 +745,8 @@ fn admission_body(d: &Decision, meta: &JobMeta, retry_hint: Option<String>) -> A
         retry_after_ms: d.retry_after_ms,
         job_id: d.job_id.0,
         job_class: (!meta.class.is_empty()).then(|| meta.class.clone()),
+        idempotency_key: (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.clone()),
+        ledger: d.ledger.clone(),
     }
 }
 

@@ -185,7 +185,8 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_logs_it() {
     let complete = lines.iter().find(|l| l["action"] == "complete");
     let complete = complete.unwrap_or_else(|| panic!("no complete line: {lines:#?}"));
     assert_eq!(complete["reason"], "completed");
-    assert_eq!(complete["tokens_spent"], 10);
+    // The gate asked the upstream for the stream's usage: 2 prompt + 10 completion tokens.
+    assert_eq!(complete["tokens_spent"], 12);
     // The listener is closed: new connections are refused.
     assert!(TcpStream::connect(addr).await.is_err(), "still accepting");
 }

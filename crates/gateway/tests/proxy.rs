@@ -279,8 +279,16 @@ async fn streaming_is_passed_through_chunk_by_chunk_and_holds_the_slot() {
     assert_idle(&g).await;
     let complete = wait_line(&g, job, "complete").await;
     assert_eq!(complete["reason"], "completed");
-    // No usage chunk was asked for: the gate counted the streamed tokens itself.
-    assert_eq!(complete["tokens_spent"], 10);
+    // The client asked for no usage chunk, so the gate asked for one on its behalf
+    // (`server.stream_usage`): the hold settles on the upstream's own total, prompt included.
+    let total = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|v| v["usage"]["total_tokens"].as_u64())
+        .expect("the injected usage chunk reached the client");
+    assert!(total > 10, "{total}");
+    assert_eq!(complete["tokens_spent"], total);
     assert!(complete["ttft_ms"].as_u64().is_some());
 
     // With a usage chunk, the upstream's own count is what the gate records.

@@ -1,0 +1,282 @@
+//! The reservation API (seed 001), for workers that call the model themselves:
+//! `POST /admission/v1/reserve`, `/commit`, `/cancel`, `/expire`, `GET /admission/v1/stats`.
+//!
+//! A reservation is the same decision, against the same queues and the same ledger, as a
+//! proxied request: it counts toward the projected wait of everything behind it until the
+//! worker commits (tokens spent) or cancels (tokens wasted), or its hold expires. Bodies and
+//! action codes follow seed 001 (`reserve`, `reject_duplicate`, `reject_retry_cap`,
+//! `reject_unreserved`, `commit`, `hold_expired`, `missing_hold`, `expire`); figures are given
+//! in seconds as the seed does (`projected_wait_s` is the wait *plus* the job's own service,
+//! i.e. when it would finish) and in milliseconds.
+
+use crate::proxy::{bad_request, body_failure, read_body};
+use crate::request_info::BadRequest;
+use crate::response::{self, ResBody};
+use crate::state::{JobMeta, Shared};
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use serde::Deserialize;
+use serde_json::json;
+use slackgate_core::ledger::{LedgerReject, SettleError, MAX_KEY_LEN, MAX_TOKENS};
+use slackgate_core::{Reason, Request as CoreRequest};
+use std::sync::Arc;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReserveBody {
+    idempotency_key: Option<String>,
+    tokens: u64,
+    #[serde(default)]
+    attempt: u32,
+    class: Option<String>,
+    /// Deadline budget from now (seed 001's "slack": 30 s).
+    slack_ms: Option<u64>,
+    tenant: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettleBody {
+    idempotency_key: String,
+    /// For commit: tokens spent (default: the hold). For cancel: tokens wasted (default 0).
+    tokens: Option<u64>,
+    tokens_spent: Option<u64>,
+    tokens_wasted: Option<u64>,
+}
+
+fn invalid(message: impl Into<String>) -> BadRequest {
+    BadRequest {
+        reason: Reason::InvalidRequest,
+        message: message.into(),
+    }
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, BadRequest> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        let reason = if e.is_data() {
+            Reason::InvalidRequest
+        } else {
+            Reason::InvalidJson
+        };
+        BadRequest {
+            reason,
+            message: format!("invalid body: {e}"),
+        }
+    })
+}
+
+fn check_key(key: &str) -> Result<(), BadRequest> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN || key.chars().any(char::is_control) {
+        return Err(invalid(format!(
+            "idempotency_key must be 1..={MAX_KEY_LEN} bytes of printable text"
+        )));
+    }
+    Ok(())
+}
+
+fn check_tokens(name: &str, n: u64) -> Result<(), BadRequest> {
+    if n > MAX_TOKENS {
+        return Err(invalid(format!("{name} = {n} is absurd (over 2^40)")));
+    }
+    Ok(())
+}
+
+fn with_status(status: StatusCode, mut r: Response<ResBody>) -> Response<ResBody> {
+    *r.status_mut() = status;
+    r
+}
+
+/// Route one reservation-API request.
+pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    let method = req.method().clone();
+    match (method.as_str(), path.as_str()) {
+        ("GET", "/admission/v1/stats") => stats(&shared),
+        ("POST", "/admission/v1/expire") => {
+            let (released, wasted) = shared.expire_now();
+            let _ = shared.durable().await;
+            response::json(
+                &json!({"action": "expire", "released": released, "tokens_wasted": wasted}),
+            )
+        }
+        ("POST", "/admission/v1/reserve" | "/admission/v1/commit" | "/admission/v1/cancel") => {
+            let (parts, body) = req.into_parts();
+            let bytes = match read_body(&shared, body, &parts.headers).await {
+                Ok(b) => b,
+                Err(e) => return body_failure(&shared, &path, None, e),
+            };
+            let result = match path.as_str() {
+                "/admission/v1/reserve" => reserve(&shared, &bytes).await,
+                "/admission/v1/commit" => settle(&shared, &bytes, true).await,
+                _ => settle(&shared, &bytes, false).await,
+            };
+            result.unwrap_or_else(|e| bad_request(&shared, &path, None, e))
+        }
+        _ => response::not_found(&path),
+    }
+}
+
+async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>, BadRequest> {
+    let b: ReserveBody = parse(bytes)?;
+    if let Some(k) = &b.idempotency_key {
+        check_key(k)?;
+    }
+    check_tokens("tokens", b.tokens)?;
+    if b.slack_ms
+        .is_some_and(|s| s == 0 || s > crate::request_info::MAX_DEADLINE_MS)
+    {
+        return Err(invalid("slack_ms must be between 1 and 86400000"));
+    }
+    let now = shared.clock.now_ms();
+    let deadline = b.slack_ms.map(|s| now.saturating_add(s));
+    let req = CoreRequest {
+        deadline,
+        // A reservation's service time is the pool's per-request cost: a worker holds the
+        // slot for one call, whatever its size.
+        prompt_tokens: 0,
+        max_tokens: Some(0),
+        idempotency_key: b.idempotency_key.clone(),
+        tenant: b.tenant.clone(),
+        attempt: b.attempt,
+        hold_tokens: Some(b.tokens),
+        ..CoreRequest::default()
+    };
+    let meta = JobMeta {
+        label: b.class.clone(),
+        tenant: b.tenant.clone(),
+        attempt: Some(b.attempt),
+        path: "/admission/v1/reserve".into(),
+        ..JobMeta::default()
+    };
+    let (d, held) = shared.reserve(b.class.as_deref(), req, meta);
+    // Seed 001 reports when the job would *finish*: the wait for a slot plus its own service.
+    let finish_ms = d.projected_wait_ms.saturating_add(d.est_service_ms);
+    let budget_ms = d.deadline.map(|dl| dl.saturating_sub(now));
+    let advice = d.retry_after_ms.map(|ms| response::RetryAdvice {
+        after_ms: ms,
+        should_retry: d.should_retry,
+    });
+    let resp = if d.admitted() {
+        // The hold is durable before the worker is told to go ahead.
+        if let Err(e) = shared.durable().await {
+            shared.note_store_error(&e);
+        }
+        let ttl = shared.hold_ttl_ms();
+        with_status(
+            StatusCode::ACCEPTED,
+            response::json(&json!({
+                "action": "reserve",
+                "idempotency_key": d.idempotency_key,
+                "tokens_held": d.tokens_held,
+                "projected_wait_s": finish_ms as f64 / 1000.0,
+                "projected_wait_ms": finish_ms,
+                "slack_s": budget_ms.map(|s| s as f64 / 1000.0),
+                "hold_ttl_s": ttl as f64 / 1000.0,
+                "held": held,
+                "job_id": d.job_id.0,
+            })),
+        )
+    } else {
+        let (status, body) = match &d.ledger {
+            Some(LedgerReject::Duplicate { state, tokens_held }) => (
+                StatusCode::CONFLICT,
+                json!({"action": "reject_duplicate", "idempotency_key": d.idempotency_key,
+                       "state": state.as_str(), "tokens_held": tokens_held}),
+            ),
+            Some(LedgerReject::RetryCap { attempt, retry_cap }) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({"action": "reject_retry_cap", "idempotency_key": d.idempotency_key,
+                       "attempt": attempt, "retry_cap": retry_cap}),
+            ),
+            Some(LedgerReject::BudgetExhausted {
+                remaining,
+                requested,
+            }) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({"action": "budget_exhausted", "idempotency_key": d.idempotency_key,
+                       "remaining": remaining, "requested": requested}),
+            ),
+            None => (
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({"action": "reject_unreserved", "idempotency_key": d.idempotency_key,
+                       "projected_wait_s": finish_ms as f64 / 1000.0,
+                       "projected_wait_ms": finish_ms,
+                       "slack_s": budget_ms.map(|s| s as f64 / 1000.0),
+                       "held": held, "reason": d.reason.as_str()}),
+            ),
+        };
+        let mut r = with_status(status, response::json(&body));
+        response::add_retry_headers(&mut r, d.reason, advice);
+        r
+    };
+    Ok(resp)
+}
+
+async fn settle(
+    shared: &Arc<Shared>,
+    bytes: &[u8],
+    commit: bool,
+) -> Result<Response<ResBody>, BadRequest> {
+    let b: SettleBody = parse(bytes)?;
+    check_key(&b.idempotency_key)?;
+    let given = if commit {
+        b.tokens_spent.or(b.tokens)
+    } else {
+        b.tokens_wasted.or(b.tokens)
+    };
+    if let Some(n) = given {
+        check_tokens("tokens", n)?;
+    }
+    let key = b.idempotency_key;
+    let tokens = match given {
+        Some(n) => n,
+        None if commit => shared.held_tokens(&key).unwrap_or(0),
+        None => 0,
+    };
+    let r = shared.settle_key(&key, commit, tokens);
+    if let Err(e) = shared.durable().await {
+        shared.note_store_error(&e);
+    }
+    let held_remaining = shared.ledger_view().0.held;
+    Ok(match r {
+        Ok(h) if commit => response::json(&json!({
+            "action": "commit", "idempotency_key": key, "tokens_spent": h.tokens_spent,
+            "held_remaining": held_remaining})),
+        Ok(h) => response::json(&json!({
+            "action": "cancel", "idempotency_key": key, "tokens_wasted": h.tokens_wasted,
+            "held_remaining": held_remaining})),
+        Err(SettleError::MissingHold) => with_status(
+            StatusCode::NOT_FOUND,
+            response::json(&json!({"action": "missing_hold", "idempotency_key": key})),
+        ),
+        Err(SettleError::HoldExpired(h)) => with_status(
+            StatusCode::CONFLICT,
+            response::json(&json!({"action": "hold_expired", "idempotency_key": key,
+                                   "tokens_wasted": h.tokens_wasted})),
+        ),
+        Err(SettleError::NotHeld(state)) => with_status(
+            StatusCode::CONFLICT,
+            response::json(&json!({"action": "not_held", "idempotency_key": key,
+                                   "state": state.as_str()})),
+        ),
+    })
+}
+
+fn stats(shared: &Shared) -> Response<ResBody> {
+    let (l, snap) = shared.ledger_view();
+    // The wait a new default-class request would see, plus its service: seed 001's figure.
+    let wait_ms = snap.classes.first().map_or(0, |c| c.projected_wait_ms);
+    response::json(&json!({
+        "held": l.held,
+        "tokens_held": l.tokens_held,
+        "tokens_spent": l.tokens_spent,
+        "tokens_wasted": l.tokens_wasted,
+        "amplification": l.amplification,
+        "done": l.done,
+        "cancelled": l.cancelled,
+        "expired": l.expired,
+        "rejected": l.rejected,
+        "projected_wait_ms": wait_ms,
+        "projected_wait_s": wait_ms as f64 / 1000.0,
+    }))
+}

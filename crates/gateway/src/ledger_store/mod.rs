@@ -1,0 +1,208 @@
+//! Where the reservation ledger's records are kept, so holds and settled keys survive a
+//! restart (issue 3, seed 001: "A restart forgets holds unless you add durable storage").
+//!
+//! The ledger itself is a pure state machine in `slackgate_core::ledger`; every change it makes
+//! comes out as a [`HoldRecord`] with a per-key `version` that only goes up. A store's only job
+//! is to keep, for each key, the record with the highest version, and to hand them all back at
+//! startup. Because the version decides, writes may be reordered, replayed or coalesced
+//! without ever moving a key backwards.
+//!
+//! Writes are fire-and-forget from the request path: [`LedgerStore::write`] never touches the
+//! disk. [`SqliteStore`] queues them to one writer thread that commits whatever has piled up
+//! in one transaction (group commit), so durability costs one disk sync per batch, not one per
+//! request. [`LedgerStore::flush`] is the barrier: it returns once everything written before
+//! it is durable (at shutdown, in tests, in benchmarks). `flush` and `load` block the calling
+//! thread: from async code, call them inside `tokio::task::spawn_blocking`.
+//!
+//! Two stores: [`MemoryStore`] (tests and `--ledger memory`; dies with the process) and
+//! [`SqliteStore`] (the default: one file an operator can open with `sqlite3`).
+
+mod memory;
+mod sqlite;
+mod writer;
+
+pub use memory::MemoryStore;
+pub use sqlite::{SqliteOptions, SqliteStore, Synchronous, SCHEMA_VERSION};
+
+use serde::Serialize;
+use slackgate_core::ledger::HoldRecord;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Where ledger records are kept. Writes are fire-and-forget from the request path (they are
+/// queued to one writer); `flush` waits until everything queued so far is durable.
+pub trait LedgerStore: Send + Sync + 'static {
+    /// Every record, for restoring the ledger at startup.
+    fn load(&self) -> Result<Vec<HoldRecord>, StoreError>;
+    /// Queue records to persist (upsert by key, keeping the highest version). Never blocks on disk.
+    fn write(&self, records: Vec<HoldRecord>);
+    /// Wait until everything written so far is durable (used at shutdown and by tests/benches).
+    fn flush(&self) -> Result<(), StoreError>;
+    /// Writes queued and not yet durable, records written, batches committed, write errors (for metrics).
+    fn stats(&self) -> StoreStats;
+}
+
+/// Counters of a store, for `/stats` and `/metrics`. All but `pending` only ever grow.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StoreStats {
+    /// Records handed to `write` and not yet durable (nor given up on).
+    pub pending: u64,
+    /// Records made durable (a record superseded by a newer version of its key in the same
+    /// batch counts as written: its successor carries it).
+    pub records_written: u64,
+    /// Transactions committed.
+    pub batches_committed: u64,
+    /// Failed attempts to commit a batch (disk full, database locked, ...).
+    pub write_errors: u64,
+    /// Records given up on after their batch failed twice (or that could not be stored at all).
+    pub records_lost: u64,
+    /// Rows skipped by `load` because they were unreadable (unknown state, negative numbers).
+    pub rows_skipped: u64,
+}
+
+/// Why a store could not open, load or flush. Every variant that concerns a file names it.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database file cannot be opened or created (missing directory, a directory in its
+    /// place, no permission, read-only file system).
+    #[error("ledger store {path}: cannot open: {reason}")]
+    Open {
+        /// The database path as configured.
+        path: PathBuf,
+        /// What is wrong, in an operator's words.
+        reason: String,
+    },
+    /// The file exists but is not a SQLite database (or is damaged beyond reading).
+    #[error(
+        "ledger store {path}: not a SQLite database (or corrupt): move it aside or point the \
+         ledger at another file"
+    )]
+    NotADatabase {
+        /// The database path as configured.
+        path: PathBuf,
+    },
+    /// The database was written by a newer slackgate with a schema this one does not know.
+    #[error("ledger store {path}: schema version {found} is newer than supported ({supported})")]
+    SchemaTooNew {
+        /// The database path as configured.
+        path: PathBuf,
+        /// `PRAGMA user_version` of the file.
+        found: i64,
+        /// The newest schema this build understands.
+        supported: i64,
+    },
+    /// Any other SQLite failure, with the operation that failed.
+    #[error("ledger store {path}: {op}: {source}")]
+    Sqlite {
+        /// The database path as configured.
+        path: PathBuf,
+        /// What the store was doing.
+        op: &'static str,
+        /// The underlying error.
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// Records written before a flush were given up on (their batch failed twice).
+    #[error("ledger store: {records} records could not be made durable: {error}")]
+    Lost {
+        /// How many records were lost since the previous flush.
+        records: u64,
+        /// The last error seen.
+        error: String,
+    },
+    /// The writer thread is gone (it only stops when the store is dropped).
+    #[error("ledger store: the writer thread has stopped")]
+    WriterStopped,
+}
+
+/// Shared counters behind [`StoreStats`], updated without locks from any thread.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) pending: AtomicU64,
+    pub(crate) records_written: AtomicU64,
+    pub(crate) batches_committed: AtomicU64,
+    pub(crate) write_errors: AtomicU64,
+    pub(crate) records_lost: AtomicU64,
+    pub(crate) rows_skipped: AtomicU64,
+}
+
+impl Counters {
+    /// A consistent-enough snapshot for metrics (each counter is read once).
+    pub(crate) fn snapshot(&self) -> StoreStats {
+        StoreStats {
+            pending: self.pending.load(Ordering::Relaxed),
+            records_written: self.records_written.load(Ordering::Relaxed),
+            batches_committed: self.batches_committed.load(Ordering::Relaxed),
+            write_errors: self.write_errors.load(Ordering::Relaxed),
+            records_lost: self.records_lost.load(Ordering::Relaxed),
+            rows_skipped: self.rows_skipped.load(Ordering::Relaxed),
+        }
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn sub(counter: &AtomicU64, n: u64) {
+        // Saturating, so a bookkeeping slip can never wrap the gauge to 2^64.
+        let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(v.saturating_sub(n))
+        });
+    }
+}
+
+/// Merge `record` into `map`, keeping the highest version of each key. The one rule every
+/// store follows; a tie keeps what is there (the same version is the same change).
+pub(crate) fn keep_newest(map: &mut HashMap<String, HoldRecord>, record: HoldRecord) {
+    match map.get_mut(&record.key) {
+        Some(existing) if existing.version >= record.version => {}
+        Some(existing) => *existing = record,
+        None => {
+            map.insert(record.key.clone(), record);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use slackgate_core::ledger::HoldState;
+
+    fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
+        HoldRecord {
+            key: key.to_owned(),
+            tenant: None,
+            state,
+            attempt: 0,
+            tokens_held: 10,
+            tokens_spent: 0,
+            tokens_wasted: 0,
+            created_at_ms: 1,
+            expires_at_ms: 2,
+            updated_at_ms: 1,
+            version,
+            prior_spent: 0,
+            prior_wasted: 0,
+        }
+    }
+
+    #[test]
+    fn keep_newest_never_moves_a_key_backwards() {
+        let mut map = HashMap::new();
+        keep_newest(&mut map, rec("a", HoldState::Held, 1));
+        keep_newest(&mut map, rec("a", HoldState::Done, 2));
+        keep_newest(&mut map, rec("a", HoldState::Held, 1));
+        keep_newest(&mut map, rec("a", HoldState::Expired, 2));
+        assert_eq!(map["a"].state, HoldState::Done);
+        assert_eq!(map["a"].version, 2);
+    }
+
+    #[test]
+    fn sub_saturates() {
+        let c = Counters::default();
+        Counters::add(&c.pending, 2);
+        Counters::sub(&c.pending, 5);
+        assert_eq!(c.snapshot().pending, 0);
+    }
+}
