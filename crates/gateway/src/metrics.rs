@@ -366,6 +366,92 @@ impl Metrics {
     }
 }
 
+/// The ledger's totals and its store's health, appended to a scrape.
+pub fn render_ledger(
+    o: &mut String,
+    l: &slackgate_core::ledger::LedgerStats,
+    st: &crate::ledger_store::StoreStats,
+) {
+    let one = |v: f64| std::iter::once((String::new(), v));
+    family(
+        o,
+        "slackgate_ledger_holds",
+        "gauge",
+        "Holds currently reserved (state held).",
+        one(l.held as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_tokens_held",
+        "gauge",
+        "Tokens reserved by current holds.",
+        one(l.tokens_held as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_tokens_spent_total",
+        "counter",
+        "Tokens spent by settled holds.",
+        one(l.tokens_spent as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_tokens_wasted_total",
+        "counter",
+        "Tokens wasted by cancelled and expired holds.",
+        one(l.tokens_wasted as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_amplification_ratio",
+        "gauge",
+        "(spent + wasted) / spent; 1 means nothing wasted (absent before any spend).",
+        l.amplification.map(|a| (String::new(), a)).into_iter(),
+    );
+    family(
+        o,
+        "slackgate_ledger_settled_total",
+        "counter",
+        "Holds ended, by state.",
+        [
+            ("done", l.done),
+            ("cancelled", l.cancelled),
+            ("expired", l.expired),
+            ("rejected", l.rejected),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("state=\"{k}\""), v as f64)),
+    );
+    family(
+        o,
+        "slackgate_ledger_store_pending",
+        "gauge",
+        "Ledger records queued to the store's writer, not yet durable.",
+        one(st.pending as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_store_commits_total",
+        "counter",
+        "Group commits by the ledger store's writer.",
+        one(st.batches_committed as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_store_write_errors_total",
+        "counter",
+        "Failed ledger store commits.",
+        one(st.write_errors as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_store_records_lost_total",
+        "counter",
+        "Ledger records given up on after a failed retry.",
+        one(st.records_lost as f64),
+    );
+}
+
 /// One metric family: its HELP and TYPE lines, then one sample per (labels, value).
 fn family(
     o: &mut String,

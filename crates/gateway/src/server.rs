@@ -54,8 +54,9 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
     match (req.method(), path) {
         (&Method::GET, "/healthz") => response::text("text/plain", "ok\n".into()),
         (&Method::GET, "/metrics") => {
-            let snap = shared.snapshot();
-            let body = shared.metrics.render(&snap, shared.log.counters());
+            let (ledger, snap) = shared.ledger_view();
+            let mut body = shared.metrics.render(&snap, shared.log.counters());
+            crate::metrics::render_ledger(&mut body, &ledger, &shared.store.stats());
             response::text("text/plain; version=0.0.4", body)
         }
         (&Method::GET, "/stats") => response::json(&crate::stats::stats(&shared)),

@@ -78,9 +78,14 @@ pub struct CoreState {
 impl CoreState {
     /// Number `lines` in order, continuing the sequence.
     fn number(&mut self, lines: &mut [LogLine]) {
+        let amplification = self.gate.ledger_stats().amplification;
         for line in lines {
             self.seq += 1;
             line.seq = self.seq;
+            // Where tokens are settled, the ledger-wide amplification after the settlement.
+            if matches!(line.action, "complete" | "cancel" | "drop") {
+                line.amplification = amplification;
+            }
         }
     }
 }

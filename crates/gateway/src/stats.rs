@@ -14,14 +14,21 @@ pub struct Stats {
     pub log_lines: u64,
     /// Decision-log lines dropped.
     pub log_dropped: u64,
+    /// The reservation ledger: holds, tokens held, spent and wasted, amplification.
+    pub ledger: slackgate_core::ledger::LedgerStats,
+    /// The ledger store's writer: pending records, commits, errors, records lost.
+    pub ledger_store: crate::ledger_store::StoreStats,
 }
 
 /// Build the `/stats` document.
 pub fn stats(shared: &Shared) -> Stats {
     let c = shared.log.counters();
+    let (ledger, gate) = shared.ledger_view();
     Stats {
-        gate: shared.snapshot(),
+        gate,
         log_lines: c.written.load(Ordering::Relaxed),
         log_dropped: c.dropped.load(Ordering::Relaxed),
+        ledger,
+        ledger_store: shared.store.stats(),
     }
 }

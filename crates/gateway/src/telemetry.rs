@@ -68,6 +68,9 @@ pub struct LogLine {
     pub path: Option<String>,
     /// Attempt number (`X-Attempt` / `x-stainless-retry-count`).
     pub attempt: Option<u32>,
+    /// On `complete`, `cancel` and `drop` lines: the ledger's (spent + wasted) / spent after
+    /// this settlement.
+    pub amplification: Option<f64>,
 }
 
 enum Msg {
