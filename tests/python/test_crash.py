@@ -7,11 +7,13 @@ a SQLite ledger file and a decision log in the test's tmp_path, `hold_ttl_ms = 3
 holds of a killed gate expire within the test) and `retry_cap = 3`.
 
 Load: LOAD_THREADS threads send chat completions for the whole test, streamed and not, some
-streams abandoned after two tokens, with idempotency keys drawn from a pool of KEYS keys. A
-key's attempt number (`X-Attempt`) goes up each time a send of it fails (a refusal, a broken
-connection, an abandoned stream); a key the client saw succeed is sent again unchanged (a blind
-replay, which must be refused as a duplicate). A connection refused (the gate is down) never
-reached the gate and does not count as an attempt.
+streams abandoned after two tokens (the others read to the end of the body), with idempotency
+keys drawn from a pool of KEYS keys: the WINDOW oldest keys not yet answered are in play, and a
+quarter of the sends are blind replays of keys the client already had an answer for (which
+must be refused as duplicates). A key's attempt number (`X-Attempt`) goes up each time a send
+of it fails (a refusal, a broken connection, an abandoned stream); a replay is sent with the
+key's current attempt. A connection refused (the gate is down) never reached the gate and does
+not count as an attempt. A key refused with reject_retry_cap is retired.
 
 Crashes: KILLS times, at seeded random moments, the gate process (the PID this test started,
 never anything else) gets SIGKILL and is restarted on the same database and log (the log is
@@ -70,8 +72,12 @@ from conftest import HOST, ProcessGroup, free_port, port_clash, wait_healthy
 
 SEED = 20250301
 KILLS = 12
-KEYS = 300
-LOAD_THREADS = 6
+KEYS = 2000
+LOAD_THREADS = 8
+# Keys in play at once (the first WINDOW keys not yet answered or burned) and the share of
+# sends that are blind replays of a key the client already had an answer for.
+WINDOW = 40
+REPLAY_P = 0.25
 HOLD_TTL_MS = 3000
 RETRY_CAP = 3
 # Uptime of each gate before it is killed (seconds, seeded).
@@ -199,7 +205,8 @@ class Load:
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_attempt: dict[str, int] = field(default_factory=dict)
-    burned: set[str] = field(default_factory=set)
+    pending: list[str] = field(default_factory=list)  # not yet answered nor retired
+    answered: list[str] = field(default_factory=list)  # the client had an answer (or a 409 done)
     # key -> [(ms the client had the whole answer, usage total tokens)]
     successes: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
     outcomes: Counter = field(default_factory=Counter)
@@ -209,6 +216,17 @@ class Load:
         with self.lock:
             self.next_attempt[key] = max(self.next_attempt.get(key, 0), attempt + 1)
 
+    def count(self, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+
+    def retire(self, key: str, answered: bool) -> None:
+        with self.lock:
+            if key in self.pending:
+                self.pending.remove(key)
+            if answered and key not in self.answered:
+                self.answered.append(key)
+
     def worker(self, idx: int) -> None:
         rng = random.Random(SEED * 100 + idx)
         with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as client:
@@ -217,14 +235,16 @@ class Load:
                     self.one(client, rng)
                 except Exception as e:  # a bug in the test, not in the gate: keep it visible
                     self.errors.append(repr(e))
-                    self.outcomes["test_error"] += 1
+                    self.count("test_error")
                     time.sleep(0.01)
 
     def one(self, client: httpx.Client, rng: random.Random) -> None:
-        key = rng.choice(self.keys)
         with self.lock:
-            if key in self.burned:
-                return
+            if self.answered and rng.random() < REPLAY_P:
+                key = rng.choice(self.answered)
+            else:
+                assert self.pending, "the key pool ran out: raise KEYS"
+                key = rng.choice(self.pending[:WINDOW])
             attempt = self.next_attempt.get(key, 0)
         stream = rng.random() < 0.5
         abandon = stream and rng.random() < 0.15
@@ -241,7 +261,7 @@ class Load:
             "x-job-class": "batch" if rng.random() < 0.25 else "interactive",
         }
         url = f"{self.gate.url}/v1/chat/completions"
-        self.outcomes["sent"] += 1
+        self.count("sent")
         try:
             with client.stream("POST", url, json=body, headers=headers) as r:
                 if r.status_code != 200:
@@ -259,8 +279,12 @@ class Load:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        # Read on to the end of the body rather than hanging up here, as the
+                        # official SDK does: the gate settles a stream closed after [DONE] but
+                        # before the upstream's end of body as cancelled (a bug with its own
+                        # test: test_ledger_sdk.py::test_stream_closed_at_done_is_spent_once).
                         done = True
-                        break
+                        continue
                     chunk = json.loads(data)
                     if chunk.get("usage"):
                         total = chunk["usage"]["total_tokens"]
@@ -271,22 +295,23 @@ class Load:
                 if done and total is not None:
                     self.succeeded(key, total)
                 else:
-                    self.outcomes["abandoned" if abandon else "stream_cut"] += 1
+                    self.count("abandoned" if abandon else "stream_cut")
                     self.attempt_failed(key, attempt)
         except httpx.ConnectError:
             # Refused: the gate is down. It never saw the request; not an attempt.
-            self.outcomes["gate_down"] += 1
+            self.count("gate_down")
             time.sleep(0.02)
         except httpx.HTTPError:
             # The gate died mid-request (or timed out): that attempt is gone.
-            self.outcomes["broken"] += 1
+            self.count("broken")
             self.attempt_failed(key, attempt)
 
     def succeeded(self, key: str, total: int) -> None:
         at = now_ms()
         with self.lock:
             self.successes[key].append((at, total))
-        self.outcomes["ok"] += 1
+        self.retire(key, answered=True)
+        self.count("ok")
 
     def refused(self, key: str, attempt: int, r: httpx.Response) -> None:
         try:
@@ -296,14 +321,15 @@ class Load:
         code = (doc.get("error") or {}).get("code")
         if r.status_code == 409 and code == "reject_duplicate":
             state = doc["admission"]["ledger"]["state"]
-            self.outcomes[f"duplicate_{state}"] += 1
+            self.count(f"duplicate_{state}")
+            if state == "done":  # spent, though this client never saw the answer
+                self.retire(key, answered=True)
             return  # the key is held or done: not a failed attempt
         if r.status_code == 429 and code == "reject_retry_cap":
-            self.outcomes["retry_cap"] += 1
-            with self.lock:
-                self.burned.add(key)
+            self.count("retry_cap")
+            self.retire(key, answered=False)
             return
-        self.outcomes[f"{r.status_code}_{code}"] += 1
+        self.count(f"{r.status_code}_{code}")
         self.attempt_failed(key, attempt)
 
 
@@ -376,7 +402,7 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     gate.start(render)
 
     keys = [f"crash-{i:03d}" for i in range(KEYS)]
-    load = Load(gate, keys)
+    load = Load(gate, keys, pending=list(keys))
     threads = [threading.Thread(target=load.worker, args=(i,), daemon=True)
                for i in range(LOAD_THREADS)]
     for t in threads:

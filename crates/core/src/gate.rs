@@ -292,6 +292,8 @@ struct Job {
     protected: bool,
     /// Idempotency key of its hold in the ledger.
     key: String,
+    /// The gate made the key up (the client sent none): nobody can replay it.
+    generated_key: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -831,6 +833,7 @@ impl Gate {
                     max_tokens: req.max_tokens,
                     protected: reason == Reason::EstimatorWarmup,
                     key: key.clone(),
+                    generated_key: req.idempotency_key.is_none(),
                 };
                 let key = job.key();
                 self.classes[class.0]
@@ -840,11 +843,15 @@ impl Gate {
             }
             Err(reason) => {
                 d.reason = reason;
-                if let Some(r) =
-                    self.ledger
-                        .record_rejection(now, &key, tenant, req.attempt, hold_tokens)
-                {
-                    self.ledger_out.push(r);
+                // A refused request under a client key is recorded (a retry may follow);
+                // one under a generated key holds nothing and can never be replayed.
+                if req.idempotency_key.is_some() {
+                    if let Some(r) =
+                        self.ledger
+                            .record_rejection(now, &key, tenant, req.attempt, hold_tokens)
+                    {
+                        self.ledger_out.push(r);
+                    }
                 }
                 let (after, retry) =
                     self.retry_after(job_id, reason, wait, slack_ms, count_ahead, pool);
@@ -1130,6 +1137,11 @@ impl Gate {
             Settle::Cancel(wasted) => self.ledger.cancel(now, &job.key, wasted),
             Settle::AlreadyExpired => return self.ledger.get(&job.key).cloned(),
         };
+        // A generated key is persisted like any other but not remembered: nobody can replay
+        // it, and keeping it for the retention would only cost memory.
+        if job.generated_key && matches!(r, Ok(_) | Err(SettleError::HoldExpired(_))) {
+            self.ledger.forget(&job.key);
+        }
         match r {
             Ok(r) => {
                 self.ledger_out.push(r.clone());

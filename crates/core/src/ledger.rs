@@ -615,6 +615,17 @@ impl Ledger {
         out
     }
 
+    /// Forget a settled key now (its totals stay counted). For keys the gate generated: no
+    /// client can replay them, so remembering them for the retention would only cost memory.
+    pub fn forget(&mut self, key: &str) {
+        if let Some(r) = self.holds.get(key) {
+            if r.state != HoldState::Held {
+                self.settled.remove(&(r.updated_at_ms, key.to_string()));
+                self.holds.remove(key);
+            }
+        }
+    }
+
     /// Current totals.
     pub fn stats(&self) -> LedgerStats {
         let mut s = self.totals;

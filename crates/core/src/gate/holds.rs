@@ -110,8 +110,10 @@ impl Gate {
     /// place or slot at once, and its client is told (`hold_expired`).
     pub(super) fn expire_holds(&mut self, now: Millis) {
         for r in self.ledger.expire_due(now) {
+            let mut generated = r.key.starts_with("gen-");
             if let Some(id) = self.keys.remove(&r.key) {
                 if let Some(job) = self.jobs.remove(&id) {
+                    generated |= job.generated_key;
                     let pool = self.classes[job.class.0].pool;
                     let started = match job.state {
                         JobState::Queued => {
@@ -127,6 +129,10 @@ impl Gate {
                     self.finish(now, id, job, pool, started, Settle::AlreadyExpired);
                     self.events.push_back(ev);
                 }
+            }
+            if generated {
+                // Nobody can replay a generated key: persisted, not remembered.
+                self.ledger.forget(&r.key);
             }
             self.ledger_out.push(r);
         }
