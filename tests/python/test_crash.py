@@ -361,6 +361,16 @@ def read_segments(log_path: Path, segments: list[Segment]) -> tuple[list[list[di
     return out, torn
 
 
+def metric_values(text: str) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus scrape."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            out[parts[0]] = float(parts[1])
+    return out
+
+
 def segment_of(t_ms: float, segments: list[Segment]) -> int | None:
     """The gate process running at wall time t_ms (holds record epoch milliseconds)."""
     for i, seg in enumerate(segments):
@@ -432,6 +442,7 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     assert r.json()["action"] == "expire"
     stats = httpx.get(f"{gate.url}/admission/v1/stats", timeout=5).json()
     assert stats["held"] == 0 and stats["tokens_held"] == 0, stats
+    metrics = metric_values(httpx.get(f"{gate.url}/metrics", timeout=5).text)
     rc = gate.terminate()
     assert rc == 0, f"the gate exited {rc} on SIGTERM"
     stderr = "".join(p.read_text(errors="replace") for p in tmp_path.glob("gate-*.out"))
@@ -464,6 +475,12 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
         else:
             assert r["state"] == "rejected", r
             assert r["tokens_spent"] == 0 and r["tokens_wasted"] == 0, r
+
+    # The store never gave up on a record, and /metrics tells the same totals.
+    assert metrics.get("slackgate_ledger_store_records_lost_total") == 0, metrics
+    assert metrics.get("slackgate_ledger_store_write_errors_total") == 0, metrics
+    assert metrics.get("slackgate_ledger_tokens_spent_total") == stats["tokens_spent"], metrics
+    assert metrics.get("slackgate_ledger_tokens_wasted_total") == stats["tokens_wasted"], metrics
 
     # (iii) the database's totals are the ledger's own totals.
     db_spent = sum(r["tokens_spent"] + r["prior_spent"] for r in rows.values())
@@ -509,14 +526,15 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     def is_spend(l: dict) -> bool:
         return l["action"] == "complete" and (l["tokens_spent"] or 0) > 0
 
-    def lost_commit(key: str, s: int, at_ms: float) -> bool:
+    def lost_commit(key: str, s: int, at_ms: float, held: int | None = None) -> bool:
         """A spend in gate process s at at_ms that the database does not hold: only if that
         gate was killed within LOST_WINDOW_MS after it, and the database counts the key's
-        earlier hold as wasted (the restored hold expired)."""
+        earlier hold as wasted (the restored hold expired: wasted = its `held` tokens)."""
         seg = segments[s]
         r = rows.get(key)
+        need = held or 1
         wasted_before = r is not None and (
-            r["prior_wasted"] > 0 or (r["state"] == "expired" and r["tokens_wasted"] > 0))
+            r["prior_wasted"] >= need or (r["state"] == "expired" and r["tokens_wasted"] >= need))
         return (seg.killed and seg.ended_ms is not None
                 and -50 <= seg.ended_ms - at_ms <= LOST_WINDOW_MS and wasted_before)
 
@@ -547,19 +565,21 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
                 assert l["tokens_spent"] == r["tokens_spent"], (
                     f"{key}: log says spent {l['tokens_spent']}, database {r['tokens_spent']}")
             else:
-                assert lost_commit(key, s, l["ts_ms"]), (
+                assert lost_commit(key, s, l["ts_ms"], l["tokens_held"]), (
                     f"{key}: spent in gate process {s} ({l}) but the database says {r} "
                     f"(its done is in process {db_done_seg}): spent twice or lost")
-                lost_commits.append((key, s))
+                lost_commits.append((key, s, round(segments[s].ended_ms - l["ts_ms"]),
+                                     r["state"] if r else None))
         assert len(matched) <= 1, f"{key}: two spends in one gate process: {matched}"
         if db_done_seg == final:
             assert len(matched) == 1, f"{key}: the last gate's done is missing from its log"
         elif db_done_seg is not None and not matched:
             done_lines_lost += 1
-        # A done key is never reserved again: no admit after the database's done.
+        # A done key is never reserved again: no admit after the database's done (after its
+        # line, or after its gate process when the line was lost with a kill).
         if db_done_seg is not None:
-            later = [l for s, _, l in evs
-                     if l["action"] == "admit" and s > db_done_seg]
+            after = (db_done_seg, matched[0]["seq"]) if matched else (db_done_seg, float("inf"))
+            later = [l for s, seq, l in evs if l["action"] == "admit" and (s, seq) > after]
             assert not later, f"{key}: admitted again after it was done: {later}"
 
     # (i) the client's view: two successful answers for one key only across a lost commit;
@@ -608,6 +628,8 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
         f"[crash] lost commits (spend then kill within {LOST_WINDOW_MS} ms, counted wasted)="
         f"{len(lost_commits)} client answered twice across them={client_double} "
         f"done lines lost from a killed gate's log={done_lines_lost}"
+        + (f"\n[crash] lost commits (key, gate process, ms before its kill, ledger state now): "
+           f"{lost_commits[:5]}" if lost_commits else "")
     )
     assert o["ok"] > 50 and states["done"] > 50, "too little load got through to prove anything"
     assert log_actions["complete"] > 0 and log_actions["cancel"] > 0

@@ -83,7 +83,7 @@ fn saturated(depth: usize) -> (Gate, VecDeque<JobId>) {
     let classes = [INTERACTIVE, STANDARD, BATCH];
     let mut running = VecDeque::new();
     for i in 0..depth + SLOTS as usize {
-        let d = gate.offer(T0, request(classes[i % 3], None));
+        let d = offer(&mut gate, T0, request(classes[i % 3], None));
         assert!(d.admitted(), "{d:?}");
         while let Some(ev) = gate.poll(T0) {
             if let Event::Dispatch { job_id, .. } = ev {
@@ -96,6 +96,14 @@ fn saturated(depth: usize) -> (Gate, VecDeque<JobId>) {
     (gate, running)
 }
 
+/// An offer as the gateway makes it: decide, then take the ledger records to persist (the
+/// gateway hands them to its store's writer after every call).
+fn offer(gate: &mut Gate, now: Millis, req: Request) -> slackgate_core::Decision {
+    let d = gate.offer(now, req);
+    black_box(gate.take_ledger_records());
+    d
+}
+
 fn id(depth: usize) -> BenchmarkId {
     BenchmarkId::from_parameter(format!("queued={depth}"))
 }
@@ -105,10 +113,16 @@ fn offer_reject(c: &mut Criterion) {
     for depth in DEPTHS {
         let (mut gate, _) = saturated(depth);
         let deadline = Some(T0 + 5_000);
-        let probe = gate.offer(T0, request(INTERACTIVE, deadline));
+        let probe = offer(&mut gate, T0, request(INTERACTIVE, deadline));
         assert!(!probe.admitted(), "{probe:?}");
         group.bench_function(id(depth), |b| {
-            b.iter(|| black_box(gate.offer(T0, black_box(request(INTERACTIVE, deadline)))))
+            b.iter(|| {
+                black_box(offer(
+                    &mut gate,
+                    T0,
+                    black_box(request(INTERACTIVE, deadline)),
+                ))
+            })
         });
         assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
     }
@@ -131,7 +145,7 @@ fn offer_admit(c: &mut Criterion) {
                     #[allow(clippy::disallowed_methods)]
                     let start = Instant::now();
                     for _ in 0..n {
-                        admitted.push(gate.offer(T0, black_box(request(BATCH, None))).job_id);
+                        admitted.push(offer(&mut gate, T0, black_box(request(BATCH, None))).job_id);
                     }
                     total += start.elapsed();
                     for id in admitted.drain(..) {
@@ -153,7 +167,7 @@ fn offer_admit_cancel(c: &mut Criterion) {
         let (mut gate, _) = saturated(depth);
         group.bench_function(id(depth), |b| {
             b.iter(|| {
-                let d = gate.offer(T0, black_box(request(BATCH, None)));
+                let d = offer(&mut gate, T0, black_box(request(BATCH, None)));
                 black_box(gate.cancel(T0, d.job_id))
             })
         });
@@ -183,7 +197,7 @@ fn complete_dispatch_refill(c: &mut Criterion) {
                         running.push_back(job_id);
                     }
                 }
-                black_box(gate.offer(now, request(INTERACTIVE, None)))
+                black_box(offer(&mut gate, now, request(INTERACTIVE, None)))
             })
         });
         assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
@@ -200,7 +214,7 @@ fn tick(c: &mut Criterion) {
     for depth in DEPTHS {
         let (mut gate, _) = saturated(depth);
         for _ in 0..100 {
-            let d = gate.offer(T0, request(INTERACTIVE, Some(T0 + 86_400_000)));
+            let d = offer(&mut gate, T0, request(INTERACTIVE, Some(T0 + 86_400_000)));
             assert!(d.admitted(), "{d:?}");
         }
         group.bench_function(id(depth), |b| {
@@ -216,7 +230,11 @@ fn tick(c: &mut Criterion) {
     for depth in [1_000usize, 10_000] {
         let mut gate = Gate::new(config()).expect("valid config");
         for _ in 0..depth + SLOTS as usize {
-            let d = gate.offer(T0, request(INTERACTIVE, Some(T0 + 1_000_000_000)));
+            let d = offer(
+                &mut gate,
+                T0,
+                request(INTERACTIVE, Some(T0 + 1_000_000_000)),
+            );
             assert!(d.admitted(), "{d:?}");
             while gate.poll(T0).is_some() {}
         }

@@ -689,10 +689,9 @@ impl Gate {
         self.expire_holds(now);
         let job_id = JobId(self.next_id);
         self.next_id += 1;
-        let key = match &req.idempotency_key {
-            Some(k) => k.clone(),
-            None => format!("{}-{}", self.key_prefix, job_id.0),
-        };
+        // A generated key is only spelled out if the request is admitted (a refusal under it
+        // is never recorded), so rejections cost no allocation for it.
+        let key = req.idempotency_key.clone().unwrap_or_default();
         let Some(class) = req.class.filter(|c| c.0 < self.classes.len()) else {
             let mut d = self.rejection(job_id, None, Reason::RejectUnlabeled);
             d.idempotency_key = key;
@@ -746,7 +745,16 @@ impl Gate {
         let tenant = req.tenant.as_deref();
         // Never spend twice: a held or done key is a duplicate even under `admit_always`.
         // The retry cap and the tenant grant are thresholds, bypassed by the rollback flag.
-        let ledger_verdict = match self.ledger.check(&key, tenant, req.attempt, hold_tokens) {
+        let ledger_verdict = match self.ledger.check(
+            if req.idempotency_key.is_some() {
+                &key
+            } else {
+                ""
+            },
+            tenant,
+            req.attempt,
+            hold_tokens,
+        ) {
             Err(dup @ LedgerReject::Duplicate { .. }) => Some(dup),
             Err(other) if !self.cfg.admit_always => Some(other),
             _ => None,
@@ -791,6 +799,12 @@ impl Gate {
             Ok(reason) => {
                 d.action = Action::Admit;
                 d.reason = reason;
+                let key = if req.idempotency_key.is_some() {
+                    key
+                } else {
+                    format!("{}-{}", self.key_prefix, job_id.0)
+                };
+                d.idempotency_key = key.clone();
                 let cap = self.ledger.config().retry_cap;
                 // Under admit_always the cap and grant were bypassed: reserve past them.
                 let attempt = if self.cfg.admit_always {

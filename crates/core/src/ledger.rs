@@ -444,11 +444,14 @@ impl Ledger {
             prior_spent: carried.0,
             prior_wasted: carried.1,
         };
-        let u = self
-            .tenants
-            .entry(tenant.unwrap_or("").to_string())
-            .or_default();
-        u.held = u.held.saturating_add(tokens);
+        let t = tenant.unwrap_or("");
+        // Look up before inserting: the common case (a known tenant) allocates nothing.
+        if !self.tenants.contains_key(t) {
+            self.tenants.insert(t.to_string(), Usage::default());
+        }
+        if let Some(u) = self.tenants.get_mut(t) {
+            u.held = u.held.saturating_add(tokens);
+        }
         self.totals.held += 1;
         self.totals.tokens_held = self.totals.tokens_held.saturating_add(tokens);
         self.expiry.insert((r.expires_at_ms, r.key.clone()));
@@ -592,24 +595,22 @@ impl Ledger {
     /// keys older than the retention. Returns the expired records, to persist.
     pub fn expire_due(&mut self, now: Millis) -> Vec<HoldRecord> {
         let mut out = Vec::new();
-        while let Some((at, key)) = self.expiry.first().cloned() {
-            if at > now {
+        // Peek at the time before cloning anything: this runs on every offer, and almost
+        // always finds nothing due.
+        while self.expiry.first().is_some_and(|(at, _)| *at <= now) {
+            let Some((_, key)) = self.expiry.pop_first() else {
                 break;
-            }
+            };
             let held = self.holds.get(&key).map_or(0, |r| r.tokens_held);
-            match self.end(now, &key, HoldState::Expired, 0, held) {
-                Some(r) => out.push(r),
-                None => {
-                    self.expiry.remove(&(at, key));
-                }
+            if let Some(r) = self.end(now, &key, HoldState::Expired, 0, held) {
+                out.push(r);
             }
         }
         let horizon = now.saturating_sub(self.cfg.retention_ms);
-        while let Some((at, key)) = self.settled.first().cloned() {
-            if at >= horizon {
+        while self.settled.first().is_some_and(|(at, _)| *at < horizon) {
+            let Some((_, key)) = self.settled.pop_first() else {
                 break;
-            }
-            self.settled.remove(&(at, key.clone()));
+            };
             self.holds.remove(&key);
         }
         out
