@@ -131,12 +131,28 @@ pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, Bad
                 })
                 .map(|key| format!("k:{}", fnv_hex(key.trim().as_bytes())))
         });
-    info.idempotency_key = ["idempotency-key", "x-idempotency-key"]
+    // The key a hold is placed under: never truncated (two long keys sharing a prefix must
+    // not collide), so an over-long or non-text key is refused.
+    if let Some(v) = ["idempotency-key", "x-idempotency-key"]
         .iter()
         .find_map(|n| h.get(*n))
-        .and_then(|v| v.to_str().ok())
-        .map(|s| s.trim().chars().take(256).collect::<String>())
-        .filter(|s| !s.is_empty());
+    {
+        let key = v
+            .to_str()
+            .map(str::trim)
+            .map_err(|_| bad(Reason::InvalidRequest, "idempotency-key: not visible ASCII"))?;
+        if key.len() > slackgate_core::ledger::MAX_KEY_LEN {
+            return Err(bad(
+                Reason::InvalidRequest,
+                format!(
+                    "idempotency-key: {} bytes, over the limit of {}",
+                    key.len(),
+                    slackgate_core::ledger::MAX_KEY_LEN
+                ),
+            ));
+        }
+        info.idempotency_key = Some(key.to_string()).filter(|k| !k.is_empty());
+    }
     info.attempt = ["x-attempt", "x-stainless-retry-count"]
         .iter()
         .find_map(|n| h.get(*n))
@@ -282,6 +298,19 @@ mod tests {
         assert_eq!(r.err().map(|e| e.reason), Some(Reason::InvalidDeadline));
         let r = parse_headers(&headers(&[("x-deadline", &(now + 5000).to_string())]), now);
         assert_eq!(r.ok().and_then(|i| i.deadline_epoch_ms), Some(now + 5000));
+    }
+
+    #[test]
+    fn over_long_idempotency_keys_are_refused_not_truncated() {
+        let long = "k".repeat(300);
+        let r = parse_headers(&headers(&[("idempotency-key", &long)]), 0);
+        assert_eq!(r.err().map(|e| e.reason), Some(Reason::InvalidRequest));
+        let ok = "k".repeat(256);
+        let r = parse_headers(&headers(&[("x-idempotency-key", &ok)]), 0);
+        assert_eq!(
+            r.ok().and_then(|i| i.idempotency_key).map(|k| k.len()),
+            Some(256)
+        );
     }
 
     #[test]
