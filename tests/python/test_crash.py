@@ -34,7 +34,9 @@ The database is the source of truth. What a kill -9 may lose, and how the checks
   a kill in the next few milliseconds can lose it: the database then still says `held`, the
   hold expires (wasted = held) and the key may be retried. Such a "lost commit" is recognised
   only when a kill followed the spend within LOST_WINDOW_MS and the database shows the key's
-  earlier hold as wasted; anything else is a failure.
+  earlier hold as wasted; anything else is a failure. It is printed: if the client replays
+  the key after the expiry, the upstream serves it a second time (a durability gap of the
+  gate, reported; SLACKGATE_CRASH_STRICT=1 makes any lost commit fail the test).
 
 Proved:
 (i)   no key spent twice: per key, every `complete` with tokens spent in the log other than the
@@ -46,7 +48,8 @@ Proved:
       `rejected` state with consistent token columns, and every key that reached the upstream
       has a row;
 (iii) tokens spent + wasted + held in the database equal the ledger's /admission/v1/stats
-      totals read before shutdown, and agree with the log: each `done` the log shows for the
+      totals read before shutdown (which /stats and /metrics repeat; the store lost no record
+      and had no write error), and agree with the log: each `done` the log shows for the
       database's final hold has the database's tokens_spent, and the last gate's log (never
       killed) shows every `done` of its own.
 
@@ -70,9 +73,10 @@ import httpx
 
 from conftest import HOST, ProcessGroup, free_port, port_clash, wait_healthy
 
-SEED = 20250301
-KILLS = 12
-KEYS = 2000
+# Override for longer soaks: SLACKGATE_CRASH_SEED=7 SLACKGATE_CRASH_KILLS=40 scripts/test-python.sh -k crash -s
+SEED = int(os.environ.get("SLACKGATE_CRASH_SEED", "20250301"))
+KILLS = int(os.environ.get("SLACKGATE_CRASH_KILLS", "12"))
+KEYS = 120 * (KILLS + 8)  # ~70 keys are answered per second: never run out
 LOAD_THREADS = 8
 # Keys in play at once (the first WINDOW keys not yet answered or burned) and the share of
 # sends that are blind replays of a key the client already had an answer for.
@@ -84,6 +88,9 @@ RETRY_CAP = 3
 UPTIME_S = (0.8, 2.4)
 # A settlement can only be lost if the kill came within this long after the response ended.
 LOST_WINDOW_MS = 250
+# SLACKGATE_CRASH_STRICT=1: allow no lost commit at all (for a gate that makes a settlement
+# durable before the end of its response reaches the client).
+STRICT = os.environ.get("SLACKGATE_CRASH_STRICT") == "1"
 
 CRASH_CONFIG = """
 default_class = "interactive"
@@ -198,7 +205,7 @@ class CrashGate:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(repr=False)
 class Load:
     gate: CrashGate
     keys: list[str]
@@ -207,8 +214,9 @@ class Load:
     next_attempt: dict[str, int] = field(default_factory=dict)
     pending: list[str] = field(default_factory=list)  # not yet answered nor retired
     answered: list[str] = field(default_factory=list)  # the client had an answer (or a 409 done)
-    # key -> [(ms the client had the whole answer, usage total tokens)]
-    successes: dict[str, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
+    # key -> [(ms the request was sent, ms the client had the whole answer, usage total)]
+    successes: dict[str, list[tuple[float, float, int]]] = field(
+        default_factory=lambda: defaultdict(list))
     outcomes: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
 
@@ -234,16 +242,15 @@ class Load:
                 try:
                     self.one(client, rng)
                 except Exception as e:  # a bug in the test, not in the gate: keep it visible
-                    self.errors.append(repr(e))
+                    self.errors.append(repr(e)[:500])
                     self.count("test_error")
                     time.sleep(0.01)
 
     def one(self, client: httpx.Client, rng: random.Random) -> None:
         with self.lock:
-            if self.answered and rng.random() < REPLAY_P:
+            if self.answered and (rng.random() < REPLAY_P or not self.pending):
                 key = rng.choice(self.answered)
             else:
-                assert self.pending, "the key pool ran out: raise KEYS"
                 key = rng.choice(self.pending[:WINDOW])
             attempt = self.next_attempt.get(key, 0)
         stream = rng.random() < 0.5
@@ -262,6 +269,7 @@ class Load:
         }
         url = f"{self.gate.url}/v1/chat/completions"
         self.count("sent")
+        sent = now_ms()
         try:
             with client.stream("POST", url, json=body, headers=headers) as r:
                 if r.status_code != 200:
@@ -271,7 +279,7 @@ class Load:
                 if not stream:
                     r.read()
                     total = r.json()["usage"]["total_tokens"]
-                    self.succeeded(key, total)
+                    self.succeeded(key, sent, total)
                     return
                 total, content, done = None, 0, False
                 for line in r.iter_lines():
@@ -293,7 +301,7 @@ class Load:
                         if abandon and content == 2:
                             break  # leaving the block closes the connection mid-stream
                 if done and total is not None:
-                    self.succeeded(key, total)
+                    self.succeeded(key, sent, total)
                 else:
                     self.count("abandoned" if abandon else "stream_cut")
                     self.attempt_failed(key, attempt)
@@ -306,10 +314,10 @@ class Load:
             self.count("broken")
             self.attempt_failed(key, attempt)
 
-    def succeeded(self, key: str, total: int) -> None:
+    def succeeded(self, key: str, sent: float, total: int) -> None:
         at = now_ms()
         with self.lock:
-            self.successes[key].append((at, total))
+            self.successes[key].append((sent, at, total))
         self.retire(key, answered=True)
         self.count("ok")
 
@@ -372,12 +380,26 @@ def metric_values(text: str) -> dict[str, float]:
 
 
 def segment_of(t_ms: float, segments: list[Segment]) -> int | None:
-    """The gate process running at wall time t_ms (holds record epoch milliseconds)."""
+    """The gate process running at wall time t_ms. The gate's ledger times are epoch
+    milliseconds (taken at its start, then advanced by its monotonic clock), so they compare
+    with this test's time.time() within a millisecond or so."""
     for i, seg in enumerate(segments):
         end = seg.ended_ms if seg.ended_ms is not None else float("inf")
-        if seg.started_ms - 20 <= t_ms <= end + 20:
+        if seg.started_ms - 5 <= t_ms <= end + 5:
             return i
     return None
+
+
+def segments_between(t0_ms: float, t1_ms: float, segments: list[Segment]) -> list[int]:
+    """The gate processes that ran at some moment between t0_ms and t1_ms: a request sent at
+    t0_ms and answered by t1_ms was answered by one of them (a request sent just before a kill
+    may connect to the next process)."""
+    out = []
+    for i, seg in enumerate(segments):
+        end = seg.ended_ms if seg.ended_ms is not None else float("inf")
+        if seg.started_ms - 5 <= t1_ms and t0_ms <= end + 5:
+            out.append(i)
+    return out
 
 
 def test_kill_9_under_load_loses_nothing(binary, tmp_path):
@@ -443,6 +465,7 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     stats = httpx.get(f"{gate.url}/admission/v1/stats", timeout=5).json()
     assert stats["held"] == 0 and stats["tokens_held"] == 0, stats
     metrics = metric_values(httpx.get(f"{gate.url}/metrics", timeout=5).text)
+    gate_stats = httpx.get(f"{gate.url}/stats", timeout=5).json()
     rc = gate.terminate()
     assert rc == 0, f"the gate exited {rc} on SIGTERM"
     stderr = "".join(p.read_text(errors="replace") for p in tmp_path.glob("gate-*.out"))
@@ -462,8 +485,9 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     # (ii) every hold accounted for, every row self-consistent.
     states = Counter(r["state"] for r in rows.values())
     assert states["held"] == 0, [r for r in rows.values() if r["state"] == "held"][:5]
+    key_set = set(keys)
     for r in rows.values():
-        assert r["key"] in set(keys), r
+        assert r["key"] in key_set, r
         assert 0 <= r["attempt"] <= RETRY_CAP, r
         assert r["version"] >= 1 and r["prior_spent"] >= 0 and r["prior_wasted"] >= 0, r
         if r["state"] == "done":
@@ -481,6 +505,11 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     assert metrics.get("slackgate_ledger_store_write_errors_total") == 0, metrics
     assert metrics.get("slackgate_ledger_tokens_spent_total") == stats["tokens_spent"], metrics
     assert metrics.get("slackgate_ledger_tokens_wasted_total") == stats["tokens_wasted"], metrics
+
+    for k in ("held", "tokens_held", "tokens_spent", "tokens_wasted"):
+        assert gate_stats["ledger"][k] == stats[k], (gate_stats["ledger"], stats)
+    assert gate_stats["ledger_store"]["records_lost"] == 0, gate_stats["ledger_store"]
+    assert gate_stats["ledger_store"]["write_errors"] == 0, gate_stats["ledger_store"]
 
     # (iii) the database's totals are the ledger's own totals.
     db_spent = sum(r["tokens_spent"] + r["prior_spent"] for r in rows.values())
@@ -526,17 +555,22 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     def is_spend(l: dict) -> bool:
         return l["action"] == "complete" and (l["tokens_spent"] or 0) > 0
 
-    def lost_commit(key: str, s: int, at_ms: float, held: int | None = None) -> bool:
-        """A spend in gate process s at at_ms that the database does not hold: only if that
-        gate was killed within LOST_WINDOW_MS after it, and the database counts the key's
-        earlier hold as wasted (the restored hold expired: wasted = its `held` tokens)."""
+    def lost_commit(key: str, s: int, at_ms: float, held: int | None = None,
+                    late_ms: float = 5) -> bool:
+        """A spend in gate process s, seen at at_ms, that the database does not hold: only if
+        that gate was killed within LOST_WINDOW_MS after it, and the database counts the key's
+        earlier hold as wasted (the restored hold expired: wasted = its `held` tokens).
+        `late_ms`: how long after the kill at_ms may be (a client may read an answer from its
+        socket buffer after the gate died)."""
+        if STRICT:
+            return False
         seg = segments[s]
         r = rows.get(key)
         need = held or 1
         wasted_before = r is not None and (
             r["prior_wasted"] >= need or (r["state"] == "expired" and r["tokens_wasted"] >= need))
         return (seg.killed and seg.ended_ms is not None
-                and -50 <= seg.ended_ms - at_ms <= LOST_WINDOW_MS and wasted_before)
+                and -late_ms <= seg.ended_ms - at_ms <= LOST_WINDOW_MS and wasted_before)
 
     # (i) + (iii) per key: the log against the database.
     lost_commits, done_lines_lost = [], 0
@@ -590,15 +624,16 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
         assert r is not None, f"{key}: the client got an answer but the ledger has no row"
         db_seg = done_seg.get(key)
         matched = 0
-        for at, total in sorted(got):
-            s = segment_of(at, segments)
-            if s is None:  # read just after its gate was killed
-                s = segment_of(at - 50, segments)
-            if r["state"] == "done" and s == db_seg and total == r["tokens_spent"] and not matched:
+        for sent, at, total in sorted(got):
+            cands = segments_between(sent, at, segments)  # who may have answered it
+            if (r["state"] == "done" and db_seg in cands and total == r["tokens_spent"]
+                    and not matched):
                 matched += 1
                 continue
-            assert s is not None and lost_commit(key, s, at), (
-                f"{key}: answered {got} (this one at {at:.0f}, spent {total}) but the "
+            # The gate finished this answer before the client had it (at), so a commit lost
+            # with the kill needs at >= kill - LOST_WINDOW_MS.
+            assert any(lost_commit(key, s, at, late_ms=float("inf")) for s in cands), (
+                f"{key}: answered {got} (this one sent at {sent:.0f}, spent {total}) but the "
                 f"database says {r}, done in gate process {db_seg}: spent twice or lost")
             client_double += 1 if len(got) > 1 else 0
 
@@ -614,7 +649,7 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
         f"elapsed={elapsed:.1f}s\n"
         f"[crash] requests sent={o['sent']} ok={o['ok']} duplicates refused "
         f"(held/done)={o['duplicate_held']}/{o['duplicate_done']} retry_cap={o['retry_cap']} "
-        f"other refusals={sum(v for k, v in o.items() if k.startswith(('429_', '5', '4')) and k != '429_reject_retry_cap')} "
+        f"other refusals={sum(v for k, v in o.items() if k[:3].isdigit())} "
         f"broken by kill={o['broken']} gate down={o['gate_down']} abandoned streams={o['abandoned']} "
         f"cut streams={o['stream_cut']}\n"
         f"[crash] client outcomes: {dict(sorted(o.items()))}\n"
@@ -633,4 +668,4 @@ def run_crash_test(binary: Path, tmp_path: Path, procs: ProcessGroup) -> None:
     )
     assert o["ok"] > 50 and states["done"] > 50, "too little load got through to prove anything"
     assert log_actions["complete"] > 0 and log_actions["cancel"] > 0
-    assert elapsed < 90, f"the crash test took {elapsed:.0f}s"
+    assert elapsed < 30 + 2 * KILLS, f"the crash test took {elapsed:.0f}s"

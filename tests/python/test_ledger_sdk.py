@@ -346,11 +346,11 @@ def test_tokens_spent_match_usage_and_disconnect_is_wasted(gate_stack):
     assert 3 <= c["tokens_wasted"] < 60, c
     assert not any(l["action"] == "complete" and l["idempotency_key"] == k_gone for l in lines)
 
-    stats = stack_stats = admission_stats(stack)
+    stats = admission_stats(stack)
     assert stats["tokens_spent"] == json_total + stream_total  # unchanged
     assert stats["tokens_wasted"] == c["tokens_wasted"]
     assert stats["cancelled"] == 1 and stats["held"] == 0 and stats["tokens_held"] == 0
-    assert stack_stats["amplification"] == pytest.approx(
+    assert stats["amplification"] == pytest.approx(
         (json_total + stream_total + c["tokens_wasted"]) / (json_total + stream_total))
     # The upstream request was cancelled too, not left generating.
     deadline = time.monotonic() + 5
@@ -359,10 +359,6 @@ def test_tokens_spent_match_usage_and_disconnect_is_wasted(gate_stack):
     assert stack.stub_stats()["cancelled"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gateway bug: the decision log's `reject` line for reject_duplicate says status 429 while "
-    "the client is answered 409 (state.rs decision_line sets 429 for every refusal). Remove "
-    "this mark once fixed."))
 def test_duplicate_log_line_has_the_status_answered(gate_stack):
     stack = gate_stack(LEDGER_CONFIG, stub_latency="fixed:20ms")
     key = f"sdk-dup-status-{uuid.uuid4().hex[:12]}"
@@ -375,3 +371,111 @@ def test_duplicate_log_line_has_the_status_answered(gate_stack):
     lines = stack.wait_log(lambda ls: any(l["action"] == "reject" for l in ls))
     refused = [l for l in lines if l["action"] == "reject"]
     assert [l["status"] for l in refused] == [409], refused
+
+
+# ---------------------------------------------------------------------------------------------
+# Known gateway bug: a stream the SDK closes at `data: [DONE]` is settled as cancelled.
+# ---------------------------------------------------------------------------------------------
+
+
+class SlowEndUpstream:
+    """A minimal OpenAI-compatible upstream (one thread per connection, 127.0.0.1 only) whose
+    SSE answer sends every chunk, the usage chunk and `data: [DONE]`, and only then, END_DELAY_S
+    later, the end of the chunked body. Real servers can do this (they flush [DONE] before they
+    finish the request); the official SDK stops reading at [DONE] and closes the response."""
+
+    END_DELAY_S = 0.5
+
+    def __init__(self) -> None:
+        import http.server
+        import json as _json
+        import threading
+
+        outer = self
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("content-length", 0))
+                self.rfile.read(n)
+                outer.requests += 1
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+
+                def send(obj) -> None:
+                    text = obj if isinstance(obj, str) else _json.dumps(obj)
+                    data = f"data: {text}\n\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+
+                base = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+                send({**base, "choices": [{"index": 0, "delta": {"role": "assistant"},
+                                           "finish_reason": None}]})
+                for i in range(3):
+                    send({**base, "choices": [{"index": 0, "delta": {"content": f"t{i} "},
+                                               "finish_reason": None}]})
+                send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                send({**base, "choices": [], "usage": {
+                    "prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}})
+                send("[DONE]")
+                time.sleep(outer.END_DELAY_S)
+                try:
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                except OSError:
+                    pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_stream_closed_at_done_is_spent_once(gate_stack):
+    upstream = SlowEndUpstream()
+    try:
+        config = LEDGER_CONFIG.replace('upstream = "$upstream"', f'upstream = "{upstream.url}"')
+        stack = gate_stack(config)
+        client = stack.client(max_retries=0)
+        key = f"sdk-done-close-{uuid.uuid4().hex[:8]}"
+        headers = {"Idempotency-Key": key}
+
+        chunks = list(client.chat.completions.create(
+            model="m", messages=MESSAGES, stream=True, extra_headers=headers))
+        assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 8
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "t0 t1 t2 "
+
+        lines = stack.wait_log(lambda ls: any(
+            l["idempotency_key"] == key and l["action"] in ("complete", "cancel") for l in ls))
+        end = [l for l in lines
+               if l["idempotency_key"] == key and l["action"] in ("complete", "cancel")]
+        stats = admission_stats(stack)
+        replay_status = None
+        try:
+            client.chat.completions.create(
+                model="m", messages=MESSAGES, stream=True, extra_headers=headers).close()
+            replay_status = 200
+        except openai.APIStatusError as e:
+            replay_status = e.status_code
+        time.sleep(0.2)
+        upstream_requests = upstream.requests
+        # What a fixed gate does: the delivered answer is spent, once.
+        assert [(l["action"], l["tokens_spent"]) for l in end] == [("complete", 8)], end
+        assert stats["done"] == 1 and stats["cancelled"] == 0, stats
+        assert stats["tokens_spent"] == 8 and stats["tokens_wasted"] == 0, stats
+        assert replay_status == 409, "the replay of a delivered stream was admitted again"
+        assert upstream_requests == 1
+    finally:
+        upstream.close()

@@ -67,6 +67,10 @@ pub struct Request {
     pub attempt: u32,
     /// Tokens to hold; `None`: prompt tokens + expected output.
     pub hold_tokens: Option<u64>,
+    /// A reservation-API hold: the worker calls the model itself and settles it by key. Once
+    /// told to go it is never dropped on slack (only its TTL ends it), and only reservations
+    /// can be settled by key.
+    pub reservation: bool,
 }
 
 /// The answer at arrival, with every figure the decision log and the 429 body carry.
@@ -294,6 +298,8 @@ struct Job {
     key: String,
     /// The gate made the key up (the client sent none): nobody can replay it.
     generated_key: bool,
+    /// Placed through the reservation API.
+    reservation: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -821,6 +827,11 @@ impl Gate {
                 match hold {
                     Ok(r) => {
                         d.tokens_held = r.tokens_held;
+                        let r = if req.reservation {
+                            self.ledger.mark_reservation(&key).unwrap_or(r)
+                        } else {
+                            r
+                        };
                         self.ledger_out.push(r);
                     }
                     Err(rej) => {
@@ -845,9 +856,12 @@ impl Gate {
                     state: JobState::Queued,
                     first_token_at: None,
                     max_tokens: req.max_tokens,
-                    protected: reason == Reason::EstimatorWarmup,
+                    // Warm-up jobs run on an untrusted estimate; a reservation's worker was
+                    // already told to go: neither is dropped on slack.
+                    protected: reason == Reason::EstimatorWarmup || req.reservation,
                     key: key.clone(),
                     generated_key: req.idempotency_key.is_none(),
+                    reservation: req.reservation,
                 };
                 let key = job.key();
                 self.classes[class.0]

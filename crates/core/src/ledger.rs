@@ -97,6 +97,10 @@ pub struct HoldRecord {
     /// Tokens wasted by this key's earlier holds.
     #[serde(default)]
     pub prior_wasted: u64,
+    /// Placed through the reservation API (a worker calls the model itself and settles the
+    /// hold), rather than by a proxied request whose connection settles it.
+    #[serde(default)]
+    pub reservation: bool,
 }
 
 /// Ledger settings (`[ledger]` in the config file).
@@ -170,6 +174,9 @@ pub enum SettleError {
     HoldExpired(Box<HoldRecord>),
     /// The key's latest hold is already settled (`done`, `cancelled`) or was rejected.
     NotHeld(HoldState),
+    /// The hold belongs to a proxied request (settled by its own response), not to a
+    /// reservation: the reservation API may not settle it.
+    NotAReservation,
 }
 
 /// Totals for `/stats`, metrics and the decision log.
@@ -261,7 +268,25 @@ impl Ledger {
                 l.install(r);
             }
         }
-        let changed = l.expire_due(now);
+        // A proxied request's hold is settled by its connection, which died with the process:
+        // expire those at once (tokens wasted) rather than lock the key out for a TTL. A
+        // reservation-API worker may still be running: its hold keeps its TTL.
+        let proxied: Vec<String> = l
+            .holds
+            .values()
+            .filter(|r| r.state == HoldState::Held && !r.reservation)
+            .map(|r| r.key.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let mut changed = Vec::new();
+        for key in proxied {
+            let held = l.holds.get(&key).map_or(0, |r| r.tokens_held);
+            if let Some(r) = l.end(now, &key, HoldState::Expired, 0, held) {
+                changed.push(r);
+            }
+        }
+        changed.extend(l.expire_due(now));
         (l, changed)
     }
 
@@ -314,6 +339,16 @@ impl Ledger {
         self.cfg = cfg;
     }
 
+    /// Mark a held key as a reservation-API hold (called right after `reserve`).
+    pub fn mark_reservation(&mut self, key: &str) -> Option<HoldRecord> {
+        let r = self.holds.get_mut(key)?;
+        if r.state != HoldState::Held {
+            return None;
+        }
+        r.reservation = true;
+        Some(r.clone())
+    }
+
     /// The latest hold under a key.
     pub fn get(&self, key: &str) -> Option<&HoldRecord> {
         self.holds.get(key)
@@ -348,6 +383,7 @@ impl Ledger {
                 });
             }
         }
+        let attempt = self.effective_attempt(key, attempt);
         if attempt > self.cfg.retry_cap {
             return Err(LedgerReject::RetryCap {
                 attempt,
@@ -367,6 +403,14 @@ impl Ledger {
 
     /// Versions never go back, even for a key forgotten after the retention and reserved
     /// again: at least the time of the change, and above the key's previous version.
+    /// The cap counts the key's own attempts, not only what the client claims: a key tried
+    /// before is at least on its next attempt.
+    pub fn effective_attempt(&self, key: &str, claimed: u32) -> u32 {
+        self.holds
+            .get(key)
+            .map_or(claimed, |r| claimed.max(r.attempt.saturating_add(1)))
+    }
+
     fn next_version(&self, key: &str, now: Millis) -> u64 {
         let prev = self.holds.get(key).map_or(0, |r| r.version);
         prev.saturating_add(1).max(now)
@@ -395,6 +439,7 @@ impl Ledger {
     ) -> Result<HoldRecord, LedgerReject> {
         let tokens = tokens.min(MAX_TOKENS);
         self.check(key, tenant, attempt, tokens)?;
+        let attempt = self.effective_attempt(key, attempt);
         Ok(self.place(now, key, tenant, attempt, tokens))
     }
 
@@ -416,6 +461,7 @@ impl Ledger {
                 });
             }
         }
+        let attempt = self.effective_attempt(key, attempt);
         Ok(self.place(now, key, tenant, attempt, tokens.min(MAX_TOKENS)))
     }
 
@@ -443,6 +489,7 @@ impl Ledger {
             version: self.next_version(key, now),
             prior_spent: carried.0,
             prior_wasted: carried.1,
+            reservation: false,
         };
         let t = tenant.unwrap_or("");
         // Look up before inserting: the common case (a known tenant) allocates nothing.
@@ -476,6 +523,7 @@ impl Ledger {
         {
             return None;
         }
+        let attempt = self.effective_attempt(key, attempt);
         let carried = self.carried(key);
         self.forget_settled(key);
         let r = HoldRecord {
@@ -492,6 +540,7 @@ impl Ledger {
             version: self.next_version(key, now),
             prior_spent: carried.0,
             prior_wasted: carried.1,
+            reservation: false,
         };
         self.totals.rejected += 1;
         self.settled.insert((now, r.key.clone()));
@@ -594,16 +643,44 @@ impl Ledger {
     /// Expire every hold whose TTL has passed (its tokens count as wasted), and forget settled
     /// keys older than the retention. Returns the expired records, to persist.
     pub fn expire_due(&mut self, now: Millis) -> Vec<HoldRecord> {
+        self.expire_due_except(now, |_| false)
+    }
+
+    /// [`Ledger::expire_due`], but a due hold for which `renew(key)` is true is renewed for
+    /// another TTL instead (its request is alive and will settle it). Renewed records are
+    /// returned too, to persist.
+    pub fn expire_due_except(
+        &mut self,
+        now: Millis,
+        renew: impl Fn(&str) -> bool,
+    ) -> Vec<HoldRecord> {
         let mut out = Vec::new();
+        let mut renewed = Vec::new();
         // Peek at the time before cloning anything: this runs on every offer, and almost
         // always finds nothing due.
         while self.expiry.first().is_some_and(|(at, _)| *at <= now) {
             let Some((_, key)) = self.expiry.pop_first() else {
                 break;
             };
+            if renew(&key) {
+                renewed.push(key);
+                continue;
+            }
             let held = self.holds.get(&key).map_or(0, |r| r.tokens_held);
             if let Some(r) = self.end(now, &key, HoldState::Expired, 0, held) {
                 out.push(r);
+            }
+        }
+        for key in renewed {
+            let ttl = self.cfg.hold_ttl_ms;
+            if let Some(r) = self.holds.get_mut(&key) {
+                if r.state == HoldState::Held {
+                    r.expires_at_ms = now.saturating_add(ttl.max(1));
+                    r.updated_at_ms = now;
+                    r.version = r.version.saturating_add(1);
+                    self.expiry.insert((r.expires_at_ms, key.clone()));
+                    out.push(r.clone());
+                }
             }
         }
         let horizon = now.saturating_sub(self.cfg.retention_ms);

@@ -174,7 +174,13 @@ fn check_lifecycles(log: &[HoldRecord], all_settled: bool) -> Result<(), TestCas
                         prop_assert_eq!(r.prior_spent, p.prior_spent + p.tokens_spent);
                         prop_assert_eq!(r.prior_wasted, p.prior_wasted + p.tokens_wasted);
                     }
-                    if p.state == HoldState::Held {
+                    // A live request's hold renewed at its TTL: the same hold, later expiry.
+                    let renewal = p.state == HoldState::Held
+                        && r.state == HoldState::Held
+                        && r.created_at_ms == p.created_at_ms
+                        && r.tokens_held == p.tokens_held
+                        && r.expires_at_ms > p.expires_at_ms;
+                    if p.state == HoldState::Held && !renewal {
                         prop_assert!(
                             r.state.is_terminal(),
                             "{}: held must end in exactly one terminal, got {:?}",
@@ -457,6 +463,11 @@ impl Model {
         if let Some(d) = self.duplicate(k) {
             return Err(d);
         }
+        // A key tried before is at least on its next attempt.
+        let attempt = self
+            .latest
+            .get(k)
+            .map_or(attempt, |r| attempt.max(r.attempt + 1));
         if !unchecked {
             if attempt > self.cfg.retry_cap {
                 return Err(LedgerReject::RetryCap {
@@ -487,6 +498,7 @@ impl Model {
             version: self.next_version(k),
             prior_spent: self.carried(k).0,
             prior_wasted: self.carried(k).1,
+            reservation: false,
         };
         self.retried |= self.latest.contains_key(k);
         self.use_tokens(t, tokens, 0);
@@ -506,6 +518,11 @@ impl Model {
         if self.duplicate(k).is_some() {
             return None;
         }
+        let attempt = self
+            .latest
+            .get(k)
+            .map_or(attempt, |r| attempt.max(r.attempt + 1));
+
         let r = HoldRecord {
             key: k.to_string(),
             tenant: t.map(str::to_string),
@@ -520,6 +537,7 @@ impl Model {
             version: self.next_version(k),
             prior_spent: self.carried(k).0,
             prior_wasted: self.carried(k).1,
+            reservation: false,
         };
         self.retried |= self.latest.contains_key(k);
         self.totals.rejected += 1;
@@ -602,6 +620,24 @@ impl Model {
             .collect()
     }
 
+    /// A restart: proxied holds (every hold here: none is a reservation) lost their
+    /// connection with the process and expire at once, in key order.
+    fn expire_on_restore(&mut self) -> Vec<HoldRecord> {
+        let mut held: Vec<String> = self
+            .latest
+            .values()
+            .filter(|r| r.state == HoldState::Held && !r.reservation)
+            .map(|r| r.key.clone())
+            .collect();
+        held.sort();
+        held.into_iter()
+            .map(|k| {
+                let h = self.latest[&k].tokens_held;
+                self.end(&k, HoldState::Expired, 0, h)
+            })
+            .collect()
+    }
+
     /// After a restart: the totals and usage are those of the latest records.
     fn rebase(&mut self) {
         self.totals = Totals::of_latest(self.latest.values());
@@ -664,11 +700,24 @@ fn check_ledger(l: &Ledger, m: &Model, restore_seed: u64) -> Result<(), TestCase
     // pure rebuild.
     let from_log = latest_of(&m.log);
     prop_assert_eq!(&from_log, &m.latest, "the persisted records lag the ledger");
-    let (r, changed) = Ledger::restore(m.cfg.clone(), shuffled(&m.log, restore_seed), 0);
+    // Marked as reservations so the rebuild keeps their holds (a proxied hold would expire:
+    // its connection died with the process).
+    let as_reservations: Vec<HoldRecord> = shuffled(&m.log, restore_seed)
+        .into_iter()
+        .map(|mut r| {
+            r.reservation = true;
+            r
+        })
+        .collect();
+    let (r, changed) = Ledger::restore(m.cfg.clone(), as_reservations, 0);
     prop_assert!(changed.is_empty());
     for i in 0..KEYS {
         let k = key(i);
-        prop_assert_eq!(r.get(&k), l.get(&k), "restored key {}", k);
+        let restored = r.get(&k).map(|h| HoldRecord {
+            reservation: false,
+            ..h.clone()
+        });
+        prop_assert_eq!(restored.as_ref(), l.get(&k), "restored key {}", k);
     }
     let rs = r.stats();
     prop_assert_eq!(Totals::of(&rs), Totals::of_latest(m.latest.values()));
@@ -782,8 +831,12 @@ fn run_ledger(cfg: &LedgerConfig, ops: &[LOp]) -> Result<(), TestCaseError> {
             LOp::Restore(s) => {
                 let (r, changed) = Ledger::restore(cfg.clone(), shuffled(&m.log, s), m.now);
                 l = r;
-                let want = m.expire_due();
-                prop_assert_eq!(&changed, &want, "restore expires what fell due while down");
+                let want = m.expire_on_restore();
+                prop_assert_eq!(
+                    &changed,
+                    &want,
+                    "restore expires proxied holds (their connections died)"
+                );
                 m.log.extend(changed);
                 m.rebase();
             }
@@ -1075,7 +1128,10 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
                 // 2: duplicate exactly when the key's latest hold is held (and not past its
                 // TTL: an offer expires due holds first) or done.
                 let dup = before.as_ref().is_some_and(|r| match r.state {
-                    HoldState::Held => r.expires_at_ms > now,
+                    // A live request's hold is renewed at its TTL rather than expired.
+                    HoldState::Held => {
+                        r.expires_at_ms > now || jobs.live.values().any(|(k, _)| *k == r.key)
+                    }
                     HoldState::Done => true,
                     _ => false,
                 });
@@ -1088,7 +1144,21 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
                     d.reason
                 );
                 if dup {
-                    prop_assert_eq!(g.ledger().get(k.as_deref().unwrap()), before.as_ref());
+                    // A duplicate changes nothing but, at most, a renewal of the live hold.
+                    let now_rec = g.ledger().get(k.as_deref().unwrap()).cloned();
+                    let same = |a: &HoldRecord, b: &HoldRecord| {
+                        (a.state, a.tokens_held, a.created_at_ms, a.attempt)
+                            == (b.state, b.tokens_held, b.created_at_ms, b.attempt)
+                    };
+                    prop_assert!(
+                        match (&now_rec, &before) {
+                            (Some(a), Some(b)) => same(a, b),
+                            (a, b) => a == b,
+                        },
+                        "{:?} -> {:?}",
+                        before,
+                        now_rec
+                    );
                 }
                 if d.admitted() {
                     let r = g.ledger().get(&d.idempotency_key).cloned();
@@ -1164,7 +1234,16 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
         // seen in `sync`); a settlement through `commit_key` ends its job silently.
         jobs.sync(&mut g, now)?;
     }
-    // 3: far in the future every hold has ended, and so has every job.
+    // 3: a live proxied request's hold is renewed, never expired under it; so first its
+    // client goes away (every live job is cancelled), then far in the future every hold has
+    // ended, and so has every job.
+    let live: Vec<JobId> = jobs.live.keys().copied().collect();
+    for id in live {
+        let c = g.cancel(now, id);
+        prop_assert!(c.is_some_and(|c| c.hold.is_some()));
+        jobs.end(id)?;
+    }
+    jobs.sync(&mut g, now)?;
     now += spec.ttl_ms + 1;
     g.tick(now);
     jobs.sync(&mut g, now)?;
@@ -1203,6 +1282,7 @@ fn settling_an_expired_key_persists_its_expiry_once() {
         Request {
             class: Some(ClassId(0)),
             idempotency_key: Some("k3".into()),
+            reservation: true,
             ..Request::default()
         },
     );

@@ -43,6 +43,7 @@ fn pair(i: usize) -> (HoldRecord, HoldRecord) {
         version: 1,
         prior_spent: 0,
         prior_wasted: 0,
+        reservation: false,
     };
     let done = HoldRecord {
         state: HoldState::Done,

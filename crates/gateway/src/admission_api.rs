@@ -71,6 +71,11 @@ fn check_key(key: &str) -> Result<(), BadRequest> {
             "idempotency_key must be 1..={MAX_KEY_LEN} bytes of printable text"
         )));
     }
+    if key.starts_with(crate::request_info::GENERATED_KEY_PREFIX) {
+        return Err(invalid(
+            "idempotency keys starting with \"gen-\" are reserved for keys the gate generates",
+        ));
+    }
     Ok(())
 }
 
@@ -121,6 +126,17 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     if let Some(k) = &b.idempotency_key {
         check_key(k)?;
     }
+    // Tenants are ids, hashed like the proxy's (`t:<fnv>`), so grants apply the same way.
+    if b.tenant
+        .as_ref()
+        .is_some_and(|t| t.is_empty() || t.len() > 256)
+    {
+        return Err(invalid("tenant must be 1..=256 bytes"));
+    }
+    let tenant = b
+        .tenant
+        .as_deref()
+        .map(|t| format!("t:{}", crate::request_info::fnv_hex(t.as_bytes())));
     check_tokens("tokens", b.tokens)?;
     if b.slack_ms
         .is_some_and(|s| s == 0 || s > crate::request_info::MAX_DEADLINE_MS)
@@ -136,14 +152,15 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
         prompt_tokens: 0,
         max_tokens: Some(0),
         idempotency_key: b.idempotency_key.clone(),
-        tenant: b.tenant.clone(),
+        tenant: tenant.clone(),
         attempt: b.attempt,
         hold_tokens: Some(b.tokens),
+        reservation: true,
         ..CoreRequest::default()
     };
     let meta = JobMeta {
         label: b.class.clone(),
-        tenant: b.tenant.clone(),
+        tenant,
         attempt: Some(b.attempt),
         path: "/admission/v1/reserve".into(),
         ..JobMeta::default()
@@ -253,6 +270,21 @@ async fn settle(
             StatusCode::CONFLICT,
             response::json(&json!({"action": "hold_expired", "idempotency_key": key,
                                    "tokens_wasted": h.tokens_wasted})),
+        ),
+        // A commit retried after a lost answer finds the key done: the same answer again,
+        // nothing settled twice.
+        Err(SettleError::NotHeld(slackgate_core::HoldState::Done)) if commit => {
+            let spent = shared.settled_tokens(&key).unwrap_or(0);
+            response::json(&json!({
+                "action": "commit", "idempotency_key": key, "tokens_spent": spent,
+                "held_remaining": held_remaining, "replayed": true}))
+        }
+        Err(SettleError::NotAReservation) => with_status(
+            StatusCode::CONFLICT,
+            response::json(
+                &json!({"action": "not_a_reservation", "idempotency_key": key,
+                                   "reason": "this hold belongs to a proxied request, settled by its own response"}),
+            ),
         ),
         Err(SettleError::NotHeld(state)) => with_status(
             StatusCode::CONFLICT,

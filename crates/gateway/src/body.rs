@@ -35,6 +35,8 @@ pub struct UsageScanner {
     chunks_with_content: u32,
     prompt_tokens: Option<u32>,
     completion_tokens: Option<u32>,
+    /// The stream's `data: [DONE]` went through: the client has the whole answer.
+    done_seen: bool,
 }
 
 impl UsageScanner {
@@ -75,7 +77,11 @@ impl UsageScanner {
             return;
         };
         let rest = rest.trim_ascii();
-        if rest == b"[DONE]" || rest.is_empty() {
+        if rest == b"[DONE]" {
+            self.done_seen = true;
+            return;
+        }
+        if rest.is_empty() {
             return;
         }
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(rest) else {
@@ -183,7 +189,10 @@ impl<B: Body> TrackedBody<B> {
 
 impl<B: Body> Drop for TrackedBody<B> {
     fn drop(&mut self) {
-        if self.guard.is_some() && self.inner.is_end_stream() {
+        // The end of the body, or a stream whose `[DONE]` already went through (the OpenAI
+        // SDKs stop reading there and close): the client has the whole answer, so this is a
+        // completion, settled as spent, not a cancellation a replay could be served again on.
+        if self.guard.is_some() && (self.inner.is_end_stream() || self.scanner.done_seen) {
             self.finish(true, None);
             return;
         }

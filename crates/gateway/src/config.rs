@@ -58,6 +58,13 @@ pub struct ServerConfig {
     pub stream_usage: bool,
     /// Ledger store: a SQLite file path (durable; the default) or `memory`.
     pub ledger: String,
+    /// `synchronous` for the SQLite ledger: `normal` (survives a process crash) or `full`
+    /// (also survives power loss).
+    pub ledger_synchronous: crate::ledger_store::Synchronous,
+    /// Take the tenant from an `X-Tenant` header instead of the bearer key. Only behind a
+    /// proxy that sets it: otherwise any client could choose a fresh tenant and escape its
+    /// grant.
+    pub trust_tenant_header: bool,
     /// A client whose connection accepts no bytes for this long (it stopped reading) is
     /// disconnected and its job cancelled (ms): a client that never reads must not pin a slot.
     pub client_write_timeout_ms: u64,
@@ -79,6 +86,8 @@ impl Default for ServerConfig {
             stream_idle_timeout_ms: 120_000,
             stream_usage: true,
             ledger: "slackgate-ledger.db".into(),
+            ledger_synchronous: crate::ledger_store::Synchronous::default(),
+            trust_tenant_header: false,
             client_write_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,

@@ -7,7 +7,7 @@
 //! request (client gone) drops its [`JobGuard`], which takes it out of the queue.
 
 use crate::body::TrackedBody;
-use crate::request_info::{parse_body, parse_body_lenient, parse_headers, BadRequest};
+use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, BadRequest};
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use crate::state::{Admission, JobGuard, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
@@ -216,10 +216,11 @@ pub async fn admitted(
         .get("x-job-class")
         .and_then(|v| v.to_str().ok())
         .map(|s| s.chars().take(64).collect::<String>());
-    let hinfo = match parse_headers(&parts.headers, now_epoch) {
-        Ok(h) => h,
-        Err(e) => return bad_request(&shared, &path, raw_label, e),
-    };
+    let hinfo =
+        match parse_headers_with(&parts.headers, now_epoch, shared.server.trust_tenant_header) {
+            Ok(h) => h,
+            Err(e) => return bad_request(&shared, &path, raw_label, e),
+        };
     let mut bytes = match read_body(&shared, body, &parts.headers).await {
         Ok(b) => b,
         Err(e) => return body_failure(&shared, &path, raw_label, e),
@@ -269,6 +270,7 @@ pub async fn admitted(
         tenant: hinfo.tenant.clone(),
         attempt: hinfo.attempt.unwrap_or(0),
         hold_tokens: None,
+        reservation: false,
     };
     let meta = JobMeta {
         label: hinfo.class_label.clone(),

@@ -5,6 +5,10 @@
 use http::HeaderMap;
 use slackgate_core::Reason;
 
+/// Keys the gate generates for requests without one start with this; clients may not use it
+/// (a guessable generated key must not be pre-reservable by someone else).
+pub const GENERATED_KEY_PREFIX: &str = "gen-";
+
 /// Longest deadline a header may ask for: one day. Anything beyond is a unit mistake.
 pub const MAX_DEADLINE_MS: u64 = 86_400_000;
 /// Longest class label considered; longer ones are treated as unknown.
@@ -96,6 +100,17 @@ fn relative(name: &str, h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
 
 /// Read the gate's headers. `now_epoch_ms` bounds absolute deadlines to a sane window.
 pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, BadRequest> {
+    parse_headers_with(h, now_epoch_ms, false)
+}
+
+/// [`parse_headers`], trusting an `X-Tenant` header over the bearer key when
+/// `trust_tenant_header` (set `server.trust_tenant_header` only behind a proxy that sets it:
+/// otherwise any client could pick a fresh tenant and escape its grant).
+pub fn parse_headers_with(
+    h: &HeaderMap,
+    now_epoch_ms: u64,
+    trust_tenant_header: bool,
+) -> Result<HeaderInfo, BadRequest> {
     let mut info = HeaderInfo {
         deadline_in_ms: relative("x-deadline-ms", h)?,
         first_token_in_ms: relative("x-slo-ttft-ms", h)?,
@@ -120,6 +135,7 @@ pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, Bad
         .filter(|s| !s.is_empty());
     info.tenant = h
         .get("x-tenant")
+        .filter(|_| trust_tenant_header)
         .and_then(|v| v.to_str().ok())
         .map(|s| format!("t:{}", fnv_hex(s.trim().as_bytes())))
         .or_else(|| {
@@ -149,6 +165,12 @@ pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, Bad
                     key.len(),
                     slackgate_core::ledger::MAX_KEY_LEN
                 ),
+            ));
+        }
+        if key.starts_with(GENERATED_KEY_PREFIX) {
+            return Err(bad(
+                Reason::InvalidRequest,
+                "idempotency-key: keys starting with \"gen-\" are reserved for the gate",
             ));
         }
         info.idempotency_key = Some(key.to_string()).filter(|k| !k.is_empty());

@@ -132,18 +132,30 @@ pub async fn run(
     log: DecisionLog,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
-    let gw = Gateway::spawn_with_store(listener, cfg, log, open_store(&cfg.server.ledger)?)?;
+    let gw = Gateway::spawn_with_store(
+        listener,
+        cfg,
+        log,
+        open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)?,
+    )?;
     shutdown.await;
     gw.shutdown().await;
     Ok(())
 }
 
 /// Open the ledger store a config names: `memory`, or a SQLite file (created if absent).
-pub fn open_store(spec: &str) -> Result<Arc<dyn LedgerStore>, String> {
+pub fn open_store(
+    spec: &str,
+    synchronous: crate::ledger_store::Synchronous,
+) -> Result<Arc<dyn LedgerStore>, String> {
     if spec == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
     }
-    let store = SqliteStore::open(std::path::Path::new(spec), SqliteOptions::default())
+    let opts = SqliteOptions {
+        synchronous,
+        ..SqliteOptions::default()
+    };
+    let store = SqliteStore::open(std::path::Path::new(spec), opts)
         .map_err(|e| format!("cannot open the ledger {spec:?}: {e}"))?;
     Ok(Arc::new(store))
 }

@@ -367,6 +367,11 @@ impl Shared {
         self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.tokens_held))
     }
 
+    /// Tokens spent by a key's settled hold (for a replayed commit).
+    pub fn settled_tokens(&self, key: &str) -> Option<u64> {
+        self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.tokens_spent))
+    }
+
     /// The configured hold TTL.
     pub fn hold_ttl_ms(&self) -> u64 {
         self.with_core(|st, _, _| st.gate.ledger().config().hold_ttl_ms)
@@ -686,7 +691,12 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     line.depth = Some(d.depth);
     line.tokens_held = Some(meta.tokens_held);
     if !d.admitted() {
-        line.status = Some(429);
+        // The status the client is answered: a duplicate is a conflict, the rest "not now".
+        line.status = Some(if d.reason == Reason::RejectDuplicate {
+            409
+        } else {
+            429
+        });
     }
     line
 }

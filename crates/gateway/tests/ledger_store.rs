@@ -90,6 +90,7 @@ fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
         version,
         prior_spent: 0,
         prior_wasted: 0,
+        reservation: version.is_multiple_of(2),
     }
 }
 
@@ -369,7 +370,7 @@ fn the_schema_rejects_unknown_states() {
     drop(SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap());
     let conn = Connection::open(dir.db()).unwrap();
     let bad = conn.execute(
-        "insert into holds values ('k', null, 'bogus', 0, 0, 0, 0, 0, 0, 0, 1, 0, 0)",
+        "insert into holds values ('k', null, 'bogus', 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0)",
         [],
     );
     assert!(bad.is_err());
@@ -386,9 +387,9 @@ fn load_skips_and_counts_unreadable_rows() {
     let conn = Connection::open(dir.db()).unwrap();
     conn.execute_batch(
         "pragma ignore_check_constraints = on;
-         insert into holds values ('bad-state', null, 'bogus', 0, 1, 0, 0, 0, 0, 0, 1, 0, 0);
-         insert into holds values ('negative', null, 'held', 0, -5, 0, 0, 0, 0, 0, 1, 0, 0);
-         insert into holds values ('text-number', null, 'held', 'x', 1, 0, 0, 0, 0, 0, 1, 0, 0);",
+         insert into holds values ('bad-state', null, 'bogus', 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0);
+         insert into holds values ('negative', null, 'held', 0, -5, 0, 0, 0, 0, 0, 1, 0, 0, 0);
+         insert into holds values ('text-number', null, 'held', 'x', 1, 0, 0, 0, 0, 0, 1, 0, 0, 0);",
     )
     .unwrap();
     drop(conn);

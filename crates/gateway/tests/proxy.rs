@@ -57,6 +57,7 @@ fn config(slots: u32, overhead_ms: f64, decode_ms: f64, learn: bool) -> String {
 default_class = "interactive"
 [server]
 max_body_bytes = 1024
+trust_tenant_header = true   # these tests send X-Tenant as a fronting proxy would
 [[pools]]
 name = "default"
 max_in_flight = {slots}

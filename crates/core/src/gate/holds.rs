@@ -3,7 +3,7 @@
 //! records the caller must persist.
 
 use super::{Event, Gate, JobId, JobState, Settle};
-use crate::ledger::{HoldRecord, Ledger, LedgerStats, SettleError};
+use crate::ledger::{HoldRecord, HoldState, Ledger, LedgerStats, SettleError};
 use crate::reason::Reason;
 use crate::Millis;
 
@@ -78,6 +78,11 @@ impl Gate {
         // An expired hold is refused (and settles as expired), whatever the job's state.
         self.expire_holds(now);
         if let Some(id) = self.job_for_key(key) {
+            // A proxied request's hold is settled by its own response: the reservation API
+            // may not end it (or free its slot) from outside.
+            if self.jobs.get(&id).is_some_and(|j| !j.reservation) {
+                return Err(SettleError::NotAReservation);
+            }
             if let Some(job) = self.jobs.remove(&id) {
                 let pool = self.classes[job.class.0].pool;
                 let started = match job.state {
@@ -109,7 +114,22 @@ impl Gate {
     /// Expire holds whose TTL passed; a live job under an expired hold releases its queue
     /// place or slot at once, and its client is told (`hold_expired`).
     pub(super) fn expire_holds(&mut self, now: Millis) {
-        for r in self.ledger.expire_due(now) {
+        // A live proxied request (queued or in flight) has a connection that will settle its
+        // hold: renew it rather than free its slot under a call still running upstream.
+        // Reservation holds and holds without a live request expire.
+        let jobs = &self.jobs;
+        let keys = &self.keys;
+        let due = self.ledger.expire_due_except(now, |k| {
+            keys.get(k)
+                .and_then(|id| jobs.get(id))
+                .is_some_and(|j| !j.reservation)
+        });
+        for r in due {
+            if r.state == HoldState::Held {
+                // Renewed: persist the new expiry, nothing else changes.
+                self.ledger_out.push(r);
+                continue;
+            }
             let mut generated = r.key.starts_with("gen-");
             if let Some(id) = self.keys.remove(&r.key) {
                 if let Some(job) = self.jobs.remove(&id) {

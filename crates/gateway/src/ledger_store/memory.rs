@@ -100,6 +100,7 @@ mod tests {
             version,
             prior_spent: 0,
             prior_wasted: 0,
+            reservation: false,
         }
     }
 

@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS holds (
     updated_at_ms INTEGER NOT NULL,
     version       INTEGER NOT NULL,
     prior_spent   INTEGER NOT NULL DEFAULT 0,
-    prior_wasted  INTEGER NOT NULL DEFAULT 0
+    prior_wasted  INTEGER NOT NULL DEFAULT 0,
+    reservation   INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS holds_by_state ON holds (state);
 CREATE INDEX IF NOT EXISTS holds_by_expiry ON holds (expires_at_ms);
@@ -63,7 +64,7 @@ COMMIT;
 ";
 
 /// How hard each commit pushes to the disk (`PRAGMA synchronous`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Synchronous {
     /// Survives a process crash; a power loss may lose the last commits (WAL + NORMAL).

@@ -21,21 +21,22 @@ use std::time::Duration;
 const UPSERT: &str = "
 INSERT INTO holds (key, tenant, state, attempt, tokens_held, tokens_spent, tokens_wasted,
                    created_at_ms, expires_at_ms, updated_at_ms, version, prior_spent,
-                   prior_wasted)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
+                   prior_wasted, reservation)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
 ON CONFLICT (key) DO UPDATE SET
     tenant = excluded.tenant, state = excluded.state, attempt = excluded.attempt,
     tokens_held = excluded.tokens_held, tokens_spent = excluded.tokens_spent,
     tokens_wasted = excluded.tokens_wasted, created_at_ms = excluded.created_at_ms,
     expires_at_ms = excluded.expires_at_ms, updated_at_ms = excluded.updated_at_ms,
     version = excluded.version, prior_spent = excluded.prior_spent,
-    prior_wasted = excluded.prior_wasted
+    prior_wasted = excluded.prior_wasted, reservation = excluded.reservation
 WHERE excluded.version > holds.version
 ";
 
 const SELECT_ALL: &str = "
 SELECT key, tenant, state, attempt, tokens_held, tokens_spent, tokens_wasted,
-       created_at_ms, expires_at_ms, updated_at_ms, version, prior_spent, prior_wasted
+       created_at_ms, expires_at_ms, updated_at_ms, version, prior_spent, prior_wasted,
+       reservation
 FROM holds ORDER BY key
 ";
 
@@ -86,15 +87,17 @@ impl Writer {
         // received, so leaving the loop means everything was committed (or counted as lost).
         while let Ok(first) = rx.recv() {
             let mut batch: Vec<HoldRecord> = Vec::new();
-            let mut barrier = None;
+            let mut acks = Vec::new();
+            let mut load = None;
             let mut next = Some(first);
             while let Some(msg) = next.take() {
                 match msg {
                     Msg::Write(records) if batch.is_empty() => batch = records,
                     Msg::Write(records) => batch.extend(records),
-                    // A barrier ends the batch: what came before it must be committed first.
+                    // A flush only needs what came before it committed: committing more is fine.
+                    Msg::Flush(ack) => acks.push(ack),
                     other => {
-                        barrier = Some(other);
+                        load = Some(other);
                         break;
                     }
                 }
@@ -104,9 +107,10 @@ impl Writer {
                 next = rx.try_recv().ok();
             }
             self.commit(batch);
-            match barrier {
-                Some(Msg::Flush(ack)) => {
-                    let answer = match std::mem::take(&mut self.lost_since_flush) {
+            if !acks.is_empty() {
+                let lost = std::mem::take(&mut self.lost_since_flush);
+                for ack in acks {
+                    let answer = match lost {
                         0 => Ok(()),
                         records => Err(StoreError::Lost {
                             records,
@@ -115,10 +119,9 @@ impl Writer {
                     };
                     let _ = ack.send(answer);
                 }
-                Some(Msg::Load(reply)) => {
-                    let _ = reply.send(self.load());
-                }
-                Some(Msg::Write(_)) | None => {}
+            }
+            if let Some(Msg::Load(reply)) = load {
+                let _ = reply.send(self.load());
             }
         }
     }
@@ -199,7 +202,8 @@ impl Writer {
                     n[6],
                     n[7],
                     n[8],
-                    n[9]
+                    n[9],
+                    i64::from(r.reservation)
                 ])?;
             }
         }
@@ -317,6 +321,7 @@ fn parse_row(row: &Row<'_>) -> Result<HoldRecord, String> {
         version: int(10, "version")?,
         prior_spent: int(11, "prior_spent")?,
         prior_wasted: int(12, "prior_wasted")?,
+        reservation: int(13, "reservation")? != 0,
         key,
         tenant,
         state,
