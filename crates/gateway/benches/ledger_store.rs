@@ -185,6 +185,58 @@ fn main() -> Result<(), Box<dyn Error>> {
             );
         }
     }
+    // The request path: many requests at once, each waiting for its own hold to be durable
+    // before it goes upstream (the proxy: one flush per pair) or before it answers (the
+    // reservation API: a flush after reserve and after commit). Group commit lets concurrent
+    // flushes share one transaction.
+    println!();
+    println!(
+        "{:<14} {:<22} {:>8} {:>12} {:>16}",
+        "store", "request path", "pairs", "pairs/s", "records/commit"
+    );
+    for (threads, flushes) in [(64usize, 1usize), (64, 2), (256, 1)] {
+        for (name, sync) in [
+            ("sqlite normal", Synchronous::Normal),
+            ("sqlite full", Synchronous::Full),
+        ] {
+            let store: std::sync::Arc<dyn LedgerStore> = std::sync::Arc::from(sqlite(sync)?);
+            let per = (n / 10 / threads).max(10);
+            let start = Instant::now();
+            let workers: Vec<_> = (0..threads)
+                .map(|t| {
+                    let store = std::sync::Arc::clone(&store);
+                    std::thread::spawn(move || -> Result<(), String> {
+                        for j in 0..per {
+                            let i = t * per + j;
+                            let (held, done) = pair(i);
+                            store.write(vec![held]);
+                            store.flush().map_err(|e| e.to_string())?;
+                            store.write(vec![done]);
+                            if flushes >= 2 {
+                                store.flush().map_err(|e| e.to_string())?;
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for w in workers {
+                w.join().map_err(|_| "worker panicked")??;
+            }
+            store.flush()?;
+            let pairs = threads * per;
+            let rate = pairs as f64 / start.elapsed().as_secs_f64();
+            let commits = store.stats().batches_committed.max(1);
+            println!(
+                "{:<14} {:<22} {:>8} {:>12.0} {:>16.1}",
+                name,
+                format!("{threads} clients, {flushes} flush/pair"),
+                pairs,
+                rate,
+                (2 * pairs) as f64 / commits as f64
+            );
+        }
+    }
     println!();
     println!(
         "commits: SQLite transactions (memory: write calls); total {:.1} s",
