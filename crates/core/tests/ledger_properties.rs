@@ -1302,7 +1302,8 @@ fn settling_an_expired_key_persists_its_expiry_once() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Known gaps, as minimal failing cases (run with `cargo test -- --ignored`)
+// Regressions for gaps the property tests found (both fixed): history lost on restore, and
+// versions going back after the retention.
 // ---------------------------------------------------------------------------------------------
 
 /// A store keeps one record per key, so a restart forgets what earlier holds of a retried key
@@ -1358,7 +1359,7 @@ fn versions_restart_after_the_retention() {
     store.push(again.clone());
     store.push(l.commit(20_001, "k", 100).unwrap());
     let (r, _) = Ledger::restore(cfg, store, 20_002);
-    // Fails: `again.version` is 1, so the store keeps the cancelled v2 over the done v2
+    // Was: `again.version` was 1, so the store kept the cancelled v2 over the done v2
     // (a tie keeps what is there), the restore forgets it as past the retention, and a replay
     // of the done request is admitted.
     assert!(
