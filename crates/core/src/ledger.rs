@@ -339,6 +339,18 @@ impl Ledger {
         self.cfg = cfg;
     }
 
+    /// Stop timing a held key's TTL: its live request settles it (a proxied request's
+    /// connection always ends, one way or another), and a restart expires it. Keeps the
+    /// expiry index to the holds that can actually expire, so a deep queue of live requests
+    /// costs nothing at expiry time.
+    pub fn untrack_expiry(&mut self, key: &str) {
+        if let Some(r) = self.holds.get(key) {
+            if r.state == HoldState::Held {
+                self.expiry.remove(&(r.expires_at_ms, key.to_string()));
+            }
+        }
+    }
+
     /// Mark a held key as a reservation-API hold (called right after `reserve`).
     pub fn mark_reservation(&mut self, key: &str) -> Option<HoldRecord> {
         let r = self.holds.get_mut(key)?;
