@@ -830,8 +830,7 @@ impl Gate {
                         let r = if req.reservation {
                             self.ledger.mark_reservation(&key).unwrap_or(r)
                         } else {
-                            self.ledger.untrack_expiry(&key);
-                            r
+                            self.ledger.untrack_expiry(&key).unwrap_or(r)
                         };
                         self.ledger_out.push(r);
                     }

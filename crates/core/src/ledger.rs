@@ -133,6 +133,10 @@ impl Default for LedgerConfig {
     }
 }
 
+/// `expires_at_ms` of a hold that does not expire on a timer (a live proxied request's):
+/// the largest value a SQLite integer column holds.
+pub const NEVER: Millis = i64::MAX as Millis;
+
 /// Longest idempotency key accepted.
 pub const MAX_KEY_LEN: usize = 256;
 /// Largest token count accepted anywhere in the ledger (a unit mistake beyond this).
@@ -343,12 +347,15 @@ impl Ledger {
     /// connection always ends, one way or another), and a restart expires it. Keeps the
     /// expiry index to the holds that can actually expire, so a deep queue of live requests
     /// costs nothing at expiry time.
-    pub fn untrack_expiry(&mut self, key: &str) {
-        if let Some(r) = self.holds.get(key) {
-            if r.state == HoldState::Held {
-                self.expiry.remove(&(r.expires_at_ms, key.to_string()));
-            }
+    /// Returns the updated record (its `expires_at_ms` is [`NEVER`]), to persist.
+    pub fn untrack_expiry(&mut self, key: &str) -> Option<HoldRecord> {
+        let r = self.holds.get_mut(key)?;
+        if r.state != HoldState::Held {
+            return None;
         }
+        self.expiry.remove(&(r.expires_at_ms, key.to_string()));
+        r.expires_at_ms = NEVER;
+        Some(r.clone())
     }
 
     /// Mark a held key as a reservation-API hold (called right after `reserve`).
