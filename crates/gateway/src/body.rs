@@ -151,7 +151,12 @@ pub struct TrackedBody<B: Body> {
     /// without a frame the body fails and the slot is released (`upstream_timeout`).
     idle: Duration,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
+    /// The response's end, held back until the job's settlement is durable: the client must
+    /// not see a complete answer that a crash could leave unrecorded (and so replayable).
+    held_back: Option<(Option<Frame<Bytes>>, DurableWait)>,
 }
+
+type DurableWait = Pin<Box<dyn Future<Output = ()> + Send + Sync>>;
 
 /// The upstream stalled mid-body.
 #[derive(Debug, thiserror::Error)]
@@ -169,6 +174,7 @@ impl<B: Body> TrackedBody<B> {
             status,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
+            held_back: None,
         }
     }
 
@@ -184,6 +190,36 @@ impl<B: Body> TrackedBody<B> {
                 completion_tokens,
             });
         }
+    }
+}
+
+impl<B: Body> TrackedBody<B> {
+    /// Settle the job as completed, then release `last` (the final frame, or the end) only
+    /// once the ledger's record of it is durable (group commit: one wait shared by every
+    /// request finishing meanwhile).
+    fn settle_then(
+        &mut self,
+        last: Option<Frame<Bytes>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let shared = self
+            .guard
+            .as_ref()
+            .map(|g| std::sync::Arc::clone(g.shared()));
+        self.finish(true, None);
+        let Some(shared) = shared else {
+            return Poll::Ready(last.map(Ok));
+        };
+        let mut wait: DurableWait = Box::pin(async move {
+            if let Err(e) = shared.durable().await {
+                shared.note_store_error(&e);
+            }
+        });
+        if wait.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(last.map(Ok));
+        }
+        self.held_back = Some((last, wait));
+        Poll::Pending
     }
 }
 
@@ -216,6 +252,13 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if let Some((_, wait)) = &mut this.held_back {
+            if wait.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let last = this.held_back.take().and_then(|(f, _)| f);
+            return Poll::Ready(last.map(Ok));
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Pending => {
                 if this.guard.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
@@ -236,10 +279,11 @@ where
                         }
                     }
                 }
-                // A body with a known length may never be polled again after its last byte
-                // (hyper stops at Content-Length): notice the end here, not only at `None`.
-                if this.inner.is_end_stream() {
-                    this.finish(true, None);
+                // The end: a body with a known length may never be polled again after its
+                // last byte (hyper stops at Content-Length), and an SSE client stops at
+                // `[DONE]`. Settle now, and hand over this last frame once that is durable.
+                if this.guard.is_some() && (this.inner.is_end_stream() || this.scanner.done_seen) {
+                    return this.settle_then(Some(frame), cx);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -247,10 +291,8 @@ where
                 this.finish(false, Some(Reason::UpstreamError));
                 Poll::Ready(Some(Err(e.into())))
             }
-            Poll::Ready(None) => {
-                this.finish(true, None);
-                Poll::Ready(None)
-            }
+            Poll::Ready(None) if this.guard.is_some() => this.settle_then(None, cx),
+            Poll::Ready(None) => Poll::Ready(None),
         }
     }
 
