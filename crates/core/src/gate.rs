@@ -1139,6 +1139,13 @@ impl Gate {
     /// [`Gate::cancel`], recording `wasted` tokens generated for the vanished client.
     pub fn cancel_wasted(&mut self, now: Millis, id: JobId, wasted: u64) -> Option<Completed> {
         let now = self.clock(now);
+        let (job, pool, started) = self.take_job(id)?;
+        Some(self.finish(now, id, job, pool, started, Settle::Cancel(wasted)))
+    }
+
+    /// Remove a live job from the gate's books: out of its queue if queued. Returns it, its
+    /// pool and when it was dispatched (if it was); the caller `finish`es it.
+    fn take_job(&mut self, id: JobId) -> Option<(Job, PoolId, Option<Millis>)> {
         let job = self.jobs.remove(&id)?;
         let pool = self.classes[job.class.0].pool;
         let started = match job.state {
@@ -1148,7 +1155,7 @@ impl Gate {
             }
             JobState::InFlight { started_at } => Some(started_at),
         };
-        Some(self.finish(now, id, job, pool, started, Settle::Cancel(wasted)))
+        Some((job, pool, started))
     }
 
     /// Settle a job's hold in the ledger and forget its key; returns the settled record.

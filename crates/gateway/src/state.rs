@@ -270,19 +270,7 @@ impl Shared {
         mut meta: JobMeta,
     ) -> (Decision, u64) {
         self.with_core(|st, now, lines| {
-            req.class = st.gate.classify(label);
-            let d = st.gate.offer(now, req.clone());
-            meta.class = d
-                .class
-                .map(|c| st.gate.class_name(c).to_string())
-                .unwrap_or_default();
-            meta.pool = d
-                .pool
-                .map(|p| st.gate.pool_name(p).to_string())
-                .unwrap_or_default();
-            meta.arrived_epoch_ms = epoch_ms();
-            meta.tokens_held = d.tokens_held;
-            meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
+            let d = decide(st, now, label, &mut req, &mut meta);
             lines.push(decision_line(&d, &meta));
             if d.admitted() {
                 st.waiting.insert(
@@ -398,21 +386,7 @@ impl Shared {
         mut meta: JobMeta,
     ) -> Admission {
         self.with_core(|st, now, lines| {
-            req.class = st.gate.classify(label);
-            let d = st.gate.offer(now, req.clone());
-            meta.class = d
-                .class
-                .map(|c| st.gate.class_name(c).to_string())
-                .unwrap_or_default();
-            meta.pool = d
-                .pool
-                .map(|p| st.gate.pool_name(p).to_string())
-                .unwrap_or_default();
-            if meta.arrived_epoch_ms == 0 {
-                meta.arrived_epoch_ms = epoch_ms();
-            }
-            meta.tokens_held = d.tokens_held;
-            meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
+            let d = decide(st, now, label, &mut req, &mut meta);
             let hint = d
                 .class
                 .and_then(|c| st.gate.retry_hint(c))
@@ -661,6 +635,32 @@ fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
             }
         }
     }
+}
+
+/// Classify against the live class table, decide, and fill in the facts the log needs.
+fn decide(
+    st: &mut CoreState,
+    now: Millis,
+    label: Option<&str>,
+    req: &mut Request,
+    meta: &mut JobMeta,
+) -> Decision {
+    req.class = st.gate.classify(label);
+    let d = st.gate.offer(now, req.clone());
+    meta.class = d
+        .class
+        .map(|c| st.gate.class_name(c).to_string())
+        .unwrap_or_default();
+    meta.pool = d
+        .pool
+        .map(|p| st.gate.pool_name(p).to_string())
+        .unwrap_or_default();
+    if meta.arrived_epoch_ms == 0 {
+        meta.arrived_epoch_ms = epoch_ms();
+    }
+    meta.tokens_held = d.tokens_held;
+    meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
+    d
 }
 
 fn base_line(id: JobId, meta: &JobMeta, action: Action, reason: Reason) -> LogLine {

@@ -2,7 +2,7 @@
 //! (workers that call the model themselves), hold expiry, restore after a restart, and the
 //! records the caller must persist.
 
-use super::{Event, Gate, JobId, JobState, Settle};
+use super::{Event, Gate, JobId, Settle};
 use crate::ledger::{HoldRecord, HoldState, Ledger, LedgerStats, SettleError};
 use crate::reason::Reason;
 use crate::Millis;
@@ -83,15 +83,7 @@ impl Gate {
             if self.jobs.get(&id).is_some_and(|j| !j.reservation) {
                 return Err(SettleError::NotAReservation);
             }
-            if let Some(job) = self.jobs.remove(&id) {
-                let pool = self.classes[job.class.0].pool;
-                let started = match job.state {
-                    JobState::Queued => {
-                        self.unqueue(id, &job);
-                        None
-                    }
-                    JobState::InFlight { started_at } => Some(started_at),
-                };
+            if let Some((job, pool, started)) = self.take_job(id) {
                 let done = self.finish(now, id, job, pool, started, settle);
                 return done.hold.ok_or(SettleError::MissingHold);
             }
@@ -132,16 +124,8 @@ impl Gate {
             }
             let mut generated = r.key.starts_with("gen-");
             if let Some(id) = self.keys.remove(&r.key) {
-                if let Some(job) = self.jobs.remove(&id) {
+                if let Some((job, pool, started)) = self.take_job(id) {
                     generated |= job.generated_key;
-                    let pool = self.classes[job.class.0].pool;
-                    let started = match job.state {
-                        JobState::Queued => {
-                            self.unqueue(id, &job);
-                            None
-                        }
-                        JobState::InFlight { started_at } => Some(started_at),
-                    };
                     let mut ev = self.drop_event(now, id, &job, pool, 0);
                     if let Event::Drop { reason, .. } = &mut ev {
                         *reason = Reason::HoldExpired;
