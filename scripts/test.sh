@@ -28,5 +28,8 @@ fi
 echo "== cargo test --workspace"
 cargo test --workspace --locked
 
+echo "== alert rules: promtool check rules + test rules"
+scripts/check-alerts.sh
+
 echo "== python: openai SDK and curl against a live gate"
 scripts/test-python.sh
