@@ -22,11 +22,12 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 wait_http() { for _ in $(seq 100); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; return 1; }
 
-STUB=$(free_port); GATE=$(free_port); NGX=$(free_port)
+STUB=$(free_port); GATE=$(free_port); NGX=$(free_port); GATEM=$(free_port)
 $BIN stub --listen 127.0.0.1:$STUB --slots 1024 --latency fixed:0ms --output-tokens 16 2>/dev/null & PIDS+=($!)
 cat > "$WORK/gate.toml" <<TOML
 [server]
 listen = "127.0.0.1:$GATE"
+ledger = "$WORK/ledger.db"
 [log]
 path = "$WORK/decisions.jsonl"
 [[pools]]
@@ -41,6 +42,10 @@ name = "interactive"
 deadline_ms = 30000
 TOML
 $BIN serve --config "$WORK/gate.toml" 2>/dev/null & PIDS+=($!)
+# The same gate with its ledger in memory: what durability costs, side by side.
+sed -e "s/127.0.0.1:$GATE/127.0.0.1:$GATEM/" -e 's|^ledger = .*|ledger = "memory"|' \
+    -e "s|decisions.jsonl|decisions-mem.jsonl|" "$WORK/gate.toml" > "$WORK/gate-mem.toml"
+$BIN serve --config "$WORK/gate-mem.toml" 2>/dev/null & PIDS+=($!)
 cat > "$WORK/nginx.conf" <<NGINX
 worker_processes 1;
 daemon off;
@@ -63,7 +68,7 @@ http {
 }
 NGINX
 nginx -c "$WORK/nginx.conf" -p "$WORK" 2>/dev/null & PIDS+=($!)
-wait_http "http://127.0.0.1:$STUB/health"; wait_http "http://127.0.0.1:$GATE/healthz"; wait_http "http://127.0.0.1:$NGX/health"
+wait_http "http://127.0.0.1:$STUB/health"; wait_http "http://127.0.0.1:$GATE/healthz"; wait_http "http://127.0.0.1:$GATEM/healthz"; wait_http "http://127.0.0.1:$NGX/health"
 
 cat > "$WORK/post.lua" <<'LUA'
 wrk.method = "POST"
@@ -84,15 +89,17 @@ run() { # name url
 echo "wrk -t1 -c$CONNS -d${DUR}s, POST /v1/chat/completions, stub latency 0 ms, $(nproc) cores" >&2
 R1=$(run direct "http://127.0.0.1:$STUB")
 R2=$(run nginx "http://127.0.0.1:$NGX")
-R3=$(run slackgate "http://127.0.0.1:$GATE")
+R3=$(run "slackgate (SQLite ledger)" "http://127.0.0.1:$GATE")
+R4=$(run "slackgate (memory ledger)" "http://127.0.0.1:$GATEM")
 base=$(cut -d'|' -f2 <<<"$R1")
 echo "| target | req/s | vs direct | p50 | p99 | non-2xx |"
 echo "|---|---|---|---|---|---|"
-for r in "$R1" "$R2" "$R3"; do
+for r in "$R1" "$R2" "$R3" "$R4"; do
   IFS='|' read -r name rps p50 p99 n <<<"$r"
   ratio=$(python3 -c "print(f'{float($rps)/float($base):.2f}')")
   echo "| $name | $rps | $ratio | $p50 | $p99 | $n |"
 done
 lines=$(wc -l < "$WORK/decisions.jsonl")
 echo
-echo "slackgate wrote $lines decision-log lines during its run (admit + dispatch + complete per request)."
+echo "slackgate wrote $lines decision-log lines during its run (admit + dispatch + complete per request)"
+echo "and held every request's tokens in its SQLite ledger ($(sqlite3 "$WORK/ledger.db" 'select count(*) from holds' 2>/dev/null || echo '?') rows), durable before each upstream call and before each response's end."

@@ -253,12 +253,10 @@ impl Shared {
     /// Wait until every ledger record written so far is durable (group commit: concurrent
     /// callers share one transaction). Runs the blocking flush off the async workers.
     pub async fn durable(&self) -> Result<(), String> {
-        let store = Arc::clone(&self.store);
-        match tokio::task::spawn_blocking(move || store.flush()).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(e) => Err(format!("ledger flush task failed: {e}")),
-        }
+        Arc::clone(&self.store)
+            .flush_async()
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// Place a reservation-API hold (seed 001): the same decision and the same ledger as the

@@ -41,7 +41,22 @@ pub trait LedgerStore: Send + Sync + 'static {
     fn flush(&self) -> Result<(), StoreError>;
     /// Writes queued and not yet durable, records written, batches committed, write errors (for metrics).
     fn stats(&self) -> StoreStats;
+    /// [`LedgerStore::flush`] for async callers (the request path): resolves when everything
+    /// written so far is durable, without parking a thread per waiter. The default runs
+    /// `flush` on tokio's blocking pool.
+    fn flush_async(self: std::sync::Arc<Self>) -> FlushFuture {
+        Box::pin(async move {
+            match tokio::task::spawn_blocking(move || self.flush()).await {
+                Ok(r) => r,
+                Err(_) => Err(StoreError::WriterStopped),
+            }
+        })
+    }
 }
+
+/// What [`LedgerStore::flush_async`] returns.
+pub type FlushFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), StoreError>> + Send + Sync>>;
 
 /// Counters of a store, for `/stats` and `/metrics`. All but `pending` only ever grow.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]

@@ -112,6 +112,9 @@ pub struct SqliteStore {
     tx: Option<mpsc::Sender<Msg>>,
     writer: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
+    /// Stops the checkpointer thread (dropping it wakes the thread at once).
+    checkpoint_stop: Option<mpsc::Sender<()>>,
+    checkpointer: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -128,6 +131,27 @@ impl SqliteStore {
     /// the file is not writable or not a SQLite database, or its schema is newer than ours.
     pub fn open(path: &Path, opts: SqliteOptions) -> Result<SqliteStore, StoreError> {
         let conn = open_connection(path, &opts)?;
+        // Checkpoints (copying the WAL back into the database, with an fsync) must not stall
+        // the writer, which every request waits on: the writer never checkpoints itself; a
+        // separate connection runs a non-blocking PASSIVE checkpoint every 200 ms.
+        conn.pragma_update(None, "wal_autocheckpoint", 0)
+            .map_err(|e| classify(path, "set wal_autocheckpoint", e))?;
+        let checkpoint_conn = open_connection(path, &opts)?;
+        let (checkpoint_stop, stop_rx) = mpsc::channel::<()>();
+        let checkpointer = std::thread::Builder::new()
+            .name("ledger-checkpoint".to_owned())
+            .spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) =
+                    stop_rx.recv_timeout(Duration::from_millis(200))
+                {
+                    let _ =
+                        checkpoint_conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+                }
+            })
+            .map_err(|e| StoreError::Open {
+                path: path.to_owned(),
+                reason: format!("cannot start the checkpoint thread: {e}"),
+            })?;
         let counters = Arc::new(Counters::default());
         let (tx, rx) = mpsc::channel();
         let writer = Writer::new(conn, path.to_owned(), Arc::clone(&counters), opts.batch_max);
@@ -143,6 +167,8 @@ impl SqliteStore {
             tx: Some(tx),
             writer: Some(handle),
             counters,
+            checkpoint_stop: Some(checkpoint_stop),
+            checkpointer: Some(checkpointer),
         })
     }
 
@@ -183,8 +209,17 @@ impl LedgerStore for SqliteStore {
 
     fn flush(&self) -> Result<(), StoreError> {
         let (ack, acked) = mpsc::sync_channel(1);
-        self.send(Msg::Flush(ack))?;
+        self.send(Msg::Flush(super::writer::Ack::Sync(ack)))?;
         acked.recv().map_err(|_| StoreError::WriterStopped)?
+    }
+
+    fn flush_async(self: std::sync::Arc<Self>) -> super::FlushFuture {
+        let (ack, acked) = tokio::sync::oneshot::channel();
+        let sent = self.send(Msg::Flush(super::writer::Ack::Async(ack)));
+        Box::pin(async move {
+            sent?;
+            acked.await.map_err(|_| StoreError::WriterStopped)?
+        })
     }
 
     fn stats(&self) -> StoreStats {
@@ -199,6 +234,10 @@ impl Drop for SqliteStore {
         drop(self.tx.take());
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
+        }
+        drop(self.checkpoint_stop.take());
+        if let Some(c) = self.checkpointer.take() {
+            let _ = c.join();
         }
     }
 }

@@ -40,11 +40,30 @@ SELECT key, tenant, state, attempt, tokens_held, tokens_spent, tokens_wasted,
 FROM holds ORDER BY key
 ";
 
+/// Where a flush's answer goes: a blocked thread, or an async task (no thread parked).
+pub(super) enum Ack {
+    Sync(mpsc::SyncSender<Result<(), StoreError>>),
+    Async(tokio::sync::oneshot::Sender<Result<(), StoreError>>),
+}
+
+impl Ack {
+    fn send(self, answer: Result<(), StoreError>) {
+        match self {
+            Ack::Sync(tx) => {
+                let _ = tx.send(answer);
+            }
+            Ack::Async(tx) => {
+                let _ = tx.send(answer);
+            }
+        }
+    }
+}
+
 /// What the writer thread is asked to do, in order.
 pub(super) enum Msg {
     Write(Vec<HoldRecord>),
     /// Commit everything before this, then answer (with the records lost since last time).
-    Flush(mpsc::SyncSender<Result<(), StoreError>>),
+    Flush(Ack),
     /// Commit everything before this, then read every row.
     Load(mpsc::SyncSender<Result<Vec<HoldRecord>, StoreError>>),
 }
@@ -117,7 +136,7 @@ impl Writer {
                             error: self.last_error.clone(),
                         }),
                     };
-                    let _ = ack.send(answer);
+                    ack.send(answer);
                 }
             }
             if let Some(Msg::Load(reply)) = load {
