@@ -386,6 +386,19 @@ impl Ledger {
         Some(grant.saturating_sub(used))
     }
 
+    /// A held or done key is a duplicate: a replay must never reserve or spend again.
+    fn duplicate(&self, key: &str) -> Result<(), LedgerReject> {
+        match self.holds.get(key) {
+            Some(r) if matches!(r.state, HoldState::Held | HoldState::Done) => {
+                Err(LedgerReject::Duplicate {
+                    state: r.state,
+                    tokens_held: r.tokens_held,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Would a reservation be accepted? Read-only: duplicates, retry cap, budget.
     pub fn check(
         &self,
@@ -394,14 +407,7 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> Result<(), LedgerReject> {
-        if let Some(r) = self.holds.get(key) {
-            if matches!(r.state, HoldState::Held | HoldState::Done) {
-                return Err(LedgerReject::Duplicate {
-                    state: r.state,
-                    tokens_held: r.tokens_held,
-                });
-            }
-        }
+        self.duplicate(key)?;
         let attempt = self.effective_attempt(key, attempt);
         if attempt > self.cfg.retry_cap {
             return Err(LedgerReject::RetryCap {
@@ -472,14 +478,7 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> Result<HoldRecord, LedgerReject> {
-        if let Some(r) = self.holds.get(key) {
-            if matches!(r.state, HoldState::Held | HoldState::Done) {
-                return Err(LedgerReject::Duplicate {
-                    state: r.state,
-                    tokens_held: r.tokens_held,
-                });
-            }
-        }
+        self.duplicate(key)?;
         let attempt = self.effective_attempt(key, attempt);
         Ok(self.place(now, key, tenant, attempt, tokens.min(MAX_TOKENS)))
     }
