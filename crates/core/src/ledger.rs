@@ -338,11 +338,6 @@ impl Ledger {
         &self.cfg
     }
 
-    /// Replace the configuration (grants, cap, TTL for new holds). Existing holds keep theirs.
-    pub fn set_config(&mut self, cfg: LedgerConfig) {
-        self.cfg = cfg;
-    }
-
     /// Stop timing a held key's TTL: its live request settles it (a proxied request's
     /// connection always ends, one way or another), and a restart expires it. Keeps the
     /// expiry index to the holds that can actually expire, so a deep queue of live requests

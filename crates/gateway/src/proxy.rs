@@ -366,7 +366,9 @@ pub async fn admitted(
 
     // The upstream must start answering before the deadline (the gate promised the client an
     // answer by then); without a deadline, the configured ceiling applies.
-    let enforce = !shared.admit_always();
+    // The decision already says whether the rollback flag admitted it: no second look at
+    // the core (and its lock) on the request path.
+    let enforce = decision.reason != Reason::AdmitAlways;
     let limit_ms = match decision.deadline {
         Some(d) if enforce => d.saturating_sub(shared.clock.now_ms()).max(1),
         _ => shared.server.upstream_timeout_ms,

@@ -369,12 +369,6 @@ impl Shared {
         let _ = e;
     }
 
-    /// Translate a monotonic time to epoch milliseconds (for log lines).
-    pub fn epoch_of(&self, t: Millis) -> u64 {
-        let now = self.clock.now_ms();
-        epoch_ms().saturating_sub(now.saturating_sub(t))
-    }
-
     /// Decide on a request with the client's class label (resolved against the live class
     /// table). Rejections are logged here; admitted jobs are queued.
     pub fn admit_labeled(
@@ -416,11 +410,6 @@ impl Shared {
                 signal: rx,
             }
         })
-    }
-
-    /// Whether the `admit_always` rollback flag is set.
-    pub fn admit_always(&self) -> bool {
-        self.with_core(|st, _, _| st.gate.config().admit_always)
     }
 
     /// The first generated token of a job's (streamed) response arrived.

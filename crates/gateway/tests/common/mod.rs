@@ -137,26 +137,16 @@ pub async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     for (k, v) in headers {
         b = b.header(*k, *v);
     }
-    let req = b.body(Full::new(Bytes::from(body.to_string()))).unwrap();
-    let start = Instant::now();
-    let resp = client().request(req).await.unwrap();
-    let (parts, body) = resp.into_parts();
-    let body = body
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    Resp {
-        status: parts.status,
-        headers: parts.headers,
-        body,
-        elapsed: start.elapsed(),
-    }
+    send(b.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await
 }
 
 /// GET a URL; read the whole response.
 pub async fn get(url: &str) -> Resp {
-    let req = Request::get(url).body(Full::new(Bytes::new())).unwrap();
+    send(Request::get(url).body(Full::new(Bytes::new())).unwrap()).await
+}
+
+/// Send a request and read the whole response, timing it.
+async fn send(req: Request<Full<Bytes>>) -> Resp {
     let start = Instant::now();
     let resp = client().request(req).await.unwrap();
     let (parts, body) = resp.into_parts();
