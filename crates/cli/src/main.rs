@@ -4,6 +4,9 @@
 //! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]`
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC`
 //! - `slackgate check --config FILE`
+//! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
+
+mod sim;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
@@ -35,6 +38,8 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Simulate a scenario under several admission policies and compare them.
+    Sim(sim::SimArgs),
 }
 
 #[derive(clap::Args)]
@@ -85,6 +90,10 @@ struct StubArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // The simulator is plain CPU work: no runtime.
+    if let Command::Sim(a) = cli.command {
+        return sim::run(a);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -93,6 +102,7 @@ fn main() -> Result<()> {
         Command::Serve(a) => rt.block_on(serve(a)),
         Command::Stub(a) => rt.block_on(stub(a)),
         Command::Check { config } => check(&config),
+        Command::Sim(_) => Ok(()),
     }
 }
 

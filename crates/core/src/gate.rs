@@ -55,6 +55,10 @@ pub struct Request {
     /// The request's output cap (`max_tokens` / `max_completion_tokens`). `Some(0)` for
     /// requests that generate nothing (embeddings).
     pub max_tokens: Option<u32>,
+    /// The client's (or an output-length predictor's) guess of the output length, used
+    /// instead of the class's learned mean when given (capped by `max_tokens`). The simulator
+    /// passes the true length times its estimator noise here.
+    pub expected_output_tokens: Option<u32>,
     /// The client fixed its deadline in absolute time (`X-Deadline`): its slack shrinks as
     /// fast as the queue drains, so a retry of the same request cannot succeed.
     pub deadline_is_absolute: bool,
@@ -382,14 +386,18 @@ struct PoolState {
     classes: Vec<ClassId>,
 }
 
-/// Estimated time left of one in-flight job. A job past its estimate is treated as likely to
-/// run about as long again as it has overrun (a stuck slot must look stuck, not about to free),
-/// and never as done: an eighth of its estimate is the floor.
+/// Estimated time left of one in-flight job: its estimate minus what it has run. A job past
+/// its estimate is treated as likely to run about as long again as it has overrun (a stuck
+/// slot must look stuck, not about to free), and never as done: an eighth of its estimate is
+/// the floor once it has overrun. A job still inside its estimate gets no floor: padding
+/// the last seconds of every running job would make a later re-check (`tick`) see waits
+/// that the admission did not, and drop work that was going to make it.
 fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
     let elapsed = now.saturating_sub(started);
-    let left = est.saturating_sub(elapsed);
-    let overrun = elapsed.saturating_sub(est);
-    left.max(overrun).max(est / 8)
+    if elapsed < est {
+        return est - elapsed;
+    }
+    (elapsed - est).max(est / 8).max(1)
 }
 
 /// Slot counts up to this are handled on the stack when projecting a wait.
@@ -706,7 +714,11 @@ impl Gate {
         let c = &self.classes[class.0];
         let pool = c.pool;
         let priority = c.priority;
-        let expected_output = self.expected_output(class, req.max_tokens);
+        let expected_output = match (req.expected_output_tokens, req.max_tokens) {
+            (Some(hint), Some(cap)) => hint.min(cap),
+            (Some(hint), None) => hint,
+            (None, cap) => self.expected_output(class, cap),
+        };
         let est = self.pools[pool.0]
             .estimator
             .estimate(req.prompt_tokens, expected_output);

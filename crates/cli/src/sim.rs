@@ -1,0 +1,108 @@
+//! `slackgate sim`: run a scenario under several admission policies in virtual time and print
+//! the comparison (markdown, or JSON with `--json`; files and charts with `--out`).
+
+use anyhow::{bail, Result};
+use slackgate_sim::report::{write_charts, Report};
+use slackgate_sim::scenario::Scenario;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Arguments of `slackgate sim`.
+#[derive(clap::Args)]
+pub struct SimArgs {
+    /// The scenario (TOML; see scenarios/ and docs/simulator.md).
+    pub scenario: PathBuf,
+    /// Policies to compare (repeat or comma-separate); default: the scenario's list, or all.
+    #[arg(long = "policy", value_delimiter = ',')]
+    pub policies: Vec<String>,
+    /// Override the scenario's seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Estimator noise levels (sigma of the lognormal error) to compare, e.g. 0,0.3,0.6;
+    /// default: the scenario's.
+    #[arg(long = "noise", value_delimiter = ',')]
+    pub noise: Vec<f64>,
+    /// Override a trace scenario's load (multiple of capacity), e.g. 1, 2 or 4.
+    #[arg(long)]
+    pub load: Option<f64>,
+    /// Print JSON instead of markdown.
+    #[arg(long)]
+    pub json: bool,
+    /// Write report.md, report.json and the charts (SVG and PNG) into this directory.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Run `slackgate sim`.
+pub fn run(a: SimArgs) -> Result<()> {
+    let mut s = Scenario::load(&a.scenario)?;
+    if let Some(seed) = a.seed {
+        s.seed = seed;
+    }
+    if let Some(load) = a.load {
+        match s.trace.as_mut() {
+            Some(t) if load.is_finite() && load > 0.0 && load <= 1000.0 => t.load = Some(load),
+            Some(_) => bail!("--load {load}: must be a positive multiple of capacity"),
+            None => bail!("--load applies to trace scenarios only"),
+        }
+    }
+    let names = if a.policies.is_empty() {
+        s.policy_names()
+    } else {
+        a.policies.clone()
+    };
+    for n in &names {
+        if !slackgate_sim::scenario::ALL_POLICIES.contains(&n.as_str()) {
+            bail!(
+                "unknown policy {n:?}; known: {}",
+                slackgate_sim::scenario::ALL_POLICIES.join(", ")
+            );
+        }
+    }
+    let levels = if a.noise.is_empty() {
+        vec![s.estimator_noise]
+    } else {
+        a.noise.clone()
+    };
+    for &n in &levels {
+        if !(n.is_finite() && (0.0..=3.0).contains(&n)) {
+            bail!("--noise {n}: must be between 0 and 3");
+        }
+    }
+    let mut reports: Vec<Report> = Vec::new();
+    for &noise in &levels {
+        let mut sn = s.clone();
+        sn.estimator_noise = noise;
+        let (rep, runs) = slackgate_sim::simulate(&sn, &names)?;
+        if let Some(dir) = &a.out {
+            let prefix = if levels.len() > 1 {
+                format!("noise-{noise}-")
+            } else {
+                String::new()
+            };
+            write_charts(dir, &prefix, &rep, &runs)?;
+        }
+        reports.push(rep);
+    }
+    let markdown: String = reports
+        .iter()
+        .map(Report::to_markdown)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let json = if reports.len() == 1 {
+        reports[0].to_json()
+    } else {
+        serde_json::to_string_pretty(&reports)?
+    };
+    if let Some(dir) = &a.out {
+        std::fs::write(dir.join("report.md"), &markdown)?;
+        std::fs::write(dir.join("report.json"), &json)?;
+    }
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{json}")?;
+    } else {
+        writeln!(out, "{markdown}")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,543 @@
+//! The discrete-event engine: virtual time, the upstream's slots, and clients that give up at
+//! their deadline and retry after a 429 as their class says. It drives one [`Policy`] over a
+//! scenario's requests and records what happened to each request, plus time series for the
+//! charts. Deterministic: events at the same instant are ordered by insertion.
+
+use crate::policy::{Action, Job, Policy, Verdict};
+use crate::scenario::{RetryMode, Scenario};
+use crate::workload::Arrival;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap};
+
+/// How a request ended, from its client's point of view.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Outcome {
+    /// Completed by its deadline (or completed at all, for best effort).
+    OnTime,
+    /// Completed after its deadline: the client had already given up.
+    Late,
+    /// Refused at arrival (after any retries).
+    Rejected,
+    /// Admitted, then dropped from the queue (after any retries).
+    Dropped,
+    /// The client gave up while its job was queued or running.
+    Abandoned,
+    /// Still running when the simulation stopped (only with a time limit).
+    Pending,
+}
+
+/// What happened to one client request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestResult {
+    /// Class index.
+    pub class: usize,
+    /// First sent (ms).
+    pub first_at_ms: u64,
+    /// Absolute deadline, if any.
+    pub deadline_ms: Option<u64>,
+    /// Outcome.
+    pub outcome: Outcome,
+    /// When the client got its final answer (completion, refusal, or giving up).
+    pub answered_at_ms: u64,
+    /// Offers made (1 + retries).
+    pub offers: u32,
+    /// Offers admitted.
+    pub admitted: u32,
+    /// Time to first token from the first send, when a job ran.
+    pub ttft_ms: Option<u64>,
+    /// Upstream time spent on this request's jobs (ms), whatever became of them.
+    pub busy_ms: u64,
+    /// Nominal service time (ms, at concurrency 1): the request's size.
+    pub size_ms: u64,
+    /// Output tokens (true).
+    pub output_tokens: u32,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Reason of the last refusal or drop.
+    pub reason: &'static str,
+}
+
+impl RequestResult {
+    /// Completed by its deadline.
+    pub fn on_time(&self) -> bool {
+        self.outcome == Outcome::OnTime
+    }
+}
+
+/// Time series sampled during a run, for charts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Series {
+    /// Sampling period (ms).
+    pub period_ms: u64,
+    /// Age of the oldest queued job at each sample (ms).
+    pub queue_age_ms: Vec<u64>,
+    /// Jobs queued at each sample.
+    pub depth: Vec<u32>,
+    /// Jobs running at each sample.
+    pub in_flight: Vec<u32>,
+    /// Refusals and drops in each period.
+    pub rejections: Vec<u32>,
+}
+
+/// Everything one policy did to one scenario.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunResult {
+    /// The policy.
+    pub policy: String,
+    /// Per request, in request order.
+    pub requests: Vec<RequestResult>,
+    /// Time series.
+    pub series: Series,
+    /// When the last event happened (ms).
+    pub end_ms: u64,
+    /// Policy actions the engine refused (dispatching an unknown job, over the slots):
+    /// always 0 for a correct policy.
+    pub protocol_errors: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// Offer `attempt` of a request.
+    Offer { request: u64, attempt: u32 },
+    /// A running job finishes (if it is still running with this end time).
+    Finish { job: u64 },
+    /// A client's deadline passes.
+    GiveUp { request: u64 },
+    /// Policy housekeeping.
+    Tick,
+    /// Take a sample for the charts.
+    Sample,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum JobState {
+    Queued,
+    Running { start: u64, end: u64 },
+    Gone,
+}
+
+#[derive(Clone, Debug)]
+struct JobRec {
+    request: u64,
+    state: JobState,
+    offered_at: u64,
+    attempt: u32,
+}
+
+#[derive(Clone, Debug)]
+struct ReqState {
+    /// The job currently queued or running for this request.
+    live: Option<u64>,
+    /// Final answer given (outcome no longer pending).
+    done: bool,
+    /// The client is gone (gave up); a job still running is waste.
+    gone: bool,
+}
+
+/// Run `policy` over the scenario's requests.
+pub fn run(s: &Scenario, arrivals: &[Arrival], policy: &mut dyn Policy) -> RunResult {
+    Engine::new(s, arrivals).run(policy)
+}
+
+struct Engine<'a> {
+    s: &'a Scenario,
+    arrivals: &'a [Arrival],
+    heap: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    seq: u64,
+    jobs: Vec<JobRec>,
+    reqs: Vec<ReqState>,
+    results: Vec<RequestResult>,
+    queued: BTreeSet<(u64, u64)>,
+    in_flight: u32,
+    series: Series,
+    actions: Vec<Action>,
+    protocol_errors: u64,
+    now: u64,
+    /// Offers, finishes and give-ups in the heap.
+    pending: u64,
+}
+
+/// Retries of a storm come back this fast (ms): at once, but not in the same instant.
+const STORM_GAP_MS: u64 = 1;
+/// A client told to retry with no Retry-After waits this long.
+const DEFAULT_RETRY_MS: u64 = 1_000;
+
+impl<'a> Engine<'a> {
+    fn new(s: &'a Scenario, arrivals: &'a [Arrival]) -> Engine<'a> {
+        let results = arrivals
+            .iter()
+            .map(|a| RequestResult {
+                class: a.class,
+                first_at_ms: a.at_ms,
+                deadline_ms: s.classes[a.class]
+                    .deadline_ms
+                    .map(|d| a.at_ms.saturating_add(d)),
+                outcome: Outcome::Pending,
+                answered_at_ms: 0,
+                offers: 0,
+                admitted: 0,
+                ttft_ms: None,
+                busy_ms: 0,
+                size_ms: size_ms(s, a),
+                output_tokens: a.output_tokens,
+                prompt_tokens: a.prompt_tokens,
+                reason: "",
+            })
+            .collect();
+        let span_ms = (s.duration_s * 1000.0) as u64;
+        Engine {
+            s,
+            arrivals,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            jobs: Vec::with_capacity(arrivals.len()),
+            reqs: vec![
+                ReqState {
+                    live: None,
+                    done: false,
+                    gone: false,
+                };
+                arrivals.len()
+            ],
+            results,
+            queued: BTreeSet::new(),
+            in_flight: 0,
+            series: Series {
+                period_ms: (span_ms / 300).max(100),
+                ..Series::default()
+            },
+            actions: Vec::new(),
+            protocol_errors: 0,
+            now: 0,
+            pending: 0,
+        }
+    }
+
+    fn push(&mut self, at: u64, ev: Ev) {
+        if !matches!(ev, Ev::Tick | Ev::Sample) {
+            self.pending += 1;
+        }
+        self.seq += 1;
+        self.heap.push(Reverse((at, self.seq, ev)));
+    }
+
+    fn run(mut self, policy: &mut dyn Policy) -> RunResult {
+        let mut next_arrival = 0usize;
+        self.push(0, Ev::Tick);
+        self.push(0, Ev::Sample);
+        loop {
+            // Initial offers come from the sorted arrival list; everything else from the heap.
+            let heap_at = self.heap.peek().map(|Reverse((t, _, _))| *t);
+            let arrival_at = self.arrivals.get(next_arrival).map(|a| a.at_ms);
+            let ev = match (heap_at, arrival_at) {
+                (_, Some(a)) if heap_at.is_none_or(|h| a < h) => {
+                    next_arrival += 1;
+                    self.now = a;
+                    Ev::Offer {
+                        request: (next_arrival - 1) as u64,
+                        attempt: 0,
+                    }
+                }
+                (Some(_), _) => match self.heap.pop() {
+                    Some(Reverse((t, _, ev))) => {
+                        self.now = self.now.max(t);
+                        if !matches!(ev, Ev::Tick | Ev::Sample) {
+                            self.pending -= 1;
+                        }
+                        ev
+                    }
+                    None => break,
+                },
+                (None, _) => break,
+            };
+            let more_arrivals = next_arrival < self.arrivals.len();
+            match ev {
+                Ev::Offer { request, attempt } => self.offer(policy, request, attempt),
+                Ev::Finish { job } => self.finish(policy, job),
+                Ev::GiveUp { request } => self.give_up(policy, request),
+                Ev::Tick => {
+                    policy.tick(self.now, &mut self.actions);
+                    self.apply(policy);
+                    if more_arrivals || self.busy() {
+                        self.push(self.now + self.s.tick_ms, Ev::Tick);
+                    }
+                }
+                Ev::Sample => {
+                    self.sample();
+                    if more_arrivals || self.busy() {
+                        self.push(self.now + self.series.period_ms, Ev::Sample);
+                    }
+                }
+            }
+            self.dispatch(policy);
+        }
+        RunResult {
+            policy: policy.name().to_string(),
+            requests: self.results,
+            series: self.series,
+            end_ms: self.now,
+            protocol_errors: self.protocol_errors,
+        }
+    }
+
+    /// Work left for the upstream or the queue (ticks and samples stop when this is false and
+    /// no arrivals remain, so the run ends).
+    fn busy(&self) -> bool {
+        self.in_flight > 0 || !self.queued.is_empty() || self.pending > 0
+    }
+
+    fn offer(&mut self, policy: &mut dyn Policy, request: u64, attempt: u32) {
+        let r = request as usize;
+        if self.reqs[r].done {
+            return; // the client gave up before its retry
+        }
+        let a = &self.arrivals[r];
+        if attempt == 0 {
+            if let Some(d) = self.results[r].deadline_ms {
+                self.push(d, Ev::GiveUp { request });
+            }
+        }
+        let id = self.jobs.len() as u64;
+        let job = Job {
+            id,
+            request,
+            class: a.class,
+            priority: self.s.classes[a.class].priority,
+            arrival_ms: self.now,
+            deadline_ms: self.results[r].deadline_ms,
+            prompt_tokens: a.prompt_tokens,
+            max_tokens: a.max_tokens,
+            expected_output_tokens: a.expected_output_tokens,
+            attempt,
+            true_service_ms: self.results[r].size_ms,
+            true_output_tokens: a.output_tokens,
+        };
+        self.jobs.push(JobRec {
+            request,
+            state: JobState::Gone,
+            offered_at: self.now,
+            attempt,
+        });
+        self.results[r].offers += 1;
+        match policy.offer(self.now, &job, self.in_flight) {
+            Verdict::Admit => {
+                self.results[r].admitted += 1;
+                self.jobs[id as usize].state = JobState::Queued;
+                self.queued.insert((self.now, id));
+                self.reqs[r].live = Some(id);
+            }
+            Verdict::Reject {
+                reason,
+                retry_after_ms,
+            } => self.refused(request, attempt, reason, retry_after_ms, Outcome::Rejected),
+        }
+    }
+
+    /// A refusal or a drop: the client retries as its class says, or takes the answer.
+    fn refused(
+        &mut self,
+        request: u64,
+        attempt: u32,
+        reason: &'static str,
+        retry_after_ms: Option<u64>,
+        outcome: Outcome,
+    ) {
+        let r = request as usize;
+        self.bump_rejections();
+        self.reqs[r].live = None;
+        self.results[r].reason = reason;
+        let class = &self.s.classes[self.arrivals[r].class];
+        let retry_at = match class.retry {
+            RetryMode::None => None,
+            RetryMode::Once if attempt == 0 => {
+                Some(self.now + retry_after_ms.unwrap_or(DEFAULT_RETRY_MS).max(1))
+            }
+            RetryMode::Once => None,
+            RetryMode::Storm if attempt < class.storm_retries => Some(self.now + STORM_GAP_MS),
+            RetryMode::Storm => None,
+        };
+        let deadline = self.results[r].deadline_ms.unwrap_or(u64::MAX);
+        match retry_at {
+            Some(at) if at < deadline => self.push(
+                at,
+                Ev::Offer {
+                    request,
+                    attempt: attempt + 1,
+                },
+            ),
+            _ => self.answer(request, outcome),
+        }
+    }
+
+    fn answer(&mut self, request: u64, outcome: Outcome) {
+        let r = request as usize;
+        if self.reqs[r].done {
+            return;
+        }
+        self.reqs[r].done = true;
+        self.results[r].outcome = outcome;
+        self.results[r].answered_at_ms = self.now;
+    }
+
+    fn bump_rejections(&mut self) {
+        let b = (self.now / self.series.period_ms) as usize;
+        if self.series.rejections.len() <= b {
+            self.series.rejections.resize(b + 1, 0);
+        }
+        self.series.rejections[b] += 1;
+    }
+
+    fn dispatch(&mut self, policy: &mut dyn Policy) {
+        // A policy may drop and dispatch in rounds; stop when it has nothing more to say.
+        for _ in 0..1_000 {
+            let free = self.s.upstream.slots.saturating_sub(self.in_flight);
+            policy.next(self.now, free, &mut self.actions);
+            if self.actions.is_empty() {
+                return;
+            }
+            self.apply(policy);
+        }
+    }
+
+    fn apply(&mut self, _policy: &mut dyn Policy) {
+        let actions = std::mem::take(&mut self.actions);
+        for act in &actions {
+            match *act {
+                Action::Dispatch(id) => self.start(id),
+                Action::Drop(id, reason) => {
+                    let Some(job) = self.jobs.get(id as usize) else {
+                        self.protocol_errors += 1;
+                        continue;
+                    };
+                    if job.state != JobState::Queued {
+                        self.protocol_errors += 1;
+                        continue;
+                    }
+                    let (request, offered_at, attempt) = (job.request, job.offered_at, job.attempt);
+                    self.queued.remove(&(offered_at, id));
+                    self.jobs[id as usize].state = JobState::Gone;
+                    if self.reqs[request as usize].gone {
+                        continue; // nobody is listening any more
+                    }
+                    self.refused(request, attempt, reason, None, Outcome::Dropped);
+                }
+            }
+        }
+        self.actions = actions;
+        self.actions.clear();
+    }
+
+    fn start(&mut self, id: u64) {
+        let Some(job) = self.jobs.get(id as usize) else {
+            self.protocol_errors += 1;
+            return;
+        };
+        if job.state != JobState::Queued || self.in_flight >= self.s.upstream.slots {
+            self.protocol_errors += 1;
+            return;
+        }
+        let (request, offered_at) = (job.request, job.offered_at);
+        self.queued.remove(&(offered_at, id));
+        self.in_flight += 1;
+        let a = &self.arrivals[request as usize];
+        let u = &self.s.upstream;
+        // Decoding slows as more requests share the engine, fixed at start.
+        let slow = 1.0 + u.concurrency_slowdown * f64::from(self.in_flight - 1);
+        let (service, ttft) = match a.forced_service_ms {
+            Some(ms) => (ms, ms),
+            None => {
+                let prefill = u.overhead_ms + u.prefill_ms_per_token * f64::from(a.prompt_tokens);
+                let decode = u.decode_ms_per_token * slow;
+                let first = prefill + if a.output_tokens > 0 { decode } else { 0.0 };
+                (
+                    (prefill + decode * f64::from(a.output_tokens))
+                        .round()
+                        .max(1.0) as u64,
+                    first.round() as u64,
+                )
+            }
+        };
+        let end = self.now + service;
+        self.jobs[id as usize].state = JobState::Running {
+            start: self.now,
+            end,
+        };
+        let r = request as usize;
+        self.results[r].ttft_ms = Some(self.now + ttft - self.results[r].first_at_ms);
+        self.push(end, Ev::Finish { job: id });
+    }
+
+    fn finish(&mut self, policy: &mut dyn Policy, id: u64) {
+        let JobState::Running { start, end } = self.jobs[id as usize].state else {
+            return; // cancelled earlier
+        };
+        if end != self.now {
+            return;
+        }
+        self.jobs[id as usize].state = JobState::Gone;
+        self.in_flight -= 1;
+        let request = self.jobs[id as usize].request;
+        let r = request as usize;
+        let output = self.arrivals[r].output_tokens;
+        policy.on_complete(self.now, id, end - start, output);
+        self.results[r].busy_ms += end - start;
+        self.reqs[r].live = None;
+        if self.reqs[r].gone {
+            // The client left; the work ran anyway. Already answered as abandoned; mark late.
+            self.results[r].outcome = Outcome::Late;
+            return;
+        }
+        let late = self.results[r].deadline_ms.is_some_and(|d| self.now > d);
+        self.answer(request, if late { Outcome::Late } else { Outcome::OnTime });
+    }
+
+    fn give_up(&mut self, policy: &mut dyn Policy, request: u64) {
+        let r = request as usize;
+        if self.reqs[r].done {
+            return;
+        }
+        self.reqs[r].gone = true;
+        self.answer(request, Outcome::Abandoned);
+        let Some(id) = self.reqs[r].live else {
+            return; // between a refusal and its retry
+        };
+        if !policy.on_abandon(self.now, id) {
+            return; // the job stays queued or running: waste
+        }
+        match self.jobs[id as usize].state {
+            JobState::Queued => {
+                let at = self.jobs[id as usize].offered_at;
+                self.queued.remove(&(at, id));
+            }
+            JobState::Running { start, .. } => {
+                self.in_flight -= 1;
+                self.results[r].busy_ms += self.now - start;
+            }
+            JobState::Gone => {}
+        }
+        self.jobs[id as usize].state = JobState::Gone;
+        self.reqs[r].live = None;
+    }
+
+    fn sample(&mut self) {
+        let age = self
+            .queued
+            .iter()
+            .next()
+            .map_or(0, |&(at, _)| self.now.saturating_sub(at));
+        self.series.queue_age_ms.push(age);
+        self.series.depth.push(self.queued.len() as u32);
+        self.series.in_flight.push(self.in_flight);
+    }
+}
+
+/// Nominal service time of a request (ms) at concurrency 1.
+pub fn size_ms(s: &Scenario, a: &Arrival) -> u64 {
+    match a.forced_service_ms {
+        Some(ms) => ms,
+        None => s
+            .service_ms(a.prompt_tokens, a.output_tokens)
+            .round()
+            .max(1.0) as u64,
+    }
+}

@@ -1,0 +1,142 @@
+//! Discrete-event simulator for slackgate: scenarios (the seeds' drills and real traces),
+//! workloads, the upstream model, baseline admission policies, an upper bound on on-time work,
+//! reports and charts. It drives the same admission core as the live gateway: slackgate's
+//! policy here *is* `slackgate_core::Gate`, not a model of it.
+
+#![forbid(unsafe_code)]
+
+pub mod bound;
+pub mod chart;
+pub mod engine;
+pub mod policies;
+pub mod policy;
+pub mod report;
+pub mod rng;
+pub mod scenario;
+pub mod trace;
+pub mod workload;
+
+use policies::{
+    clairvoyant::Clairvoyant, codel::Codel, fifo::Fifo, gradient::Gradient, seed000::Seed000,
+    slackgate::Slackgate,
+};
+use policy::Policy;
+use scenario::{Scenario, ScenarioError};
+
+/// Something that stops a simulation.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The scenario is invalid.
+    #[error(transparent)]
+    Scenario(#[from] ScenarioError),
+    /// The gate configuration the scenario implies is invalid.
+    #[error("slackgate configuration: {0}")]
+    Gate(#[from] slackgate_core::ConfigError),
+    /// A policy name nobody knows.
+    #[error("unknown policy {0:?}; known: {known}", known = scenario::ALL_POLICIES.join(", "))]
+    UnknownPolicy(String),
+}
+
+/// Baseline parameters, with the scenario's values or defaults derived from it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BaselineParams {
+    /// `max-queue` cap.
+    pub max_queue: usize,
+    /// `seed000` age threshold (ms).
+    pub seed000_max_age_ms: u64,
+    /// `seed000` depth factor.
+    pub seed000_depth_factor: f64,
+    /// CoDel target (ms).
+    pub codel_target_ms: u64,
+    /// CoDel interval (ms).
+    pub codel_interval_ms: u64,
+    /// Gradient limits.
+    pub gradient_min_limit: u32,
+    /// Gradient limits.
+    pub gradient_max_limit: u32,
+}
+
+impl BaselineParams {
+    /// Defaults follow seed 000's own proportions: its age threshold is 25 s for a 60 s SLO,
+    /// its depth factor 2; CoDel's target and interval scale the same way (a twelfth and a
+    /// quarter of the tightest deadline); the queue cap is twice the slots.
+    pub fn of(s: &Scenario) -> BaselineParams {
+        let b = &s.baselines;
+        let slo = s.tightest_deadline_ms().unwrap_or(60_000);
+        let slots = s.upstream.slots;
+        BaselineParams {
+            max_queue: b.max_queue.unwrap_or(2 * slots as usize),
+            seed000_max_age_ms: b.seed000_max_age_ms.unwrap_or(slo * 25 / 60),
+            seed000_depth_factor: b.seed000_depth_factor.unwrap_or(2.0),
+            codel_target_ms: b.codel_target_ms.unwrap_or((slo / 12).max(1)),
+            codel_interval_ms: b.codel_interval_ms.unwrap_or((slo / 4).max(1)),
+            gradient_min_limit: b.gradient_min_limit.unwrap_or(slots),
+            gradient_max_limit: b.gradient_max_limit.unwrap_or(slots.saturating_mul(16)),
+        }
+    }
+}
+
+/// Queue cap of the CoDel baselines: generous, CoDel itself decides what to drop.
+const CODEL_MAX_QUEUED: usize = 10_000;
+
+/// A fresh policy by name.
+pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimError> {
+    let p = BaselineParams::of(s);
+    let cancel = s.cancel_on_disconnect;
+    let slots = s.upstream.slots;
+    Ok(match name {
+        "none" => Box::new(Fifo::none()),
+        "max-queue" => Box::new(Fifo::max_queue(p.max_queue, cancel)),
+        "seed000" => Box::new(Seed000::new(
+            p.seed000_max_age_ms,
+            p.seed000_depth_factor,
+            slots,
+            cancel,
+        )),
+        "codel" => Box::new(Codel::new(
+            p.codel_target_ms,
+            p.codel_interval_ms,
+            CODEL_MAX_QUEUED,
+            cancel,
+        )),
+        "codel-lifo" => Box::new(Codel::adaptive_lifo(
+            p.codel_target_ms,
+            p.codel_interval_ms,
+            CODEL_MAX_QUEUED,
+            cancel,
+        )),
+        "gradient" => Box::new(Gradient::new(
+            slots,
+            p.gradient_min_limit,
+            p.gradient_max_limit,
+            cancel,
+        )),
+        "slackgate" => Box::new(Slackgate::new(s)?),
+        "clairvoyant" => Box::new(Clairvoyant::new(slots)),
+        other => return Err(SimError::UnknownPolicy(other.to_string())),
+    })
+}
+
+/// Run every named policy over the scenario (plus the clairvoyant reference for false
+/// rejections, reported only if named) and summarise.
+pub fn simulate(
+    s: &Scenario,
+    names: &[String],
+) -> Result<(report::Report, Vec<engine::RunResult>), SimError> {
+    let arrivals = workload::generate(s)?;
+    let mut runs = Vec::with_capacity(names.len());
+    for name in names {
+        let mut p = build_policy(s, name)?;
+        runs.push(engine::run(s, &arrivals, p.as_mut()));
+    }
+    let reference = match runs.iter().find(|r| r.policy == "clairvoyant") {
+        Some(r) => r.clone(),
+        None => {
+            let mut p = build_policy(s, "clairvoyant")?;
+            engine::run(s, &arrivals, p.as_mut())
+        }
+    };
+    let b = bound::bound(&reference.requests, s.upstream.slots);
+    let rep = report::build(s, &runs, Some(&reference), &b);
+    Ok((rep, runs))
+}

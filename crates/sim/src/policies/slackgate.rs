@@ -1,0 +1,192 @@
+//! slackgate under simulation: the very admission core the live gateway runs
+//! ([`slackgate_core::Gate`]), configured from the scenario, with the engine standing in for
+//! the gateway: it offers requests, performs dispatches and drops, reports completions with
+//! their token usage, and cancels the jobs of clients that gave up.
+
+use crate::policy::{Action, Job, Policy, Verdict};
+use crate::scenario::{RetryMode, Scenario};
+use slackgate_core::config::{ClassConfig, GateConfig, PoolConfig, PriorConfig};
+use slackgate_core::{ClassId, Completion, ConfigError, Event, Gate, JobId, Request};
+use std::collections::HashMap;
+
+/// The core, driven by the simulator.
+pub struct Slackgate {
+    gate: Gate,
+    cancel_abandoned: bool,
+    /// Classes whose clients retry: their requests carry an idempotency key so a retry is
+    /// recognised as the same request (attempt counting, never held twice).
+    keyed: Vec<bool>,
+    to_core: HashMap<u64, JobId>,
+    to_sim: HashMap<JobId, u64>,
+    /// Core operations since the ledger's records were last drained.
+    since_drain: u32,
+}
+
+/// The gate configuration a scenario implies: one pool with the upstream's slots and its true
+/// cost model as the estimator's prior, one gate class per scenario class.
+pub fn gate_config(s: &Scenario) -> GateConfig {
+    let u = &s.upstream;
+    let pool = PoolConfig {
+        name: "upstream".into(),
+        max_in_flight: u.slots,
+        max_depth_factor: s.slackgate.max_depth_factor,
+        max_queued: PoolConfig::default()
+            .max_queued
+            .max(u.slots.saturating_mul(64)),
+        prior: PriorConfig {
+            overhead_ms: u.overhead_ms,
+            prefill_ms_per_token: u.prefill_ms_per_token,
+            decode_ms_per_token: u.decode_ms_per_token,
+            learn: s.slackgate.learn,
+            ..PriorConfig::default()
+        },
+        upstream: None,
+    };
+    let classes = s
+        .classes
+        .iter()
+        .map(|c| ClassConfig {
+            name: c.name.clone(),
+            priority: c.priority,
+            deadline_ms: c.deadline_ms,
+            max_queue_age_ms: c.max_queue_age_ms,
+            pool: "upstream".into(),
+            ..ClassConfig::default()
+        })
+        .collect();
+    GateConfig {
+        pools: vec![pool],
+        classes,
+        default_class: None,
+        ..GateConfig::default()
+    }
+}
+
+impl Slackgate {
+    /// A gate for the scenario.
+    pub fn new(s: &Scenario) -> Result<Slackgate, ConfigError> {
+        Slackgate::with_config(s, gate_config(s))
+    }
+
+    /// A gate with an explicit configuration (tests, tuning).
+    pub fn with_config(s: &Scenario, cfg: GateConfig) -> Result<Slackgate, ConfigError> {
+        let gate = Gate::new(cfg)?;
+        Ok(Slackgate {
+            gate,
+            cancel_abandoned: s.cancel_on_disconnect,
+            keyed: s
+                .classes
+                .iter()
+                .map(|c| c.retry != RetryMode::None)
+                .collect(),
+            to_core: HashMap::new(),
+            to_sim: HashMap::new(),
+            since_drain: 0,
+        })
+    }
+
+    fn forget(&mut self, core: JobId) -> Option<u64> {
+        let id = self.to_sim.remove(&core)?;
+        self.to_core.remove(&id);
+        Some(id)
+    }
+
+    /// The core keeps ledger records for a store to persist; the simulator has none, so
+    /// drop them now and then instead of letting them pile up.
+    fn drain_ledger(&mut self) {
+        self.since_drain += 1;
+        if self.since_drain >= 1024 {
+            self.since_drain = 0;
+            drop(self.gate.take_ledger_records());
+        }
+    }
+
+    fn pump(&mut self, now: u64, out: &mut Vec<Action>) {
+        while let Some(ev) = self.gate.poll(now) {
+            match ev {
+                Event::Dispatch { job_id, .. } => {
+                    if let Some(&id) = self.to_sim.get(&job_id) {
+                        out.push(Action::Dispatch(id));
+                    }
+                }
+                Event::Drop { job_id, reason, .. } => {
+                    if let Some(id) = self.forget(job_id) {
+                        out.push(Action::Drop(id, reason.as_str()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Policy for Slackgate {
+    fn name(&self) -> &str {
+        "slackgate"
+    }
+
+    fn offer(&mut self, now: u64, job: &Job, _in_flight: u32) -> Verdict {
+        self.drain_ledger();
+        let req = Request {
+            class: Some(ClassId(job.class)),
+            deadline: job.deadline_ms,
+            prompt_tokens: job.prompt_tokens,
+            max_tokens: Some(job.max_tokens),
+            expected_output_tokens: Some(job.expected_output_tokens),
+            idempotency_key: self
+                .keyed
+                .get(job.class)
+                .copied()
+                .unwrap_or(false)
+                .then(|| format!("r{}", job.request)),
+            attempt: job.attempt,
+            ..Request::default()
+        };
+        let d = self.gate.offer(now, req);
+        if d.admitted() {
+            self.to_core.insert(job.id, d.job_id);
+            self.to_sim.insert(d.job_id, job.id);
+            Verdict::Admit
+        } else {
+            Verdict::Reject {
+                reason: d.reason.as_str(),
+                retry_after_ms: d.retry_after_ms,
+            }
+        }
+    }
+
+    fn next(&mut self, now: u64, _free: u32, out: &mut Vec<Action>) {
+        self.pump(now, out);
+    }
+
+    fn on_complete(&mut self, now: u64, id: u64, _service_ms: u64, output_tokens: u32) {
+        self.drain_ledger();
+        if let Some(core) = self.to_core.get(&id).copied() {
+            self.forget(core);
+            self.gate.on_complete(
+                now,
+                core,
+                Completion {
+                    ok: true,
+                    prompt_tokens: None,
+                    completion_tokens: Some(output_tokens),
+                },
+            );
+        }
+    }
+
+    fn on_abandon(&mut self, now: u64, id: u64) -> bool {
+        if !self.cancel_abandoned {
+            return false;
+        }
+        if let Some(core) = self.to_core.get(&id).copied() {
+            self.forget(core);
+            self.gate.cancel(now, core);
+        }
+        true
+    }
+
+    fn tick(&mut self, now: u64, out: &mut Vec<Action>) {
+        self.gate.tick(now);
+        self.pump(now, out);
+    }
+}

@@ -1,0 +1,736 @@
+//! A scenario: the upstream, the workload (generated or replayed from a trace), the clients'
+//! behaviour and the classes, as one TOML file. Parsing refuses unknown fields, and every
+//! error names the file, the line and the field, because a typo in a drill must not silently
+//! become a different experiment.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// A scenario that cannot run, with where and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// The file could not be read.
+    #[error("{file}: cannot read: {source}")]
+    Io {
+        /// The path.
+        file: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A field is missing, unknown, of the wrong type or out of range.
+    #[error("{file}:{line}: field {field}: {message}")]
+    Field {
+        /// The path.
+        file: String,
+        /// 1-based line (0 when unknown).
+        line: usize,
+        /// Dotted path of the field (`classes[1].deadline_ms`).
+        field: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The trace the scenario names is unreadable or malformed.
+    #[error(transparent)]
+    Trace(#[from] crate::trace::TraceError),
+}
+
+/// How arrivals are spaced.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Process {
+    /// Exponential inter-arrival times.
+    #[default]
+    Poisson,
+    /// Gamma inter-arrival times with coefficient of variation `cv` (bursty for cv > 1).
+    Gamma,
+    /// Evenly spaced arrivals (a scripted burst).
+    Uniform,
+    /// Replay the `[trace]`.
+    Trace,
+}
+
+/// What a client does after a 429.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RetryMode {
+    /// Give up.
+    #[default]
+    None,
+    /// Wait the advertised Retry-After once, then give up.
+    Once,
+    /// Retry at once, `storm_retries` times (a retry storm).
+    Storm,
+}
+
+/// A distribution of token counts.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "dist", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Dist {
+    /// Always `value`.
+    Fixed {
+        /// The value.
+        value: u32,
+    },
+    /// Uniform integers in `[min, max]`.
+    Uniform {
+        /// Smallest.
+        min: u32,
+        /// Largest.
+        max: u32,
+    },
+    /// Lognormal with the given median and shape, capped at `max` (heavy-tailed outputs).
+    Lognormal {
+        /// Median.
+        median: f64,
+        /// Shape (sigma of the underlying normal).
+        sigma: f64,
+        /// Cap.
+        max: u32,
+    },
+    /// Pareto with scale `min` and tail index `alpha`, capped at `max`.
+    Pareto {
+        /// Scale (smallest value).
+        min: f64,
+        /// Tail index (smaller: heavier).
+        alpha: f64,
+        /// Cap.
+        max: u32,
+    },
+}
+
+impl Dist {
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        match *self {
+            Dist::Fixed { .. } => Ok(()),
+            Dist::Uniform { min, max } if min > max => Err(("min", format!("{min} > max {max}"))),
+            Dist::Uniform { .. } => Ok(()),
+            Dist::Lognormal { median, sigma, .. } => {
+                if !(median.is_finite() && median > 0.0) {
+                    Err(("median", "must be a positive number".into()))
+                } else if !(sigma.is_finite() && (0.0..=5.0).contains(&sigma)) {
+                    Err(("sigma", "must be between 0 and 5".into()))
+                } else {
+                    Ok(())
+                }
+            }
+            Dist::Pareto { min, alpha, .. } => {
+                if !(min.is_finite() && min > 0.0) {
+                    Err(("min", "must be a positive number".into()))
+                } else if !(alpha.is_finite() && alpha > 0.0) {
+                    Err(("alpha", "must be a positive number".into()))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+}
+
+fn default_slots() -> u32 {
+    4
+}
+fn default_one() -> f64 {
+    1.0
+}
+fn default_priority() -> u32 {
+    50
+}
+fn default_max_tokens() -> u32 {
+    4096
+}
+fn default_storm() -> u32 {
+    3
+}
+fn default_true() -> bool {
+    true
+}
+fn default_tick() -> u64 {
+    100
+}
+fn default_seed() -> u64 {
+    1
+}
+fn default_prompt() -> Dist {
+    Dist::Fixed { value: 0 }
+}
+
+/// The model endpoint: slots and a token cost model.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Upstream {
+    /// Requests served at once.
+    #[serde(default = "default_slots")]
+    pub slots: u32,
+    /// Fixed cost per request (ms).
+    #[serde(default)]
+    pub overhead_ms: f64,
+    /// Cost per prompt token (ms).
+    #[serde(default)]
+    pub prefill_ms_per_token: f64,
+    /// Cost per output token at concurrency 1 (ms).
+    pub decode_ms_per_token: f64,
+    /// Each additional request running at once slows decoding by this fraction (0.1: four
+    /// at once decode 30% slower), fixed when the job starts.
+    #[serde(default)]
+    pub concurrency_slowdown: f64,
+}
+
+/// A step in the arrival rate: `factor` times the base rate in `[from_s, to_s)`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    /// Start (s).
+    pub from_s: f64,
+    /// End (s).
+    pub to_s: f64,
+    /// Rate multiplier.
+    pub factor: f64,
+}
+
+/// The arrival process.
+#[derive(Clone, Debug, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Arrivals {
+    /// Spacing.
+    #[serde(default)]
+    pub process: Process,
+    /// Base rate (requests/s); unused for traces.
+    #[serde(default)]
+    pub rate: f64,
+    /// Coefficient of variation of inter-arrival times (gamma only).
+    #[serde(default)]
+    pub cv: Option<f64>,
+    /// Stop after this many arrivals.
+    #[serde(default)]
+    pub count: Option<u64>,
+    /// Rate steps (bursts).
+    #[serde(default)]
+    pub steps: Vec<Step>,
+    /// Classes in a fixed repeating order instead of drawn by `share`.
+    #[serde(default)]
+    pub class_sequence: Vec<String>,
+}
+
+/// One rule assigning trace rows to a class; the first matching rule wins.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClassRule {
+    /// The class.
+    pub class: String,
+    /// Smallest prompt matched.
+    #[serde(default)]
+    pub min_prompt_tokens: Option<u32>,
+    /// Largest prompt matched.
+    #[serde(default)]
+    pub max_prompt_tokens: Option<u32>,
+    /// Smallest output matched.
+    #[serde(default)]
+    pub min_output_tokens: Option<u32>,
+    /// Largest output matched.
+    #[serde(default)]
+    pub max_output_tokens: Option<u32>,
+    /// Of the rows that match, this fraction (drawn deterministically per row).
+    #[serde(default = "default_one")]
+    pub fraction: f64,
+}
+
+/// Replay of a `TIMESTAMP,ContextTokens,GeneratedTokens` trace.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TraceSpec {
+    /// The CSV, relative to the scenario file.
+    pub path: String,
+    /// Offered load as a multiple of capacity: the trace's timestamps are stretched or
+    /// compressed so its work over its span is this many times what the slots can serve.
+    /// `None`: replay at the recorded pace.
+    #[serde(default)]
+    pub load: Option<f64>,
+    /// Use only the first rows.
+    #[serde(default)]
+    pub max_rows: Option<usize>,
+    /// Class assignment; rows no rule matches get the first class.
+    #[serde(default)]
+    pub rules: Vec<ClassRule>,
+}
+
+/// A traffic class: how its clients behave and what the gate is told about it.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClassSpec {
+    /// Name.
+    pub name: String,
+    /// Higher runs first.
+    #[serde(default = "default_priority")]
+    pub priority: u32,
+    /// Share of generated arrivals (normalised over classes).
+    #[serde(default = "default_one")]
+    pub share: f64,
+    /// The client's deadline: it gives up this long after it first sent the request.
+    /// `None`: best effort.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// slackgate's per-class queue-age threshold.
+    #[serde(default)]
+    pub max_queue_age_ms: Option<u64>,
+    /// Prompt length.
+    #[serde(default = "default_prompt")]
+    pub prompt_tokens: Dist,
+    /// True output length (generated workloads).
+    #[serde(default = "default_prompt")]
+    pub output_tokens: Dist,
+    /// The requests' `max_tokens`.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    /// Behaviour after a 429.
+    #[serde(default)]
+    pub retry: RetryMode,
+    /// Retries of a storm.
+    #[serde(default = "default_storm")]
+    pub storm_retries: u32,
+}
+
+/// A long job injected at a fixed time (seed 002's eval holding the only slot).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Stuck {
+    /// When it arrives (s).
+    pub at_s: f64,
+    /// How long it holds its slot once started (s).
+    pub duration_s: f64,
+    /// Its class.
+    pub class: String,
+}
+
+/// Parameters of the baseline policies. `None`: derived from the scenario (see docs).
+#[derive(Clone, Debug, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Baselines {
+    /// `max-queue`: queued jobs allowed.
+    pub max_queue: Option<usize>,
+    /// `seed000`: oldest queued age threshold (ms).
+    pub seed000_max_age_ms: Option<u64>,
+    /// `seed000`: depth factor k (reject when depth > k x slots with all slots busy).
+    pub seed000_depth_factor: Option<f64>,
+    /// `codel`: target sojourn (ms).
+    pub codel_target_ms: Option<u64>,
+    /// `codel`: interval (ms).
+    pub codel_interval_ms: Option<u64>,
+    /// `gradient`: smallest limit.
+    pub gradient_min_limit: Option<u32>,
+    /// `gradient`: largest limit.
+    pub gradient_max_limit: Option<u32>,
+}
+
+/// slackgate's own knobs beyond the classes' (`max_queue_age_ms` lives on the class).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SlackgateSpec {
+    /// Seed 000's depth rule on the pool, if wanted.
+    #[serde(default)]
+    pub max_depth_factor: Option<f64>,
+    /// Whether the estimator learns from completions.
+    #[serde(default = "default_true")]
+    pub learn: bool,
+}
+
+impl Default for SlackgateSpec {
+    fn default() -> Self {
+        SlackgateSpec {
+            max_depth_factor: None,
+            learn: true,
+        }
+    }
+}
+
+/// A whole scenario.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Name, for reports.
+    pub name: String,
+    /// What it reproduces.
+    #[serde(default)]
+    pub description: String,
+    /// Arrivals stop after this long (s); the run continues until every request has ended.
+    pub duration_s: f64,
+    /// Random seed (arrivals, sizes, noise).
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Policies to compare; empty: all.
+    #[serde(default)]
+    pub policies: Vec<String>,
+    /// Sigma of the lognormal factor by which the gate's view of each job's output is wrong
+    /// (0: exact, 0.6: typically off by x1.8).
+    #[serde(default)]
+    pub estimator_noise: f64,
+    /// Housekeeping period of the policies (ms).
+    #[serde(default = "default_tick")]
+    pub tick_ms: u64,
+    /// Whether a gate sees a client give up and cancels its upstream request. The `none`
+    /// policy (no gate) never does.
+    #[serde(default = "default_true")]
+    pub cancel_on_disconnect: bool,
+    /// The model endpoint.
+    pub upstream: Upstream,
+    /// Arrivals.
+    #[serde(default)]
+    pub arrivals: Arrivals,
+    /// Trace replay (with `arrivals.process = "trace"`).
+    #[serde(default)]
+    pub trace: Option<TraceSpec>,
+    /// Classes.
+    pub classes: Vec<ClassSpec>,
+    /// Injected long jobs.
+    #[serde(default)]
+    pub stuck: Vec<Stuck>,
+    /// Baseline parameters.
+    #[serde(default)]
+    pub baselines: Baselines,
+    /// slackgate's knobs.
+    #[serde(default)]
+    pub slackgate: SlackgateSpec,
+    /// Directory of the scenario file (trace paths are relative to it).
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+    /// The file name, for messages.
+    #[serde(skip)]
+    pub file: String,
+}
+
+/// Every policy the simulator knows, in report order.
+pub const ALL_POLICIES: &[&str] = &[
+    "none",
+    "max-queue",
+    "seed000",
+    "codel",
+    "codel-lifo",
+    "gradient",
+    "slackgate",
+    "clairvoyant",
+];
+
+impl Scenario {
+    /// Read and validate a scenario file.
+    pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Io {
+            file: file.clone(),
+            source,
+        })?;
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Scenario::parse(&file, &text, &base)
+    }
+
+    /// Parse and validate scenario text; `file` names it in errors, `base_dir` anchors the
+    /// trace path.
+    pub fn parse(file: &str, text: &str, base_dir: &Path) -> Result<Scenario, ScenarioError> {
+        let mut s: Scenario = toml::from_str(text).map_err(|e| {
+            let line = e.span().map_or(0, |sp| {
+                text[..sp.start.min(text.len())].matches('\n').count() + 1
+            });
+            let message = e.message().to_string();
+            let field = field_of_message(&message).unwrap_or_else(|| "(document)".into());
+            ScenarioError::Field {
+                file: file.into(),
+                line,
+                field,
+                message,
+            }
+        })?;
+        s.base_dir = base_dir.to_path_buf();
+        s.file = file.into();
+        if let Err((field, message)) = s.validate() {
+            let line = locate(text, &field);
+            return Err(ScenarioError::Field {
+                file: file.into(),
+                line,
+                field,
+                message,
+            });
+        }
+        Ok(s)
+    }
+
+    /// Index of a class by name.
+    pub fn class_index(&self, name: &str) -> Option<usize> {
+        self.classes.iter().position(|c| c.name == name)
+    }
+
+    /// The policies to run, in report order.
+    pub fn policy_names(&self) -> Vec<String> {
+        if self.policies.is_empty() {
+            ALL_POLICIES.iter().map(|s| s.to_string()).collect()
+        } else {
+            self.policies.clone()
+        }
+    }
+
+    fn validate(&self) -> Result<(), (String, String)> {
+        let err = |f: &str, m: &str| Err((f.to_string(), m.to_string()));
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        let nonneg = |v: f64| v.is_finite() && v >= 0.0;
+        if self.name.trim().is_empty() {
+            return err("name", "must not be empty");
+        }
+        if !(pos(self.duration_s) && self.duration_s <= 30.0 * 86_400.0) {
+            return err(
+                "duration_s",
+                "must be a positive number of seconds (at most 30 days)",
+            );
+        }
+        if !(nonneg(self.estimator_noise) && self.estimator_noise <= 3.0) {
+            return err("estimator_noise", "must be between 0 and 3");
+        }
+        if self.tick_ms == 0 || self.tick_ms > 60_000 {
+            return err("tick_ms", "must be between 1 and 60000");
+        }
+        for (i, p) in self.policies.iter().enumerate() {
+            if !ALL_POLICIES.contains(&p.as_str()) {
+                return Err((
+                    format!("policies[{i}]"),
+                    format!("unknown policy {p:?}; known: {}", ALL_POLICIES.join(", ")),
+                ));
+            }
+        }
+        let u = &self.upstream;
+        if u.slots == 0 || u.slots > 10_000 {
+            return err("upstream.slots", "must be between 1 and 10000");
+        }
+        for (f, v) in [
+            ("upstream.overhead_ms", u.overhead_ms),
+            ("upstream.prefill_ms_per_token", u.prefill_ms_per_token),
+            ("upstream.decode_ms_per_token", u.decode_ms_per_token),
+            ("upstream.concurrency_slowdown", u.concurrency_slowdown),
+        ] {
+            if !nonneg(v) || v > 1e7 {
+                return err(f, "must be a non-negative number");
+            }
+        }
+        if self.classes.is_empty() {
+            return err("classes", "at least one class is required");
+        }
+        for (i, c) in self.classes.iter().enumerate() {
+            let at = |f: &str| format!("classes[{i}].{f}");
+            if c.name.trim().is_empty() {
+                return Err((at("name"), "must not be empty".into()));
+            }
+            if self.class_index(&c.name) != Some(i) {
+                return Err((at("name"), format!("duplicate class {:?}", c.name)));
+            }
+            if !nonneg(c.share) {
+                return Err((at("share"), "must be a non-negative number".into()));
+            }
+            if c.deadline_ms == Some(0) || c.deadline_ms.is_some_and(|d| d > 86_400_000) {
+                return Err((at("deadline_ms"), "must be between 1 and 86400000".into()));
+            }
+            if let Err((f, m)) = c.prompt_tokens.validate() {
+                return Err((at(&format!("prompt_tokens.{f}")), m));
+            }
+            if let Err((f, m)) = c.output_tokens.validate() {
+                return Err((at(&format!("output_tokens.{f}")), m));
+            }
+            if c.storm_retries > 100 {
+                return Err((at("storm_retries"), "must be at most 100".into()));
+            }
+        }
+        let a = &self.arrivals;
+        if a.process != Process::Trace {
+            if !(pos(a.rate) && a.rate <= 1e6) {
+                return err(
+                    "arrivals.rate",
+                    "must be a positive number of requests per second",
+                );
+            }
+            if self.classes.iter().map(|c| c.share).sum::<f64>() <= 0.0
+                && a.class_sequence.is_empty()
+            {
+                return err("classes", "at least one class needs a positive share");
+            }
+        }
+        if let Some(cv) = a.cv {
+            if !(pos(cv) && cv <= 20.0) {
+                return err("arrivals.cv", "must be between 0 and 20");
+            }
+        }
+        for (i, st) in a.steps.iter().enumerate() {
+            let at = |f: &str| format!("arrivals.steps[{i}].{f}");
+            if !nonneg(st.from_s) {
+                return Err((at("from_s"), "must be a non-negative number".into()));
+            }
+            if !(st.to_s.is_finite() && st.to_s > st.from_s) {
+                return Err((at("to_s"), "must be after from_s".into()));
+            }
+            if !(nonneg(st.factor) && st.factor <= 1e4) {
+                return Err((at("factor"), "must be a non-negative number".into()));
+            }
+        }
+        for (i, name) in a.class_sequence.iter().enumerate() {
+            if self.class_index(name).is_none() {
+                return Err((
+                    format!("arrivals.class_sequence[{i}]"),
+                    format!("unknown class {name:?}"),
+                ));
+            }
+        }
+        match (&self.trace, a.process) {
+            (None, Process::Trace) => {
+                return err(
+                    "trace",
+                    "arrivals.process = \"trace\" needs a [trace] table",
+                )
+            }
+            (Some(_), p) if p != Process::Trace => {
+                return err("arrivals.process", "a [trace] needs process = \"trace\"")
+            }
+            (Some(t), _) => {
+                if t.path.trim().is_empty() {
+                    return err("trace.path", "must name a CSV file");
+                }
+                if t.load.is_some_and(|l| !(pos(l) && l <= 1000.0)) {
+                    return err("trace.load", "must be a positive multiple of capacity");
+                }
+                for (i, r) in t.rules.iter().enumerate() {
+                    if self.class_index(&r.class).is_none() {
+                        return Err((
+                            format!("trace.rules[{i}].class"),
+                            format!("unknown class {:?}", r.class),
+                        ));
+                    }
+                    if !(nonneg(r.fraction) && r.fraction <= 1.0) {
+                        return Err((
+                            format!("trace.rules[{i}].fraction"),
+                            "must be between 0 and 1".into(),
+                        ));
+                    }
+                }
+            }
+            _ => {}
+        }
+        for (i, st) in self.stuck.iter().enumerate() {
+            let at = |f: &str| format!("stuck[{i}].{f}");
+            if !nonneg(st.at_s) {
+                return Err((at("at_s"), "must be a non-negative number".into()));
+            }
+            if !(pos(st.duration_s) && st.duration_s <= 86_400.0) {
+                return Err((at("duration_s"), "must be a positive number".into()));
+            }
+            if self.class_index(&st.class).is_none() {
+                return Err((at("class"), format!("unknown class {:?}", st.class)));
+            }
+        }
+        let b = &self.baselines;
+        if b.max_queue == Some(0) {
+            return err("baselines.max_queue", "must be at least 1");
+        }
+        if b.seed000_depth_factor.is_some_and(|k| !nonneg(k)) {
+            return err("baselines.seed000_depth_factor", "must be non-negative");
+        }
+        if b.codel_target_ms == Some(0) || b.codel_interval_ms == Some(0) {
+            return err("baselines", "codel target and interval must be positive");
+        }
+        if let (Some(lo), Some(hi)) = (b.gradient_min_limit, b.gradient_max_limit) {
+            if lo == 0 || lo > hi {
+                return err(
+                    "baselines.gradient_min_limit",
+                    "must be positive and at most gradient_max_limit",
+                );
+            }
+        }
+        if self.slackgate.max_depth_factor.is_some_and(|k| !nonneg(k)) {
+            return err("slackgate.max_depth_factor", "must be non-negative");
+        }
+        Ok(())
+    }
+
+    /// Nominal service time (ms) of a job at concurrency 1.
+    pub fn service_ms(&self, prompt_tokens: u32, output_tokens: u32) -> f64 {
+        let u = &self.upstream;
+        u.overhead_ms
+            + u.prefill_ms_per_token * f64::from(prompt_tokens)
+            + u.decode_ms_per_token * f64::from(output_tokens)
+    }
+
+    /// The deadline tightest of all classes (ms), for deriving baseline defaults.
+    pub fn tightest_deadline_ms(&self) -> Option<u64> {
+        self.classes.iter().filter_map(|c| c.deadline_ms).min()
+    }
+}
+
+/// Pull the field name out of a serde message such as "unknown field `foo`, expected ...".
+fn field_of_message(message: &str) -> Option<String> {
+    for marker in ["unknown field `", "missing field `"] {
+        if let Some(rest) = message.split(marker).nth(1) {
+            return rest.split('`').next().map(str::to_string);
+        }
+    }
+    None
+}
+
+/// Best-effort line of a dotted field path (`classes[1].deadline_ms`) in the TOML text: finds
+/// the table header (counting repeated `[[x]]` headers), then the key inside it. Returns 0
+/// when it cannot tell.
+pub fn locate(text: &str, path: &str) -> usize {
+    let mut parts: Vec<&str> = path.split('.').collect();
+    let key = parts.pop().unwrap_or("");
+    let (key, _) = split_index(key);
+    // The innermost table named by the path, with the index of its occurrence.
+    let mut header = String::new();
+    let mut occurrence = 0usize;
+    for p in &parts {
+        let (name, idx) = split_index(p);
+        if !header.is_empty() {
+            header.push('.');
+        }
+        header.push_str(name);
+        occurrence = idx.unwrap_or(0);
+    }
+    let mut in_table = parts.is_empty();
+    let mut seen = 0usize;
+    for (n, line) in text.lines().enumerate() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            let name = t.trim_matches(|c| c == '[' || c == ']').trim();
+            if !parts.is_empty() && name == header {
+                in_table = seen == occurrence;
+                seen += 1;
+                if key.is_empty() && in_table {
+                    return n + 1;
+                }
+            } else {
+                in_table = false;
+            }
+            continue;
+        }
+        if in_table {
+            if let Some((k, _)) = t.split_once('=') {
+                if k.trim() == key {
+                    return n + 1;
+                }
+            }
+        }
+    }
+    // A whole table (`trace`) or a key we could not find: point at the header.
+    if !header.is_empty() {
+        let want = format!("[{header}]");
+        let want2 = format!("[[{header}]]");
+        for (n, line) in text.lines().enumerate() {
+            let t = line.trim();
+            if t == want || t == want2 {
+                return n + 1;
+            }
+        }
+    }
+    0
+}
+
+fn split_index(s: &str) -> (&str, Option<usize>) {
+    match s.split_once('[') {
+        Some((name, rest)) => (name, rest.trim_end_matches(']').parse().ok()),
+        None => (s, None),
+    }
+}
+
+#[cfg(test)]
+#[path = "scenario_tests.rs"]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests;

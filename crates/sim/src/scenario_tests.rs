@@ -1,0 +1,130 @@
+use super::*;
+
+const MINIMAL: &str = r#"
+name = "t"
+duration_s = 10
+[upstream]
+slots = 2
+decode_ms_per_token = 10
+[arrivals]
+rate = 1.0
+[[classes]]
+name = "interactive"
+deadline_ms = 1000
+"#;
+
+fn parse(text: &str) -> Result<Scenario, ScenarioError> {
+    Scenario::parse("scn.toml", text, Path::new("."))
+}
+
+fn field_error(text: &str) -> (usize, String, String) {
+    match parse(text) {
+        Err(ScenarioError::Field {
+            file,
+            line,
+            field,
+            message,
+        }) => {
+            assert_eq!(file, "scn.toml");
+            (line, field, message)
+        }
+        other => panic!("expected a field error, got {other:?}"),
+    }
+}
+
+#[test]
+fn minimal_scenario_parses_with_defaults() {
+    let s = parse(MINIMAL).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.upstream.slots, 2);
+    assert_eq!(s.tick_ms, 100);
+    assert!(s.cancel_on_disconnect);
+    assert_eq!(s.policy_names().len(), ALL_POLICIES.len());
+}
+
+#[test]
+fn unknown_field_names_file_line_and_field() {
+    let text = MINIMAL.replace("slots = 2", "slots = 2\nslotz = 3");
+    let (line, field, message) = field_error(&text);
+    assert_eq!(field, "slotz");
+    assert_eq!(line, 6, "{message}");
+    let shown = parse(&text).map(|_| ()).unwrap_err().to_string();
+    assert!(shown.starts_with("scn.toml:6: field slotz:"), "{shown}");
+}
+
+#[test]
+fn negative_rate_names_its_line() {
+    let text = MINIMAL.replace("rate = 1.0", "rate = -2.0");
+    let (line, field, _) = field_error(&text);
+    assert_eq!(field, "arrivals.rate");
+    assert_eq!(line, 8);
+}
+
+#[test]
+fn negative_integer_is_a_type_error_with_a_line() {
+    let text = MINIMAL.replace("deadline_ms = 1000", "deadline_ms = -5");
+    let (line, _, message) = field_error(&text);
+    assert_eq!(line, 11, "{message}");
+}
+
+#[test]
+fn field_in_second_class_is_located() {
+    let text = format!("{MINIMAL}[[classes]]\nname = \"batch\"\nshare = 1\ndeadline_ms = 0\n");
+    let (line, field, _) = field_error(&text);
+    assert_eq!(field, "classes[1].deadline_ms");
+    assert_eq!(line, 15);
+}
+
+#[test]
+fn duplicate_class_and_unknown_references_are_refused() {
+    let dup = format!("{MINIMAL}[[classes]]\nname = \"interactive\"\n");
+    assert_eq!(field_error(&dup).1, "classes[1].name");
+    let stuck = format!("{MINIMAL}[[stuck]]\nat_s = 1\nduration_s = 2\nclass = \"nope\"\n");
+    assert_eq!(field_error(&stuck).1, "stuck[0].class");
+    let pol = MINIMAL.replace("duration_s = 10", "duration_s = 10\npolicies = [\"fifo2\"]");
+    assert_eq!(field_error(&pol).1, "policies[0]");
+}
+
+#[test]
+fn bad_distributions_are_refused() {
+    let text = MINIMAL.replace(
+        "deadline_ms = 1000",
+        "deadline_ms = 1000\noutput_tokens = { dist = \"uniform\", min = 9, max = 3 }",
+    );
+    assert_eq!(field_error(&text).1, "classes[0].output_tokens.min");
+    let text = MINIMAL.replace(
+        "deadline_ms = 1000",
+        "deadline_ms = 1000\noutput_tokens = { dist = \"zipf\", s = 1 }",
+    );
+    let (line, _, message) = field_error(&text);
+    assert_eq!(line, 12, "{message}");
+}
+
+#[test]
+fn trace_process_needs_a_trace_table() {
+    let text = MINIMAL.replace("rate = 1.0", "process = \"trace\"");
+    assert_eq!(field_error(&text).1, "trace");
+}
+
+#[test]
+fn absurd_values_are_refused() {
+    for (from, to, field) in [
+        ("duration_s = 10", "duration_s = 0", "duration_s"),
+        ("duration_s = 10", "duration_s = nan", "duration_s"),
+        ("slots = 2", "slots = 0", "upstream.slots"),
+        (
+            "decode_ms_per_token = 10",
+            "decode_ms_per_token = -1",
+            "upstream.decode_ms_per_token",
+        ),
+    ] {
+        let text = MINIMAL.replace(from, to);
+        assert_eq!(field_error(&text).1, field, "{to}");
+    }
+}
+
+#[test]
+fn empty_and_garbage_documents_are_errors_not_panics() {
+    assert!(parse("").is_err());
+    assert!(parse("\u{0}\u{1}[[[").is_err());
+    assert!(parse(&"x".repeat(100_000)).is_err());
+}

@@ -1,0 +1,258 @@
+//! Turn a scenario into the list of client requests it sends: generated (Poisson, bursty
+//! Gamma, evenly spaced, with rate steps and a class mix) or replayed from a trace, plus the
+//! injected long jobs. Everything is drawn from the scenario's seed, so every policy sees the
+//! very same requests, sizes and estimator errors.
+
+use crate::rng::Rng;
+use crate::scenario::{Dist, Process, Scenario, ScenarioError};
+use crate::trace::{read_trace, Trace};
+
+/// One client request, as first sent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Arrival {
+    /// Request number (0-based, in arrival order).
+    pub request: u64,
+    /// When it is first sent (virtual ms).
+    pub at_ms: u64,
+    /// Class index.
+    pub class: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// True output tokens.
+    pub output_tokens: u32,
+    /// `max_tokens` sent.
+    pub max_tokens: u32,
+    /// The gate's view of the output length (true length x estimator noise).
+    pub expected_output_tokens: u32,
+    /// Service time fixed by the scenario (an injected stuck job), instead of the token model.
+    pub forced_service_ms: Option<u64>,
+}
+
+/// Independent random streams, so adding a class or a field never reshuffles the others.
+const STREAM_GAPS: u64 = 1;
+const STREAM_CLASSES: u64 = 2;
+const STREAM_SIZES: u64 = 3;
+const STREAM_NOISE: u64 = 4;
+const STREAM_RULES: u64 = 5;
+
+/// Every request of the scenario, sorted by arrival.
+pub fn generate(s: &Scenario) -> Result<Vec<Arrival>, ScenarioError> {
+    let mut root = Rng::new(s.seed);
+    let mut gaps = root.fork(STREAM_GAPS);
+    let mut classes = root.fork(STREAM_CLASSES);
+    let mut sizes = root.fork(STREAM_SIZES);
+    let mut noise = root.fork(STREAM_NOISE);
+    let mut rules = root.fork(STREAM_RULES);
+    let mut out = if s.arrivals.process == Process::Trace {
+        replay(s, &mut rules)?
+    } else {
+        generated(s, &mut gaps, &mut classes, &mut sizes)
+    };
+    let horizon = (s.duration_s * 1000.0) as u64;
+    for st in &s.stuck {
+        let at = (st.at_s * 1000.0) as u64;
+        if at > horizon {
+            continue;
+        }
+        out.push(Arrival {
+            request: 0,
+            at_ms: at,
+            class: s.class_index(&st.class).unwrap_or(0),
+            prompt_tokens: 0,
+            output_tokens: 0,
+            max_tokens: s.classes[s.class_index(&st.class).unwrap_or(0)].max_tokens,
+            expected_output_tokens: 0,
+            forced_service_ms: Some((st.duration_s * 1000.0) as u64),
+        });
+    }
+    out.sort_by_key(|a| a.at_ms);
+    for (i, a) in out.iter_mut().enumerate() {
+        a.request = i as u64;
+        // The gate's view of the size: right on average in log space, off by a lognormal
+        // factor per request.
+        let f = if s.estimator_noise > 0.0 {
+            noise.lognormal(0.0, s.estimator_noise)
+        } else {
+            1.0
+        };
+        let hint = (f64::from(a.output_tokens) * f).round();
+        a.expected_output_tokens = hint.clamp(0.0, f64::from(u32::MAX)) as u32;
+    }
+    Ok(out)
+}
+
+fn sample(d: &Dist, rng: &mut Rng) -> u32 {
+    let v = match *d {
+        Dist::Fixed { value } => return value,
+        Dist::Uniform { min, max } => {
+            return min + rng.below(u64::from(max - min) + 1) as u32;
+        }
+        Dist::Lognormal { median, sigma, max } => {
+            (median * rng.lognormal(0.0, sigma)).min(f64::from(max))
+        }
+        Dist::Pareto { min, alpha, max } => rng.pareto(min, alpha).min(f64::from(max)),
+    };
+    v.round().clamp(0.0, f64::from(u32::MAX)) as u32
+}
+
+/// The rate multiplier at `t_s`: the first step covering it, else 1.
+fn factor_at(s: &Scenario, t_s: f64) -> f64 {
+    s.arrivals
+        .steps
+        .iter()
+        .find(|st| st.from_s <= t_s && t_s < st.to_s)
+        .map_or(1.0, |st| st.factor)
+}
+
+/// The next time the rate changes after `t_s`.
+fn next_change(s: &Scenario, t_s: f64) -> f64 {
+    s.arrivals
+        .steps
+        .iter()
+        .flat_map(|st| [st.from_s, st.to_s])
+        .filter(|&x| x > t_s)
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn generated(s: &Scenario, gaps: &mut Rng, classes: &mut Rng, sizes: &mut Rng) -> Vec<Arrival> {
+    let a = &s.arrivals;
+    let total_share: f64 = s.classes.iter().map(|c| c.share).sum();
+    let limit = a.count.unwrap_or(u64::MAX);
+    let mut out = Vec::new();
+    let mut t = 0.0f64;
+    let mut n = 0u64;
+    loop {
+        let rate = a.rate * factor_at(s, t);
+        if rate <= 0.0 {
+            // Silence until the rate changes.
+            t = next_change(s, t);
+            if !t.is_finite() || t >= s.duration_s {
+                break;
+            }
+            continue;
+        }
+        let gap = match a.process {
+            Process::Uniform => 1.0 / rate,
+            Process::Gamma => {
+                let cv = a.cv.unwrap_or(1.0);
+                let shape = 1.0 / (cv * cv);
+                gaps.gamma(shape, 1.0 / (rate * shape))
+            }
+            Process::Poisson | Process::Trace => gaps.exp(rate),
+        };
+        // The first arrival of an evenly spaced burst is at 0.
+        if !(a.process == Process::Uniform && n == 0) {
+            t += gap;
+        }
+        if t >= s.duration_s || n >= limit {
+            break;
+        }
+        let class = if a.class_sequence.is_empty() {
+            let mut x = classes.uniform() * total_share;
+            let mut pick = s.classes.len() - 1;
+            for (i, c) in s.classes.iter().enumerate() {
+                if x < c.share {
+                    pick = i;
+                    break;
+                }
+                x -= c.share;
+            }
+            pick
+        } else {
+            let name = &a.class_sequence[(n as usize) % a.class_sequence.len()];
+            s.class_index(name).unwrap_or(0)
+        };
+        let c = &s.classes[class];
+        let prompt_tokens = sample(&c.prompt_tokens, sizes);
+        let output_tokens = sample(&c.output_tokens, sizes).min(c.max_tokens);
+        out.push(Arrival {
+            request: 0,
+            at_ms: (t * 1000.0).round() as u64,
+            class,
+            prompt_tokens,
+            output_tokens,
+            max_tokens: c.max_tokens,
+            expected_output_tokens: output_tokens,
+            forced_service_ms: None,
+        });
+        n += 1;
+    }
+    out
+}
+
+/// Where a scenario's trace is: relative to the scenario file, or, when it is not there, the
+/// same file name in `$SLACKGATE_TRACES` (a checkout elsewhere than beside the shared traces).
+pub fn trace_path(s: &Scenario, path: &str) -> std::path::PathBuf {
+    let direct = s.base_dir.join(path);
+    if direct.exists() {
+        return direct;
+    }
+    if let (Some(dir), Some(name)) = (
+        std::env::var_os("SLACKGATE_TRACES"),
+        std::path::Path::new(path).file_name(),
+    ) {
+        let alt = std::path::Path::new(&dir).join(name);
+        if alt.exists() {
+            return alt;
+        }
+    }
+    direct
+}
+
+fn replay(s: &Scenario, rules: &mut Rng) -> Result<Vec<Arrival>, ScenarioError> {
+    let Some(spec) = &s.trace else {
+        return Ok(Vec::new());
+    };
+    let path = trace_path(s, &spec.path);
+    let Trace { mut rows, span_ms } = read_trace(&path)?;
+    if let Some(max) = spec.max_rows {
+        rows.truncate(max);
+    }
+    let scale = match spec.load {
+        Some(load) => {
+            let work: f64 = rows
+                .iter()
+                .map(|r| s.service_ms(r.prompt_tokens, r.output_tokens))
+                .sum();
+            let span = rows.last().map_or(span_ms, |r| r.offset_ms).max(1.0);
+            let recorded = work / (f64::from(s.upstream.slots) * span);
+            // Compress time by recorded/load: the same work over a shorter span.
+            recorded / load
+        }
+        None => 1.0,
+    };
+    let horizon = s.duration_s * 1000.0;
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let at = r.offset_ms * scale;
+        if at >= horizon {
+            break;
+        }
+        let draw = rules.uniform();
+        let class = spec
+            .rules
+            .iter()
+            .find(|rule| {
+                rule.min_prompt_tokens.is_none_or(|m| r.prompt_tokens >= m)
+                    && rule.max_prompt_tokens.is_none_or(|m| r.prompt_tokens <= m)
+                    && rule.min_output_tokens.is_none_or(|m| r.output_tokens >= m)
+                    && rule.max_output_tokens.is_none_or(|m| r.output_tokens <= m)
+                    && draw < rule.fraction
+            })
+            .and_then(|rule| s.class_index(&rule.class))
+            .unwrap_or(0);
+        let c = &s.classes[class];
+        let output_tokens = r.output_tokens.min(c.max_tokens);
+        out.push(Arrival {
+            request: 0,
+            at_ms: at.round() as u64,
+            class,
+            prompt_tokens: r.prompt_tokens,
+            output_tokens,
+            max_tokens: c.max_tokens,
+            expected_output_tokens: output_tokens,
+            forced_service_ms: None,
+        });
+    }
+    Ok(out)
+}

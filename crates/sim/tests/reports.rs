@@ -1,0 +1,136 @@
+//! Reports are deterministic (a snapshot), every shipped scenario runs under every policy
+//! without a protocol error, and the upper bound is never below what any policy achieved.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use proptest::prelude::*;
+use slackgate_sim::scenario::{Scenario, ALL_POLICIES};
+use std::path::{Path, PathBuf};
+
+fn scenarios_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scenarios")
+}
+
+fn all() -> Vec<String> {
+    ALL_POLICIES.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn report_is_byte_identical_for_a_seed_and_matches_its_snapshot() {
+    let s = Scenario::load(&scenarios_dir().join("seed-003-probe-burst.toml")).unwrap();
+    let (a, _) = slackgate_sim::simulate(&s, &all()).unwrap();
+    let (b, _) = slackgate_sim::simulate(&s, &all()).unwrap();
+    assert_eq!(a.to_json(), b.to_json());
+    let md = a.to_markdown();
+    let snap = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/snapshots/seed-003.md");
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::create_dir_all(snap.parent().unwrap()).unwrap();
+        std::fs::write(&snap, &md).unwrap();
+    }
+    let want = std::fs::read_to_string(&snap)
+        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_SNAPSHOTS=1 writes it)", snap.display()));
+    assert_eq!(md, want, "report changed; UPDATE_SNAPSHOTS=1 to accept");
+    // A different seed gives a different run (the seed is really used).
+    let mut s2 = Scenario::load(&scenarios_dir().join("seed-000-burst.toml")).unwrap();
+    let (x, _) = slackgate_sim::simulate(&s2, &["none".into()]).unwrap();
+    s2.seed = 2;
+    let (y, _) = slackgate_sim::simulate(&s2, &["none".into()]).unwrap();
+    assert_ne!(x.to_json(), y.to_json());
+}
+
+#[test]
+fn every_seed_scenario_runs_under_every_policy() {
+    for name in [
+        "seed-000-burst.toml",
+        "seed-001-reservations.toml",
+        "seed-002-stuck-slot.toml",
+        "seed-003-probe-burst.toml",
+    ] {
+        let s = Scenario::load(&scenarios_dir().join(name)).unwrap();
+        let (rep, runs) = slackgate_sim::simulate(&s, &all()).unwrap();
+        assert_eq!(runs.len(), ALL_POLICIES.len());
+        for p in &rep.policies {
+            assert_eq!(p.protocol_errors, 0, "{name} {}", p.policy);
+            let t = &p.total;
+            assert_eq!(
+                t.on_time + t.late + t.rejected + t.dropped + t.abandoned,
+                t.requests,
+                "{name} {}: every request ends exactly once",
+                p.policy
+            );
+            assert!(
+                t.on_time_work_s <= rep.bound_work_s + 1e-6,
+                "{name} {}",
+                p.policy
+            );
+        }
+    }
+}
+
+fn tiny(
+    slots: u32,
+    rate: f64,
+    deadline: u64,
+    lo: u32,
+    hi: u32,
+    seed: u64,
+    retry: &str,
+) -> Scenario {
+    let text = format!(
+        r#"
+name = "prop"
+duration_s = 30
+seed = {seed}
+tick_ms = 50
+[upstream]
+slots = {slots}
+overhead_ms = 20
+decode_ms_per_token = 10
+concurrency_slowdown = 0.1
+[arrivals]
+process = "gamma"
+cv = 2.0
+rate = {rate}
+[[classes]]
+name = "interactive"
+priority = 100
+share = 0.7
+deadline_ms = {deadline}
+output_tokens = {{ dist = "uniform", min = {lo}, max = {hi} }}
+retry = "{retry}"
+[[classes]]
+name = "batch"
+priority = 10
+share = 0.3
+deadline_ms = {batch_deadline}
+output_tokens = {{ dist = "lognormal", median = {lo}, sigma = 1.0, max = 2000 }}
+"#,
+        batch_deadline = deadline * 5
+    );
+    Scenario::parse("prop.toml", &text, Path::new(".")).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    #[test]
+    fn bound_is_never_below_any_policy(
+        slots in 1u32..5,
+        rate in 0.5f64..20.0,
+        deadline in 200u64..5000,
+        lo in 1u32..50,
+        span in 0u32..200,
+        seed in 0u64..1000,
+        retry in prop::sample::select(vec!["none", "once", "storm"]),
+    ) {
+        let s = tiny(slots, rate, deadline, lo, lo + span, seed, retry);
+        let (rep, _) = slackgate_sim::simulate(&s, &all()).unwrap();
+        for p in &rep.policies {
+            prop_assert_eq!(p.protocol_errors, 0);
+            prop_assert!(p.total.on_time_work_s <= rep.bound_work_s + 1e-6,
+                "{}: {} > bound {}", p.policy, p.total.on_time_work_s, rep.bound_work_s);
+            let on_time_deadline: u64 = p.classes.iter().map(|(_, c)| c.on_time).sum();
+            prop_assert!(on_time_deadline <= rep.bound_count,
+                "{}: {} on time > count bound {}", p.policy, on_time_deadline, rep.bound_count);
+        }
+    }
+}
