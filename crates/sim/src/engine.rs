@@ -142,7 +142,7 @@ pub fn run(s: &Scenario, arrivals: &[Arrival], policy: &mut dyn Policy) -> RunRe
 struct Engine<'a> {
     s: &'a Scenario,
     arrivals: &'a [Arrival],
-    heap: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    heap: BinaryHeap<Reverse<(u64, u8, u64, Ev)>>,
     seq: u64,
     jobs: Vec<JobRec>,
     reqs: Vec<ReqState>,
@@ -218,7 +218,10 @@ impl<'a> Engine<'a> {
             self.pending += 1;
         }
         self.seq += 1;
-        self.heap.push(Reverse((at, self.seq, ev)));
+        // At the same instant, completions come first: a job that ends exactly at its
+        // client's deadline is on time, not abandoned.
+        let rank = u8::from(!matches!(ev, Ev::Finish { .. }));
+        self.heap.push(Reverse((at, rank, self.seq, ev)));
     }
 
     fn run(mut self, policy: &mut dyn Policy) -> RunResult {
@@ -227,7 +230,7 @@ impl<'a> Engine<'a> {
         self.push(0, Ev::Sample);
         loop {
             // Initial offers come from the sorted arrival list; everything else from the heap.
-            let heap_at = self.heap.peek().map(|Reverse((t, _, _))| *t);
+            let heap_at = self.heap.peek().map(|Reverse((t, _, _, _))| *t);
             let arrival_at = self.arrivals.get(next_arrival).map(|a| a.at_ms);
             let ev = match (heap_at, arrival_at) {
                 (_, Some(a)) if heap_at.is_none_or(|h| a < h) => {
@@ -239,7 +242,7 @@ impl<'a> Engine<'a> {
                     }
                 }
                 (Some(_), _) => match self.heap.pop() {
-                    Some(Reverse((t, _, ev))) => {
+                    Some(Reverse((t, _, _, ev))) => {
                         self.now = self.now.max(t);
                         if !matches!(ev, Ev::Tick | Ev::Sample) {
                             self.pending -= 1;

@@ -124,6 +124,15 @@ pub fn simulate(
     names: &[String],
 ) -> Result<(report::Report, Vec<engine::RunResult>), SimError> {
     let arrivals = workload::generate(s)?;
+    // A replayed trace ends when its last request arrives: rates and the offered load are
+    // over that window, not over the scenario's cap.
+    let mut window = s.clone();
+    if s.arrivals.process == scenario::Process::Trace {
+        if let Some(last) = arrivals.last() {
+            window.duration_s = window.duration_s.min((last.at_ms + 1) as f64 / 1000.0);
+        }
+    }
+    let s = &window;
     let mut runs = Vec::with_capacity(names.len());
     for name in names {
         let mut p = build_policy(s, name)?;
