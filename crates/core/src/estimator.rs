@@ -134,12 +134,10 @@ impl Estimator {
         // it can lose positive definiteness, after which the gain has the wrong sign and the
         // estimate runs away (seen replaying a real trace in the simulator). Keep it
         // symmetric, and restart the covariance around the current estimate if it breaks.
-        for i in 0..3 {
-            for j in (i + 1)..3 {
-                let v = 0.5 * (np[i][j] + np[j][i]);
-                np[i][j] = v;
-                np[j][i] = v;
-            }
+        for (i, j) in [(0, 1), (0, 2), (1, 2)] {
+            let v = 0.5 * (np[i][j] + np[j][i]);
+            np[i][j] = v;
+            np[j][i] = v;
         }
         let trace = np[0][0] + np[1][1] + np[2][2];
         if !next.iter().all(|v| v.is_finite()) || !trace.is_finite() {
