@@ -25,6 +25,19 @@ if ! command -v promtool >/dev/null 2>&1; then
   fi
 fi
 
+# The real production trace the simulator's tests replay lives beside the repository, not in
+# it (users bring their own). Point at it when this checkout is elsewhere; tests that need it
+# fail loudly when it cannot be found.
+if [ -z "${SLACKGATE_TRACES:-}" ]; then
+  for d in "$PWD/../shared/traces" /work/shared/traces; do
+    if [ -f "$d/azure_llm_2023_code.csv" ]; then
+      export SLACKGATE_TRACES="$(cd "$d" && pwd)"
+      break
+    fi
+  done
+fi
+echo "test.sh: traces from ${SLACKGATE_TRACES:-<relative to scenarios/>}" >&2
+
 echo "== cargo test --workspace"
 cargo test --workspace --locked
 

@@ -25,6 +25,9 @@ pub struct SimArgs {
     /// Override a trace scenario's load (multiple of capacity), e.g. 1, 2 or 4.
     #[arg(long)]
     pub load: Option<f64>,
+    /// Skip the clairvoyant reference run (false rejections are not counted).
+    #[arg(long)]
+    pub no_reference: bool,
     /// Print JSON instead of markdown.
     #[arg(long)]
     pub json: bool,
@@ -73,7 +76,7 @@ pub fn run(a: SimArgs) -> Result<()> {
     for &noise in &levels {
         let mut sn = s.clone();
         sn.estimator_noise = noise;
-        let (rep, runs) = slackgate_sim::simulate(&sn, &names)?;
+        let (rep, runs) = slackgate_sim::simulate_with(&sn, &names, !a.no_reference)?;
         if let Some(dir) = &a.out {
             let prefix = if levels.len() > 1 {
                 format!("noise-{noise}-")

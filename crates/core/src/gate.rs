@@ -471,6 +471,45 @@ fn jitter(after_ms: u64, job_id: JobId, percent: u32) -> u64 {
     (u128::from(after_ms) + extra).min(u128::from(u64::MAX)) as u64
 }
 
+/// [`water_fill`] for a sequence of non-decreasing amounts of work over the same slots, in
+/// O(slots + queries) overall instead of O(slots) per query: the level only rises, so the
+/// number of slots taking part only grows. `tick` asks once per queued job.
+struct WaterFiller<'a> {
+    r: &'a [u64],
+    j: usize,
+    prefix: u128,
+}
+
+impl<'a> WaterFiller<'a> {
+    fn new(r: &'a [u64]) -> Self {
+        WaterFiller {
+            r,
+            j: 0,
+            prefix: r.first().map_or(0, |&v| u128::from(v)),
+        }
+    }
+
+    /// `water_fill(r, work)`; `work` must not decrease between calls.
+    fn level(&mut self, work: u64) -> u64 {
+        if self.r.is_empty() {
+            return 0;
+        }
+        loop {
+            let active = (self.j + 1) as u128;
+            let level = (u128::from(work) + self.prefix)
+                .div_ceil(active)
+                .max(u128::from(self.r[self.j]));
+            match self.r.get(self.j + 1) {
+                Some(&next) if level > u128::from(next) => {
+                    self.j += 1;
+                    self.prefix += u128::from(next);
+                }
+                _ => return level.min(u128::from(u64::MAX)) as u64,
+            }
+        }
+    }
+}
+
 /// Smallest `t >= r[0]` with `sum(max(0, t - r_i)) >= work`, for `r` sorted ascending.
 fn water_fill(r: &[u64], work: u64) -> u64 {
     let mut prefix: u128 = 0;
@@ -486,6 +525,29 @@ fn water_fill(r: &[u64], work: u64) -> u64 {
     }
     0
 }
+
+/// Hasher for job ids. Ids are assigned by the gate (sequential, never from input), so
+/// SipHash's protection against chosen keys buys nothing here and costs a third of a tick
+/// over a long queue; a multiplicative mix spreads sequential ids over the buckets.
+#[derive(Clone, Copy, Debug, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 ^= self.0 >> 32;
+    }
+}
+
+type IdHash = std::hash::BuildHasherDefault<IdHasher>;
 
 const EWMA_ALPHA: f64 = 0.2;
 
@@ -508,7 +570,7 @@ pub struct Gate {
     pools: Vec<PoolState>,
     labels: HashMap<String, ClassId>,
     default_class: Option<ClassId>,
-    jobs: HashMap<JobId, Job>,
+    jobs: HashMap<JobId, Job, IdHash>,
     events: VecDeque<Event>,
     next_id: u64,
     last_now: Millis,
@@ -580,7 +642,7 @@ impl Gate {
             pools,
             labels,
             default_class,
-            jobs: HashMap::new(),
+            jobs: HashMap::default(),
             events: VecDeque::new(),
             next_id: 1,
             last_now: 0,
@@ -1257,6 +1319,7 @@ impl Gate {
             r.sort_unstable();
             let mut work = 0u64;
             let mut count = 0usize;
+            let mut filler = WaterFiller::new(&r);
             let mut doomed: Vec<(JobId, u64)> = Vec::new();
             let classes = self.pools[pi].classes.clone();
             let mut i = 0;
@@ -1274,6 +1337,7 @@ impl Gate {
                 let prio = self.classes[classes[i].0].priority;
                 let mut level: Vec<(QueueKey, JobId)> = Vec::new();
                 let mut bulk = (0usize, 0u64);
+                let first = i;
                 while i < classes.len() && self.classes[classes[i].0].priority == prio {
                     let q = &self.classes[classes[i].0].queue;
                     level.extend(q.iter_deadlined());
@@ -1281,16 +1345,15 @@ impl Gate {
                     bulk = (bulk.0 + n, bulk.1.saturating_add(w));
                     i += 1;
                 }
-                level.sort_unstable();
+                // One class's queue is already in order; several at one priority merge.
+                if i - first > 1 {
+                    level.sort_unstable();
+                }
                 for (_, id) in level {
                     let Some(job) = self.jobs.get(&id) else {
                         continue;
                     };
-                    let wait = if count < free {
-                        0
-                    } else {
-                        water_fill(&r, work)
-                    };
+                    let wait = if count < free { 0 } else { filler.level(work) };
                     if !job.protected && job.slack_after(now, wait).is_some_and(|s| s < 0) {
                         doomed.push((id, wait));
                     } else {

@@ -782,8 +782,11 @@ mod tests {
     /// file is missing: the simulator's published figures depend on it.
     #[test]
     fn reads_the_azure_code_trace() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/traces/azure_llm_2023_code.csv");
+        let path = match std::env::var_os("SLACKGATE_TRACES") {
+            Some(dir) => Path::new(&dir).join("azure_llm_2023_code.csv"),
+            None => Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../../shared/traces/azure_llm_2023_code.csv"),
+        };
         let trace = read_trace(&path).unwrap_or_else(|e| panic!("the shared trace must load: {e}"));
         // The README says 8,818 requests (a `wc -l` count); the file holds 8,819 data rows
         // after its header and has no final newline.

@@ -578,3 +578,29 @@ fn retry_after_is_jittered_deterministically() {
     assert_eq!(jitter(1000, JobId(42), 0), 1000);
     assert!(jitter(u64::MAX, JobId(1), 100) == u64::MAX);
 }
+
+#[test]
+fn incremental_water_fill_matches_the_direct_one() {
+    let mut seed = 0x1234_5678_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for _ in 0..500 {
+        let n = (next() % 9) as usize;
+        let mut r: Vec<u64> = (0..n).map(|_| next() % 10_000).collect();
+        r.sort_unstable();
+        let mut filler = WaterFiller::new(&r);
+        let mut work = 0u64;
+        for _ in 0..20 {
+            work += next() % 5_000;
+            assert_eq!(
+                filler.level(work),
+                water_fill(&r, work),
+                "r={r:?} work={work}"
+            );
+        }
+    }
+}
