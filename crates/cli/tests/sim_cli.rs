@@ -1,0 +1,77 @@
+//! `slackgate sim` as a user runs it: a report on stdout, files and charts with `--out`, and a
+//! clear error naming file, line and field for a bad scenario.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+fn scenarios() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scenarios")
+}
+
+#[test]
+fn sim_prints_json_and_writes_charts() {
+    let out = std::env::temp_dir().join(format!("slackgate-sim-cli-{}", std::process::id()));
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim")
+        .arg(scenarios().join("seed-003-probe-burst.toml"))
+        .args(["--json", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(v["scenario"], "seed-003-probe-burst");
+    assert_eq!(v["policies"].as_array().map(Vec::len), Some(8));
+    for f in ["queue_age", "rejections", "goodput"] {
+        let png = std::fs::read(out.join(format!("{f}.png"))).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{f}.png");
+        let svg = std::fs::read_to_string(out.join(format!("{f}.svg"))).unwrap();
+        assert!(svg.contains("<svg"), "{f}.svg");
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("| slackgate |"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn bad_scenario_names_file_line_and_field() {
+    let dir = std::env::temp_dir().join(format!("slackgate-sim-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        "name = \"x\"\nduration_s = 10\n[upstream]\ndecode_ms_per_token = 1\n[arrivals]\nrate = -3\n[[classes]]\nname = \"a\"\n",
+    )
+    .unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("bad.toml:6: field arrivals.rate"), "{err}");
+    // A malformed trace row names the trace file, its line and the column.
+    let csv = dir.join("t.csv");
+    std::fs::write(&csv, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,10,5\n2023-11-16 18:17:04.0,abc,5\n").unwrap();
+    let scn = dir.join("trace.toml");
+    std::fs::write(
+        &scn,
+        "name = \"t\"\nduration_s = 10\n[upstream]\ndecode_ms_per_token = 1\n[arrivals]\nprocess = \"trace\"\n[trace]\npath = \"t.csv\"\n[[classes]]\nname = \"a\"\n",
+    )
+    .unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim")
+        .arg(&scn)
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("t.csv:3: field ContextTokens"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
