@@ -225,6 +225,23 @@ class GateStack:
                 raise AssertionError(f"gate never reached: {what} within {timeout}s; /stats: {s}")
             time.sleep(0.02)
 
+    def occupy_and_queue(self, pool, headers: dict) -> tuple:
+        """Fill a one-slot pool: an occupant the stub holds (release it with
+        release_stub("occupant")) and one request queued behind it. Returns both futures."""
+        messages = [{"role": "user", "content": "Say something short."}]
+        occupant = pool.submit(
+            self.client(max_retries=0).chat.completions.create,
+            model="stub-model", messages=messages,
+            max_tokens=4, extra_headers={**headers, "x-stub-hold": "occupant"},
+        )
+        self.wait_gate(lambda s: s["gate"]["pools"][0]["in_flight"] == 1, "slot taken")
+        queued = pool.submit(
+            self.client(max_retries=0).chat.completions.create,
+            model="stub-model", messages=messages, max_tokens=4, extra_headers=headers,
+        )
+        self.wait_gate(lambda s: s["gate"]["pools"][0]["depth"] == 1, "one job queued")
+        return occupant, queued
+
     def release_stub(self, name: str | None = None) -> int:
         body = {"all": True} if name is None else {"name": name}
         r = httpx.post(f"{self.stub_url}/stub/release", json=body, timeout=5.0)

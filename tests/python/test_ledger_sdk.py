@@ -93,17 +93,7 @@ def test_sdk_retries_count_as_attempts_up_to_retry_cap(gate_stack):
     with ThreadPoolExecutor(max_workers=2) as pool:
         try:
             # The occupant (held by the stub in its only slot) and one job queued behind it.
-            occupant = pool.submit(
-                stack.client(max_retries=0).chat.completions.create,
-                model="stub-model", messages=MESSAGES, max_tokens=4,
-                extra_headers={**patient, "x-stub-hold": "occupant"},
-            )
-            stack.wait_gate(lambda s: s["gate"]["pools"][0]["in_flight"] == 1, "slot taken")
-            queued = pool.submit(
-                stack.client(max_retries=0).chat.completions.create,
-                model="stub-model", messages=MESSAGES, max_tokens=4, extra_headers=patient,
-            )
-            stack.wait_gate(lambda s: s["gate"]["pools"][0]["depth"] == 1, "one job queued")
+            occupant, queued = stack.occupy_and_queue(pool, patient)
 
             rec = AttemptRecorder()
             client = stack.client(max_retries=3, recorder=rec)

@@ -419,21 +419,33 @@ impl PoolState {
     /// when that work is absorbed. A long job thus only takes its own slot out of the
     /// picture instead of being averaged over every slot. O(slots).
     fn wait_for_slot(&self, now: Millis, work_ahead: u64) -> u64 {
-        let slots = (self.slots as usize).max(1);
+        let n = self.slot_count();
         let mut stack = [0u64; STACK_SLOTS];
         let mut heap = Vec::new();
-        let r: &mut [u64] = if slots <= STACK_SLOTS {
-            &mut stack[..slots]
+        let r: &mut [u64] = if n <= STACK_SLOTS {
+            &mut stack[..n]
         } else {
-            heap.resize(slots.max(self.in_flight.len()), 0);
+            heap.resize(n, 0);
             &mut heap
         };
-        // In-flight jobs occupy the first slots; the rest are free now (0).
+        self.free_times(now, r);
+        water_fill(r, work_ahead)
+    }
+
+    /// Entries [`PoolState::free_times`] needs: one per slot, or per in-flight job if more
+    /// run than there are slots (slots lowered under load).
+    fn slot_count(&self) -> usize {
+        (self.slots as usize).max(1).max(self.in_flight.len())
+    }
+
+    /// When each slot frees, from now, sorted: in-flight jobs' remaining times, 0 for free
+    /// slots. `r` has [`PoolState::slot_count`] entries.
+    fn free_times(&self, now: Millis, r: &mut [u64]) {
+        r.fill(0);
         for (slot, &(started, est)) in r.iter_mut().zip(self.in_flight.values()) {
             *slot = remaining(now, started, est);
         }
         r.sort_unstable();
-        water_fill(r, work_ahead)
     }
 
     /// How long the pool has failed to free a slot: when every slot is busy, the age of the
@@ -510,20 +522,10 @@ impl<'a> WaterFiller<'a> {
     }
 }
 
-/// Smallest `t >= r[0]` with `sum(max(0, t - r_i)) >= work`, for `r` sorted ascending.
+/// Smallest `t >= r[0]` with `sum(max(0, t - r_i)) >= work`, for `r` sorted ascending (0 for
+/// no slots). O(slots).
 fn water_fill(r: &[u64], work: u64) -> u64 {
-    let mut prefix: u128 = 0;
-    for j in 0..r.len() {
-        prefix += u128::from(r[j]);
-        let active = (j + 1) as u128;
-        // Level at which j+1 slots absorb the work, rounded up.
-        let level = (u128::from(work) + prefix).div_ceil(active);
-        let level = level.max(u128::from(r[j]));
-        if r.get(j + 1).is_none_or(|&next| level <= u128::from(next)) {
-            return level.min(u128::from(u64::MAX)) as u64;
-        }
-    }
-    0
+    WaterFiller::new(r).level(work)
 }
 
 /// Hasher for job ids. Ids are assigned by the gate (sequential, never from input), so
@@ -1310,13 +1312,8 @@ impl Gate {
             let free = slots - pool.in_flight.len().min(slots);
             // Per-slot remaining times, sorted once: each job's wait is a water fill of the
             // queued work ahead of it over these (see `PoolState::wait_for_slot`).
-            let mut r: Vec<u64> = pool
-                .in_flight
-                .values()
-                .map(|&(started, est)| remaining(now, started, est))
-                .collect();
-            r.resize(slots.max(r.len()), 0);
-            r.sort_unstable();
+            let mut r = vec![0; pool.slot_count()];
+            pool.free_times(now, &mut r);
             let mut work = 0u64;
             let mut count = 0usize;
             let mut filler = WaterFiller::new(&r);

@@ -7,7 +7,9 @@
 mod common;
 
 use bytes::Bytes;
-use common::{chat, eventually, get, post, read_log, stub, temp_log, TestGate};
+use common::{
+    chat, eventually, get, job_id, post, read_log, stub, temp_log, two_class_config, TestGate,
+};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -31,29 +33,7 @@ const WAIT: Duration = Duration::from_secs(10);
 /// class with a 30 s deadline and a best-effort `batch` class; `server` is extra `[server]`
 /// settings.
 fn config(slots: u32, prefill_ms: f64, decode_ms: f64, server: &str) -> String {
-    format!(
-        r#"
-default_class = "interactive"
-[server]
-{server}
-[[pools]]
-name = "default"
-max_in_flight = {slots}
-upstream = "{{UPSTREAM}}"
-[pools.prior]
-overhead_ms = 5.0
-prefill_ms_per_token = {prefill_ms:.1}
-decode_ms_per_token = {decode_ms:.1}
-learn = false
-[[classes]]
-name = "interactive"
-priority = 100
-deadline_ms = 30000
-[[classes]]
-name = "batch"
-priority = 10
-"#
-    )
+    two_class_config(slots, 5.0, prefill_ms, decode_ms, false, server)
 }
 
 /// Field `name` of the first pool in `/stats`.
@@ -325,11 +305,7 @@ async fn every_post_under_v1_is_admission_controlled() {
         .build_http();
     let resp = timeout(WAIT, c.request(req)).await.unwrap().unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
-    let job: u64 = resp.headers()["x-slackgate-job-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let job = job_id(resp.headers());
     let _ = resp.into_body().collect().await;
     let admit = wait_for(&g, "multipart admit", |l| {
         l["job_id"] == job && l["action"] == "admit"

@@ -9,7 +9,7 @@
 mod common;
 
 use bytes::Bytes;
-use common::{chat, eventually, get, post, stub, Resp, TestGate};
+use common::{chat, eventually, get, job_id, post, stub, two_class_config, Resp, TestGate};
 use http::{Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -52,30 +52,9 @@ const STABLE_FIELDS: [&str; 17] = [
 /// `decode_ms` per token (learning on or off), an `interactive` default class with a 30 s
 /// deadline and a best-effort `batch` class. Bodies are limited to 1024 bytes.
 fn config(slots: u32, overhead_ms: f64, decode_ms: f64, learn: bool) -> String {
-    format!(
-        r#"
-default_class = "interactive"
-[server]
-max_body_bytes = 1024
-trust_tenant_header = true   # these tests send X-Tenant as a fronting proxy would
-[[pools]]
-name = "default"
-max_in_flight = {slots}
-upstream = "{{UPSTREAM}}"
-[pools.prior]
-overhead_ms = {overhead_ms:.1}
-prefill_ms_per_token = 0.0
-decode_ms_per_token = {decode_ms:.1}
-learn = {learn}
-[[classes]]
-name = "interactive"
-priority = 100
-deadline_ms = 30000
-[[classes]]
-name = "batch"
-priority = 10
-"#
-    )
+    // These tests send X-Tenant as a fronting proxy would.
+    let server = "max_body_bytes = 1024\ntrust_tenant_header = true";
+    two_class_config(slots, overhead_ms, 0.0, decode_ms, learn, server)
 }
 
 /// A body shaped for the bounded test helpers below.
@@ -169,12 +148,6 @@ fn assert_stable_fields(line: &Value) {
     }
 }
 
-fn job_id(r: &Resp) -> u64 {
-    r.header("x-slackgate-job-id")
-        .and_then(|v| v.parse().ok())
-        .expect("x-slackgate-job-id")
-}
-
 fn error_code(r: &Resp) -> String {
     r.json()["error"]["code"].as_str().unwrap_or("").to_string()
 }
@@ -210,7 +183,7 @@ async fn non_streaming_chat_is_admitted_forwarded_and_logged() {
         .and_then(|v| v.parse().ok())
         .expect("x-slackgate-queue-wait-ms");
     assert!(wait < 1000, "queue wait {wait}");
-    let job = job_id(&r);
+    let job = job_id(&r.headers);
 
     let complete = wait_line(&g, job, "complete").await;
     let lines = g.log_lines().await;
@@ -242,11 +215,7 @@ async fn streaming_is_passed_through_chunk_by_chunk_and_holds_the_slot() {
 
     let resp = send_streaming(&g.url("/v1/chat/completions"), &[], &chat_stream(10)).await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let job: u64 = resp.headers()["x-slackgate-job-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let job = job_id(resp.headers());
     let mut body = resp.into_body();
     let mut times = Vec::new();
     let mut text = Vec::new();
@@ -296,11 +265,7 @@ async fn streaming_is_passed_through_chunk_by_chunk_and_holds_the_slot() {
     let body = r#"{"model":"stub","stream":true,"stream_options":{"include_usage":true},
         "messages":[{"role":"user","content":"hello there, model"}],"max_tokens":3}"#;
     let resp = send_streaming(&g.url("/v1/chat/completions"), &[], body).await;
-    let job: u64 = resp.headers()["x-slackgate-job-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let job = job_id(resp.headers());
     let text = bounded(resp.into_body().collect())
         .await
         .unwrap()
@@ -330,11 +295,7 @@ async fn client_gone_mid_stream_cancels_upstream_and_frees_the_slot() {
 
     let resp = send_streaming(&g.url("/v1/chat/completions"), &[], &chat_stream(100)).await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let job: u64 = resp.headers()["x-slackgate-job-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let job = job_id(resp.headers());
     let mut body = resp.into_body();
     let mut frames = 0;
     while frames < 2 {
@@ -597,7 +558,7 @@ async fn bad_input_gets_a_clear_error_and_never_reaches_upstream() {
     // An unknown class goes to the default class.
     let r = post(&url, &[("x-job-class", "no-such-class")], &chat(4)).await;
     assert_eq!(r.status, StatusCode::OK);
-    let admit = wait_line(&g, job_id(&r), "admit").await;
+    let admit = wait_line(&g, job_id(&r.headers), "admit").await;
     assert_eq!(admit["job_class"], "interactive");
     assert_eq!(admit["class_label"], "no-such-class");
     assert_idle(&g).await;
@@ -707,7 +668,7 @@ async fn upstream_error_status_is_passed_through_and_completes() {
     .await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(error_code(&r), "stub_fault", "the upstream's own body");
-    let complete = wait_line(&g, job_id(&r), "complete").await;
+    let complete = wait_line(&g, job_id(&r.headers), "complete").await;
     assert_eq!(complete["status"], 503);
     assert_eq!(complete["reason"], "upstream_error");
     assert_idle(&g).await;
@@ -729,11 +690,7 @@ async fn upstream_reset_mid_stream_truncates_and_frees_the_slot() {
     )
     .await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let job: u64 = resp.headers()["x-slackgate-job-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let job = job_id(resp.headers());
     let mut body = resp.into_body();
     let mut text = Vec::new();
     let mut broke = false;
@@ -768,11 +725,7 @@ async fn upstream_stalled_mid_stream_is_cut_off_and_frees_the_slot() {
     let started = Instant::now();
     let resp = send_streaming(&g.url("/v1/chat/completions"), &[], &chat_stream(10)).await;
     assert_eq!(resp.status(), StatusCode::OK);
-    let job: u64 = resp.headers()["x-slackgate-job-id"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let job = job_id(resp.headers());
     let mut body = resp.into_body();
     let mut broke = false;
     while let Some(f) = bounded(body.frame()).await {

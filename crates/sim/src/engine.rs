@@ -128,8 +128,6 @@ struct JobRec {
 struct ReqState {
     /// The job currently queued or running for this request.
     live: Option<u64>,
-    /// Final answer given (outcome no longer pending).
-    done: bool,
     /// The client is gone (gave up); a job still running is waste.
     gone: bool,
 }
@@ -194,7 +192,6 @@ impl<'a> Engine<'a> {
             reqs: vec![
                 ReqState {
                     live: None,
-                    done: false,
                     gone: false,
                 };
                 arrivals.len()
@@ -260,7 +257,7 @@ impl<'a> Engine<'a> {
                 Ev::GiveUp { request } => self.give_up(policy, request),
                 Ev::Tick => {
                     policy.tick(self.now, &mut self.actions);
-                    self.apply(policy);
+                    self.apply();
                     if more_arrivals || self.busy() {
                         self.push(self.now + self.s.tick_ms, Ev::Tick);
                     }
@@ -291,7 +288,7 @@ impl<'a> Engine<'a> {
 
     fn offer(&mut self, policy: &mut dyn Policy, request: u64, attempt: u32) {
         let r = request as usize;
-        if self.reqs[r].done {
+        if self.answered(r) {
             return; // the client gave up before its retry
         }
         let a = &self.arrivals[r];
@@ -372,12 +369,16 @@ impl<'a> Engine<'a> {
         }
     }
 
+    /// The client has its final answer.
+    fn answered(&self, r: usize) -> bool {
+        self.results[r].outcome != Outcome::Pending
+    }
+
     fn answer(&mut self, request: u64, outcome: Outcome) {
         let r = request as usize;
-        if self.reqs[r].done {
+        if self.answered(r) {
             return;
         }
-        self.reqs[r].done = true;
         self.results[r].outcome = outcome;
         self.results[r].answered_at_ms = self.now;
     }
@@ -398,26 +399,19 @@ impl<'a> Engine<'a> {
             if self.actions.is_empty() {
                 return;
             }
-            self.apply(policy);
+            self.apply();
         }
     }
 
-    fn apply(&mut self, _policy: &mut dyn Policy) {
+    fn apply(&mut self) {
         let actions = std::mem::take(&mut self.actions);
         for act in &actions {
             match *act {
                 Action::Dispatch(id) => self.start(id),
                 Action::Drop(id, reason) => {
-                    let Some(job) = self.jobs.get(id as usize) else {
-                        self.protocol_errors += 1;
+                    let Some((request, attempt)) = self.take_queued(id) else {
                         continue;
                     };
-                    if job.state != JobState::Queued {
-                        self.protocol_errors += 1;
-                        continue;
-                    }
-                    let (request, offered_at, attempt) = (job.request, job.offered_at, job.attempt);
-                    self.queued.remove(&(offered_at, id));
                     self.jobs[id as usize].state = JobState::Gone;
                     if self.reqs[request as usize].gone {
                         continue; // nobody is listening any more
@@ -430,17 +424,30 @@ impl<'a> Engine<'a> {
         self.actions.clear();
     }
 
+    /// Take a queued job out of the queue for a policy's action: its request and attempt.
+    /// An action on a job that is not queued is the policy's mistake: counted, ignored.
+    fn take_queued(&mut self, id: u64) -> Option<(u64, u32)> {
+        match self.jobs.get(id as usize) {
+            Some(job) if job.state == JobState::Queued => {
+                let (request, attempt) = (job.request, job.attempt);
+                self.queued.remove(&(job.offered_at, id));
+                Some((request, attempt))
+            }
+            _ => {
+                self.protocol_errors += 1;
+                None
+            }
+        }
+    }
+
     fn start(&mut self, id: u64) {
-        let Some(job) = self.jobs.get(id as usize) else {
-            self.protocol_errors += 1;
-            return;
-        };
-        if job.state != JobState::Queued || self.in_flight >= self.s.upstream.slots {
+        if self.in_flight >= self.s.upstream.slots {
             self.protocol_errors += 1;
             return;
         }
-        let (request, offered_at) = (job.request, job.offered_at);
-        self.queued.remove(&(offered_at, id));
+        let Some((request, _)) = self.take_queued(id) else {
+            return;
+        };
         self.in_flight += 1;
         let a = &self.arrivals[request as usize];
         let u = &self.s.upstream;
@@ -449,15 +456,8 @@ impl<'a> Engine<'a> {
         let (service, ttft) = match a.forced_service_ms {
             Some(ms) => (ms, ms),
             None => {
-                let prefill = u.overhead_ms + u.prefill_ms_per_token * f64::from(a.prompt_tokens);
-                let decode = u.decode_ms_per_token * slow;
-                let first = prefill + if a.output_tokens > 0 { decode } else { 0.0 };
-                (
-                    (prefill + decode * f64::from(a.output_tokens))
-                        .round()
-                        .max(1.0) as u64,
-                    first.round() as u64,
-                )
+                let (total, first) = self.s.service(a.prompt_tokens, a.output_tokens, slow);
+                (total.round().max(1.0) as u64, first.round() as u64)
             }
         };
         let end = self.now + service;
@@ -496,7 +496,7 @@ impl<'a> Engine<'a> {
 
     fn give_up(&mut self, policy: &mut dyn Policy, request: u64) {
         let r = request as usize;
-        if self.reqs[r].done {
+        if self.answered(r) {
             return;
         }
         self.reqs[r].gone = true;

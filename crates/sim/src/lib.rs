@@ -17,8 +17,7 @@ pub mod trace;
 pub mod workload;
 
 use policies::{
-    clairvoyant::Clairvoyant, codel::Codel, fifo::Fifo, gradient::Gradient, seed000::Seed000,
-    slackgate::Slackgate,
+    clairvoyant::Clairvoyant, codel::Codel, fifo::Fifo, gradient::Gradient, slackgate::Slackgate,
 };
 use policy::Policy;
 use scenario::{Scenario, ScenarioError};
@@ -87,7 +86,7 @@ pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimErro
     Ok(match name {
         "none" => Box::new(Fifo::none()),
         "max-queue" => Box::new(Fifo::max_queue(p.max_queue, cancel)),
-        "seed000" => Box::new(Seed000::new(
+        "seed000" => Box::new(Fifo::seed000(
             p.seed000_max_age_ms,
             p.seed000_depth_factor,
             slots,
@@ -143,24 +142,30 @@ pub fn simulate_with(
         }
     }
     let s = &window;
-    let mut runs = Vec::with_capacity(names.len());
-    for name in names {
-        let mut p = build_policy(s, name)?;
-        runs.push(engine::run(s, &arrivals, p.as_mut()));
-    }
-    let reference = match runs.iter().find(|r| r.policy == "clairvoyant") {
-        Some(r) => Some(r.clone()),
+    // Every name is checked before anything runs.
+    let mut policies = names
+        .iter()
+        .map(|n| build_policy(s, n))
+        .collect::<Result<Vec<_>, _>>()?;
+    let runs: Vec<engine::RunResult> = policies
+        .iter_mut()
+        .map(|p| engine::run(s, &arrivals, p.as_mut()))
+        .collect();
+    let named = runs.iter().position(|r| r.policy == "clairvoyant");
+    let extra = match named {
         None if with_reference => {
             let mut p = build_policy(s, "clairvoyant")?;
             Some(engine::run(s, &arrivals, p.as_mut()))
         }
-        None => None,
+        _ => None,
     };
-    let requests = reference
-        .as_ref()
-        .or(runs.first())
+    let reference = named.map(|i| &runs[i]).or(extra.as_ref());
+    // Every run saw the same requests: any of them gives their windows and sizes.
+    let requests = runs
+        .first()
+        .or(reference)
         .map_or(&[][..], |r| r.requests.as_slice());
     let b = bound::bound(requests, s.upstream.slots);
-    let rep = report::build(s, &runs, reference.as_ref(), &b);
+    let rep = report::build(s, &runs, reference, &b);
     Ok((rep, runs))
 }

@@ -132,22 +132,21 @@ pub struct Report {
 /// The bound's method, as the report states it.
 pub const BOUND_METHOD: &str = "LP relaxation: preemptive, divisible jobs on one fluid machine of speed `slots`, solved exactly by EDF; count bound = most smallest jobs fitting in that work";
 
-fn stats(
+/// Figures over `reqs`: (index in the run, result) pairs; the index finds the same request in
+/// the reference run.
+fn stats<'a>(
     s: &Scenario,
-    reqs: &[&RequestResult],
+    reqs: impl Iterator<Item = (usize, &'a RequestResult)>,
     reference: Option<&[RequestResult]>,
-    idx: &[usize],
     bound_work_ms: f64,
 ) -> Stats {
-    let mut st = Stats {
-        requests: reqs.len() as u64,
-        ..Stats::default()
-    };
+    let mut st = Stats::default();
     let (mut with_deadline, mut admitted_deadline, mut on_time_deadline) = (0u64, 0u64, 0u64);
     let (mut on_time_admitted, mut tokens, mut busy, mut wasted, mut work) =
         (0u64, 0f64, 0u64, 0u64, 0f64);
     let (mut rej_lat, mut turn, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
-    for (r, &i) in reqs.iter().zip(idx) {
+    for (i, r) in reqs {
+        st.requests += 1;
         st.offered += u64::from(r.offers);
         st.admitted += u64::from(r.admitted);
         busy += r.busy_ms;
@@ -227,18 +226,19 @@ pub fn build(
     let policies = runs
         .iter()
         .map(|run| {
-            let all: Vec<&RequestResult> = run.requests.iter().collect();
-            let idx: Vec<usize> = (0..all.len()).collect();
             let refr = reference.map(|r| r.requests.as_slice());
-            let total = stats(s, &all, refr, &idx, bound.work_ms);
+            let total = stats(s, run.requests.iter().enumerate(), refr, bound.work_ms);
             let classes = s
                 .classes
                 .iter()
                 .enumerate()
                 .map(|(ci, c)| {
-                    let idx: Vec<usize> = (0..all.len()).filter(|&i| all[i].class == ci).collect();
-                    let reqs: Vec<&RequestResult> = idx.iter().map(|&i| all[i]).collect();
-                    (c.name.clone(), stats(s, &reqs, refr, &idx, bound.work_ms))
+                    let of_class = run
+                        .requests
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.class == ci);
+                    (c.name.clone(), stats(s, of_class, refr, bound.work_ms))
                 })
                 .collect();
             PolicyReport {
@@ -296,10 +296,9 @@ impl Report {
             &mut out,
             self.policies.iter().map(|p| (&p.policy, &p.total)),
         );
-        if self.policies.first().is_some_and(|p| p.classes.len() > 1) {
-            let classes = self.policies.first().map_or(0, |p| p.classes.len());
-            for ci in 0..classes {
-                let name = self.policies[0].classes[ci].0.clone();
+        // Per class, when there is more than one (every policy reports the same classes).
+        if let Some(first) = self.policies.first().filter(|p| p.classes.len() > 1) {
+            for (ci, (name, _)) in first.classes.iter().enumerate() {
                 let _ = writeln!(out, "\n### class {name}\n");
                 table(
                     &mut out,

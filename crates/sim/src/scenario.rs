@@ -465,7 +465,9 @@ impl Scenario {
         }
     }
 
-    fn validate(&self) -> Result<(), (String, String)> {
+    /// Check every field; the first problem as (dotted field path, what is wrong). `parse`
+    /// runs it; call it again after overriding fields (the command line's `--noise`).
+    pub fn validate(&self) -> Result<(), (String, String)> {
         let err = |f: &str, m: &str| Err((f.to_string(), m.to_string()));
         let pos = |v: f64| v.is_finite() && v > 0.0;
         let nonneg = |v: f64| v.is_finite() && v >= 0.0;
@@ -644,10 +646,17 @@ impl Scenario {
 
     /// Nominal service time (ms) of a job at concurrency 1.
     pub fn service_ms(&self, prompt_tokens: u32, output_tokens: u32) -> f64 {
+        self.service(prompt_tokens, output_tokens, 1.0).0
+    }
+
+    /// Service time and time to the first token (ms) of a job whose decoding runs `slow`
+    /// times slower than alone: the upstream's cost model, in one place.
+    pub fn service(&self, prompt_tokens: u32, output_tokens: u32, slow: f64) -> (f64, f64) {
         let u = &self.upstream;
-        u.overhead_ms
-            + u.prefill_ms_per_token * f64::from(prompt_tokens)
-            + u.decode_ms_per_token * f64::from(output_tokens)
+        let prefill = u.overhead_ms + u.prefill_ms_per_token * f64::from(prompt_tokens);
+        let decode = u.decode_ms_per_token * slow;
+        let first = prefill + if output_tokens > 0 { decode } else { 0.0 };
+        (prefill + decode * f64::from(output_tokens), first)
     }
 
     /// The deadline tightest of all classes (ms), for deriving baseline defaults.

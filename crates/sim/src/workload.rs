@@ -54,13 +54,15 @@ pub fn generate(s: &Scenario) -> Result<Vec<Arrival>, ScenarioError> {
         if at > horizon {
             continue;
         }
+        // Validation guarantees the class exists.
+        let class = s.class_index(&st.class).unwrap_or(0);
         out.push(Arrival {
             request: 0,
             at_ms: at,
-            class: s.class_index(&st.class).unwrap_or(0),
+            class,
             prompt_tokens: 0,
             output_tokens: 0,
-            max_tokens: s.classes[s.class_index(&st.class).unwrap_or(0)].max_tokens,
+            max_tokens: s.classes[class].max_tokens,
             expected_output_tokens: 0,
             forced_service_ms: Some((st.duration_s * 1000.0) as u64),
         });

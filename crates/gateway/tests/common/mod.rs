@@ -127,6 +127,51 @@ impl Resp {
     }
 }
 
+/// The test gates' usual config: one pool of `slots` in front of `{UPSTREAM}` with fixed or
+/// learning priors, an `interactive` default class with a 30 s deadline and a best-effort
+/// `batch` class; `server` is extra `[server]` settings.
+pub fn two_class_config(
+    slots: u32,
+    overhead_ms: f64,
+    prefill_ms: f64,
+    decode_ms: f64,
+    learn: bool,
+    server: &str,
+) -> String {
+    format!(
+        r#"
+default_class = "interactive"
+[server]
+{server}
+[[pools]]
+name = "default"
+max_in_flight = {slots}
+upstream = "{{UPSTREAM}}"
+[pools.prior]
+overhead_ms = {overhead_ms:.1}
+prefill_ms_per_token = {prefill_ms:.1}
+decode_ms_per_token = {decode_ms:.1}
+learn = {learn}
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 30000
+[[classes]]
+name = "batch"
+priority = 10
+"#
+    )
+}
+
+/// The gate's job id from a response's `x-slackgate-job-id` header.
+pub fn job_id(headers: &HeaderMap) -> u64 {
+    headers["x-slackgate-job-id"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 fn client() -> Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
 }

@@ -1,7 +1,7 @@
-//! The two simplest baselines: no gate at all (`none`, an unbounded FIFO in front of the
-//! upstream, which is what seed 000 ran before its outage) and a static cap on queue depth
-//! (`max-queue`, the knob most proxies offer). Also home of `JobQueue`, the FIFO-plus-in-flight
-//! bookkeeping the queue-based baselines share.
+//! FIFO gates: no gate at all (`none`, an unbounded FIFO in front of the upstream, which is
+//! what seed 000 ran before its outage), a static cap on queue depth (`max-queue`, the knob
+//! most proxies offer), and seed 000's thresholds (`seed000`, its rule in `seed000.rs`). Also
+//! home of `JobQueue`, the FIFO-plus-in-flight bookkeeping the queue-based baselines share.
 
 use std::collections::{BTreeSet, VecDeque};
 
@@ -76,36 +76,46 @@ impl JobQueue {
     }
 }
 
-/// No gate (`none`) or a static queue-depth cap (`max-queue`), dispatching FIFO.
+/// What a FIFO gate refuses at arrival.
+#[derive(Clone, Debug)]
+pub(crate) enum Rule {
+    /// Nothing: no gate.
+    Unbounded,
+    /// A static cap on queued jobs.
+    Cap(usize),
+    /// Seed 000's age and depth thresholds.
+    Seed000(super::seed000::Seed000Rule),
+}
+
+/// A FIFO queue in front of the upstream with an arrival rule: no gate (`none`), a static
+/// queue-depth cap (`max-queue`) or seed 000's thresholds (`seed000`, see `Fifo::seed000`).
 #[derive(Clone, Debug)]
 pub struct Fifo {
     name: &'static str,
-    /// Most queued jobs admitted; `None`: unbounded.
-    cap: Option<usize>,
+    rule: Rule,
     cancel_abandoned: bool,
     jobs: JobQueue,
 }
 
 impl Fifo {
-    /// No gate at all: unbounded FIFO, never rejects, never notices a client leaving.
-    pub fn none() -> Self {
+    pub(crate) fn with_rule(name: &'static str, rule: Rule, cancel_abandoned: bool) -> Self {
         Fifo {
-            name: "none",
-            cap: None,
-            cancel_abandoned: false,
+            name,
+            rule,
+            cancel_abandoned,
             jobs: JobQueue::default(),
         }
+    }
+
+    /// No gate at all: unbounded FIFO, never rejects, never notices a client leaving.
+    pub fn none() -> Self {
+        Fifo::with_rule("none", Rule::Unbounded, false)
     }
 
     /// A static cap on queued (not in-flight) jobs: an arrival finding `cap` or more queued is
     /// rejected with `queue_depth_exceeded`.
     pub fn max_queue(cap: usize, cancel_abandoned: bool) -> Self {
-        Fifo {
-            name: "max-queue",
-            cap: Some(cap),
-            cancel_abandoned,
-            jobs: JobQueue::default(),
-        }
+        Fifo::with_rule("max-queue", Rule::Cap(cap), cancel_abandoned)
     }
 }
 
@@ -114,14 +124,17 @@ impl Policy for Fifo {
         self.name
     }
 
-    fn offer(&mut self, _now: u64, job: &Job, _in_flight: u32) -> Verdict {
-        if let Some(cap) = self.cap {
-            if self.jobs.len() >= cap {
-                return Verdict::Reject {
-                    reason: Reason::QueueDepthExceeded.as_str(),
-                    retry_after_ms: None,
-                };
-            }
+    fn offer(&mut self, now: u64, job: &Job, in_flight: u32) -> Verdict {
+        let refused = match &self.rule {
+            Rule::Unbounded => None,
+            Rule::Cap(cap) => (self.jobs.len() >= *cap).then_some(Reason::QueueDepthExceeded),
+            Rule::Seed000(rule) => rule.refuse(now, &self.jobs, in_flight),
+        };
+        if let Some(reason) = refused {
+            return Verdict::Reject {
+                reason: reason.as_str(),
+                retry_after_ms: None,
+            };
         }
         self.jobs.push(job.id, job.arrival_ms);
         Verdict::Admit

@@ -6,71 +6,46 @@
 
 use slackgate_core::Reason;
 
-use super::fifo::JobQueue;
-use crate::policy::{Action, Job, Policy, Verdict};
+use super::fifo::{Fifo, JobQueue, Rule};
 
-/// Seed 000's two-threshold FIFO gate (`seed000`).
+/// Seed 000's two thresholds, applied by a [`Fifo`] at arrival.
 #[derive(Clone, Debug)]
-pub struct Seed000 {
+pub(crate) struct Seed000Rule {
     max_age_ms: u64,
     depth_factor: f64,
     slots: u32,
-    cancel_abandoned: bool,
-    jobs: JobQueue,
 }
 
-impl Seed000 {
-    /// Reject when the oldest queued job is older than `max_age_ms`, or when `in_flight >=
-    /// slots` and more than `depth_factor * slots` jobs are queued (seed 000: 25 000, 2.0).
-    pub fn new(max_age_ms: u64, depth_factor: f64, slots: u32, cancel_abandoned: bool) -> Self {
-        Seed000 {
-            max_age_ms,
-            depth_factor,
-            slots,
-            cancel_abandoned,
-            jobs: JobQueue::default(),
-        }
-    }
-}
-
-impl Policy for Seed000 {
-    fn name(&self) -> &str {
-        "seed000"
-    }
-
-    fn offer(&mut self, now: u64, job: &Job, in_flight: u32) -> Verdict {
+impl Seed000Rule {
+    /// Why an arrival is refused, if it is.
+    pub(crate) fn refuse(&self, now: u64, jobs: &JobQueue, in_flight: u32) -> Option<Reason> {
         // Age first: it is the runbook's primary signal, and the reason an operator sees.
-        let oldest_age = self
-            .jobs
+        let oldest_age = jobs
             .oldest_arrival()
             .map_or(0, |arrival| now.saturating_sub(arrival));
         if oldest_age > self.max_age_ms {
-            return Verdict::Reject {
-                reason: Reason::QueueAgeExceeded.as_str(),
-                retry_after_ms: None,
-            };
+            return Some(Reason::QueueAgeExceeded);
         }
         let depth_limit = self.depth_factor * f64::from(self.slots);
-        if in_flight >= self.slots && self.jobs.len() as f64 > depth_limit {
-            return Verdict::Reject {
-                reason: Reason::QueueDepthExceeded.as_str(),
-                retry_after_ms: None,
-            };
-        }
-        self.jobs.push(job.id, job.arrival_ms);
-        Verdict::Admit
+        (in_flight >= self.slots && jobs.len() as f64 > depth_limit)
+            .then_some(Reason::QueueDepthExceeded)
     }
+}
 
-    fn next(&mut self, _now: u64, free: u32, out: &mut Vec<Action>) {
-        self.jobs.dispatch_fifo(free, out);
-    }
-
-    fn on_complete(&mut self, _now: u64, id: u64, _service_ms: u64, _output_tokens: u32) {
-        self.jobs.complete(id);
-    }
-
-    fn on_abandon(&mut self, _now: u64, id: u64) -> bool {
-        self.cancel_abandoned && self.jobs.cancel(id)
+impl Fifo {
+    /// Seed 000's gate (`seed000`): reject when the oldest queued job is older than
+    /// `max_age_ms`, or when `in_flight >= slots` and more than `depth_factor * slots` jobs are
+    /// queued (seed 000: 25 000, 2.0).
+    pub fn seed000(max_age_ms: u64, depth_factor: f64, slots: u32, cancel_abandoned: bool) -> Self {
+        Fifo::with_rule(
+            "seed000",
+            Rule::Seed000(Seed000Rule {
+                max_age_ms,
+                depth_factor,
+                slots,
+            }),
+            cancel_abandoned,
+        )
     }
 }
 
@@ -79,6 +54,7 @@ impl Policy for Seed000 {
 mod tests {
     use super::*;
     use crate::policies::fifo::tests::{check_bookkeeping, job};
+    use crate::policy::{Action, Policy, Verdict};
 
     fn reject(reason: &'static str) -> Verdict {
         Verdict::Reject {
@@ -89,7 +65,7 @@ mod tests {
 
     #[test]
     fn rejects_on_age_strictly_above_the_threshold() {
-        let mut p = Seed000::new(1000, 2.0, 4, true);
+        let mut p = Fifo::seed000(1000, 2.0, 4, true);
         assert_eq!(p.name(), "seed000");
         assert_eq!(p.offer(0, &job(1, 0, None, 10), 4), Verdict::Admit);
         // Oldest queued job is exactly 1000 ms old: still admitted.
@@ -109,7 +85,7 @@ mod tests {
     #[test]
     fn rejects_on_depth_only_when_every_slot_is_busy() {
         // 2 slots, factor 1.5: more than 3 queued with both slots busy is too deep.
-        let mut p = Seed000::new(60_000, 1.5, 2, true);
+        let mut p = Fifo::seed000(60_000, 1.5, 2, true);
         for id in 1..=4 {
             assert_eq!(p.offer(0, &job(id, 0, None, 10), 2), Verdict::Admit);
         }
@@ -133,7 +109,7 @@ mod tests {
 
     #[test]
     fn abandoned_jobs_are_cancelled_only_if_visible() {
-        let mut p = Seed000::new(1000, 2.0, 4, true);
+        let mut p = Fifo::seed000(1000, 2.0, 4, true);
         assert_eq!(p.offer(0, &job(1, 0, Some(500), 10), 0), Verdict::Admit);
         assert!(p.on_abandon(500, 1));
         // The cancelled job no longer ages the queue.
@@ -142,7 +118,7 @@ mod tests {
         p.next(2000, 4, &mut out);
         assert_eq!(out, vec![Action::Dispatch(2)]);
 
-        let mut blind = Seed000::new(1000, 2.0, 4, false);
+        let mut blind = Fifo::seed000(1000, 2.0, 4, false);
         assert_eq!(blind.offer(0, &job(1, 0, Some(500), 10), 0), Verdict::Admit);
         assert!(!blind.on_abandon(500, 1));
         assert_eq!(
@@ -154,8 +130,8 @@ mod tests {
     #[test]
     fn bookkeeping_stays_consistent() {
         for seed in 0..3 {
-            check_bookkeeping(&mut Seed000::new(1000, 2.0, 4, true), 4, seed);
-            check_bookkeeping(&mut Seed000::new(1000, 2.0, 4, false), 4, seed);
+            check_bookkeeping(&mut Fifo::seed000(1000, 2.0, 4, true), 4, seed);
+            check_bookkeeping(&mut Fifo::seed000(1000, 2.0, 4, false), 4, seed);
         }
     }
 }
