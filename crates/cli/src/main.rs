@@ -5,7 +5,9 @@
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC`
 //! - `slackgate check --config FILE`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
+//! - `slackgate drill SCENARIO.toml [--time-scale F] [--json] [--out DIR]`
 
+mod drill;
 mod sim;
 
 use anyhow::{bail, Context, Result};
@@ -40,6 +42,8 @@ enum Command {
     },
     /// Simulate a scenario under several admission policies and compare them.
     Sim(sim::SimArgs),
+    /// Run a scenario live over HTTP through a real gate and stub, gate on versus off.
+    Drill(drill::DrillArgs),
 }
 
 #[derive(clap::Args)]
@@ -91,18 +95,21 @@ struct StubArgs {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     // The simulator is plain CPU work: no runtime.
-    if let Command::Sim(a) = cli.command {
-        return sim::run(a);
-    }
+    let cli = match cli.command {
+        Command::Sim(a) => return sim::run(a),
+        // The drill builds its own runtime.
+        Command::Drill(a) => return drill::run(a),
+        other => other,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    match cli.command {
+    match cli {
         Command::Serve(a) => rt.block_on(serve(a)),
         Command::Stub(a) => rt.block_on(stub(a)),
         Command::Check { config } => check(&config),
-        Command::Sim(_) => Ok(()),
+        Command::Sim(_) | Command::Drill(_) => Ok(()),
     }
 }
 

@@ -47,6 +47,9 @@ pub struct HeaderInfo {
     pub idempotency_key: Option<String>,
     /// `X-Attempt`, or the OpenAI SDKs' `x-stainless-retry-count`.
     pub attempt: Option<u32>,
+    /// `X-Expected-Output-Tokens`: the caller's own estimate of the output length, used
+    /// instead of the class's learned mean (capped by `max_tokens`).
+    pub expected_output_tokens: Option<u32>,
 }
 
 fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, BadRequest> {
@@ -180,6 +183,19 @@ pub fn parse_headers_with(
         .find_map(|n| h.get(*n))
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.trim().parse::<u32>().ok());
+    if let Some(v) = h.get("x-expected-output-tokens") {
+        let text = v.to_str().map(str::trim).unwrap_or("<not visible ASCII>");
+        let n = text.parse::<u32>().map_err(|_| {
+            bad(
+                Reason::InvalidRequest,
+                format!(
+                    "x-expected-output-tokens: {text:?} is not a whole number of tokens (0..={})",
+                    u32::MAX
+                ),
+            )
+        })?;
+        info.expected_output_tokens = Some(n);
+    }
     Ok(info)
 }
 
@@ -320,6 +336,22 @@ mod tests {
         assert_eq!(r.err().map(|e| e.reason), Some(Reason::InvalidDeadline));
         let r = parse_headers(&headers(&[("x-deadline", &(now + 5000).to_string())]), now);
         assert_eq!(r.ok().and_then(|i| i.deadline_epoch_ms), Some(now + 5000));
+    }
+
+    #[test]
+    fn expected_output_hint_is_a_token_count_or_an_error() {
+        let r = parse_headers(&headers(&[("x-expected-output-tokens", " 250 ")]), 0);
+        assert_eq!(r.ok().and_then(|i| i.expected_output_tokens), Some(250));
+        let r = parse_headers(&headers(&[]), 0);
+        assert_eq!(r.ok().and_then(|i| i.expected_output_tokens), None);
+        for bad_value in ["-1", "2.5", "abc", "", "99999999999", "1e3"] {
+            let r = parse_headers(&headers(&[("x-expected-output-tokens", bad_value)]), 0);
+            assert_eq!(
+                r.err().map(|e| e.reason),
+                Some(Reason::InvalidRequest),
+                "{bad_value:?}"
+            );
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! charts. Deterministic: events at the same instant are ordered by insertion.
 
 use crate::policy::{Action, Job, Policy, Verdict};
-use crate::scenario::{RetryMode, Scenario};
+use crate::scenario::{FaultKind, RetryMode, Scenario, HANG_TAIL_MS};
 use crate::workload::Arrival;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap};
@@ -24,6 +24,8 @@ pub enum Outcome {
     Abandoned,
     /// Still running when the simulation stopped (only with a time limit).
     Pending,
+    /// The upstream failed it (an injected error, reset or hang).
+    Failed,
 }
 
 /// What happened to one client request.
@@ -112,7 +114,7 @@ enum Ev {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum JobState {
     Queued,
-    Running { start: u64, end: u64 },
+    Running { start: u64, end: u64, fails: bool },
     Gone,
 }
 
@@ -453,25 +455,55 @@ impl<'a> Engine<'a> {
         let u = &self.s.upstream;
         // Decoding slows as more requests share the engine, fixed at start.
         let slow = 1.0 + u.concurrency_slowdown * f64::from(self.in_flight - 1);
-        let (service, ttft) = match a.forced_service_ms {
+        let (mut service, mut ttft) = match a.forced_service_ms {
             Some(ms) => (ms, ms),
             None => {
                 let (total, first) = self.s.service(a.prompt_tokens, a.output_tokens, slow);
                 (total.round().max(1.0) as u64, first.round() as u64)
             }
         };
+        let mut fails = false;
+        let mut streamed = true;
+        if a.forced_service_ms.is_none() {
+            if let Some(f) = self.s.fault_for(a.request, a.at_ms, a.class) {
+                match f.kind {
+                    FaultKind::Latency => {
+                        let x = f.factor.unwrap_or(1.0);
+                        service = (service as f64 * x).round().max(1.0) as u64;
+                        ttft = (ttft as f64 * x).round() as u64;
+                    }
+                    FaultKind::Error => {
+                        (service, fails, streamed) = (1, true, false);
+                    }
+                    FaultKind::Reset => {
+                        // Cut after the third token (or the last): that share of the decode.
+                        let n = u64::from(a.output_tokens.max(1));
+                        service = (service * n.min(3) / n).max(1);
+                        fails = true;
+                    }
+                    FaultKind::Hang => {
+                        let end = (self.s.duration_s * 1000.0) as u64 + HANG_TAIL_MS;
+                        (service, fails, streamed) =
+                            (end.saturating_sub(self.now).max(1), true, false);
+                    }
+                }
+            }
+        }
         let end = self.now + service;
         self.jobs[id as usize].state = JobState::Running {
             start: self.now,
             end,
+            fails,
         };
         let r = request as usize;
-        self.results[r].ttft_ms = Some(self.now + ttft - self.results[r].first_at_ms);
+        if streamed {
+            self.results[r].ttft_ms = Some(self.now + ttft - self.results[r].first_at_ms);
+        }
         self.push(end, Ev::Finish { job: id });
     }
 
     fn finish(&mut self, policy: &mut dyn Policy, id: u64) {
-        let JobState::Running { start, end } = self.jobs[id as usize].state else {
+        let JobState::Running { start, end, fails } = self.jobs[id as usize].state else {
             return; // cancelled earlier
         };
         if end != self.now {
@@ -482,12 +514,21 @@ impl<'a> Engine<'a> {
         let request = self.jobs[id as usize].request;
         let r = request as usize;
         let output = self.arrivals[r].output_tokens;
-        policy.on_complete(self.now, id, end - start, output);
+        if fails {
+            policy.on_fail(self.now, id, end - start);
+        } else {
+            policy.on_complete(self.now, id, end - start, output);
+        }
         self.results[r].busy_ms += end - start;
         self.reqs[r].live = None;
         if self.reqs[r].gone {
             // The client left; the work ran anyway. Already answered as abandoned; mark late.
             self.results[r].outcome = Outcome::Late;
+            return;
+        }
+        if fails {
+            self.results[r].reason = "upstream_error";
+            self.answer(request, Outcome::Failed);
             return;
         }
         let late = self.results[r].deadline_ms.is_some_and(|d| self.now > d);

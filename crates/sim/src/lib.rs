@@ -32,7 +32,7 @@ pub enum SimError {
     #[error("slackgate configuration: {0}")]
     Gate(#[from] slackgate_core::ConfigError),
     /// A policy name nobody knows.
-    #[error("unknown policy {0:?}; known: {known}", known = scenario::ALL_POLICIES.join(", "))]
+    #[error("unknown policy {0:?}; known: {known}", known = scenario::known_policies().join(", "))]
     UnknownPolicy(String),
 }
 
@@ -111,6 +111,7 @@ pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimErro
             cancel,
         )),
         "slackgate" => Box::new(Slackgate::new(s)?),
+        "admit-always" => Box::new(Slackgate::admit_always(s)?),
         "clairvoyant" => Box::new(Clairvoyant::new(slots)),
         other => return Err(SimError::UnknownPolicy(other.to_string())),
     })

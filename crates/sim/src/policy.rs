@@ -72,6 +72,13 @@ pub trait Policy {
     /// A dispatched job finished upstream after `service_ms`, producing `output_tokens`.
     fn on_complete(&mut self, now: u64, id: u64, service_ms: u64, output_tokens: u32);
 
+    /// A dispatched job failed upstream (an injected error, reset or hang) after
+    /// `service_ms`: its slot is free and it produced nothing usable. By default a completion
+    /// with no output.
+    fn on_fail(&mut self, now: u64, id: u64, service_ms: u64) {
+        self.on_complete(now, id, service_ms, 0);
+    }
+
     /// The client of job `id` gave up (its deadline passed). Return true if the policy
     /// cancels the job: a queued job is then forgotten, an in-flight one stops upstream and
     /// frees its slot. Return false if the policy cannot see the disconnect (the job stays

@@ -54,6 +54,8 @@ pub struct Stats {
     pub late: u64,
     /// Requests whose client gave up while queued or running (and were not completed).
     pub abandoned: u64,
+    /// Requests the upstream failed (injected error, reset or hang).
+    pub failed: u64,
     /// On-time completions per second of the arrival window.
     pub goodput_rps: f64,
     /// Output tokens of on-time completions per second of the arrival window.
@@ -185,6 +187,7 @@ fn stats<'a>(
                 }
             }
             Outcome::Abandoned | Outcome::Pending => st.abandoned += 1,
+            Outcome::Failed => st.failed += 1,
         }
         if r.outcome != Outcome::OnTime && r.busy_ms > 0 {
             wasted += r.busy_ms;
@@ -318,16 +321,16 @@ impl Report {
 fn table<'a>(out: &mut String, rows: impl Iterator<Item = (&'a String, &'a Stats)>) {
     let _ = writeln!(
         out,
-        "| policy | offered | admitted | rejected | dropped | on-time | late | abandoned | goodput/s | tokens/s | SLO | SLO admitted | bound | wasted s | wasted | false rej | rej p50/p99 ms | turnaround p50/p95/p99 ms | TTFT p50/p95/p99 ms | retry x |"
+        "| policy | offered | admitted | rejected | dropped | on-time | late | abandoned | failed | goodput/s | tokens/s | SLO | SLO admitted | bound | wasted s | wasted | false rej | rej p50/p99 ms | turnaround p50/p95/p99 ms | TTFT p50/p95/p99 ms | retry x |"
     );
     let _ = writeln!(
         out,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for (name, s) in rows {
         let _ = writeln!(
             out,
-            "| {name} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {} | {} | {:.1} | {} | {} ({}) | {}/{} | {}/{}/{} | {}/{}/{} | {:.2} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {} | {} | {:.1} | {} | {} ({}) | {}/{} | {}/{}/{} | {}/{}/{} | {:.2} |",
             s.offered,
             s.admitted,
             s.rejected,
@@ -335,6 +338,7 @@ fn table<'a>(out: &mut String, rows: impl Iterator<Item = (&'a String, &'a Stats
             s.on_time,
             s.late,
             s.abandoned,
+            s.failed,
             s.goodput_rps,
             s.goodput_tokens_per_s,
             pct(s.slo_attainment),

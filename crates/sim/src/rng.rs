@@ -204,6 +204,14 @@ impl Rng {
     }
 }
 
+/// A uniform draw in [0, 1) that depends only on its three inputs: for decisions that the
+/// simulator and the live drill must make identically without sharing a generator's state.
+pub fn unit_hash(seed: u64, a: u64, b: u64) -> f64 {
+    let mut st =
+        seed ^ a.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ b.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    (splitmix64(&mut st) >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// One step of splitmix64: advances `state` and returns its mixed value.
 fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);

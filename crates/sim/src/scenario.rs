@@ -301,6 +301,49 @@ pub struct Stuck {
     pub class: String,
 }
 
+/// What an injected upstream fault does to a request it hits.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FaultKind {
+    /// Service takes `factor` times as long (a latency spike).
+    Latency,
+    /// The upstream answers an error status at once.
+    Error,
+    /// The connection is reset mid-stream, after the third token (or the last, if fewer).
+    Reset,
+    /// The upstream never answers: the slot is held until the client gives up (or, for a
+    /// client with no deadline, until the run's end: arrivals' end plus `HANG_TAIL_MS`).
+    Hang,
+}
+
+/// How long after the last arrival a hung request is ended at the latest (ms): the drill's
+/// clients with no deadline give up then, and the simulator ends hung jobs then.
+pub const HANG_TAIL_MS: u64 = 60_000;
+
+/// Faults injected into the upstream for requests arriving in a window (`[[faults]]`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// What happens.
+    pub kind: FaultKind,
+    /// Window start (s).
+    pub at_s: f64,
+    /// Window length (s).
+    pub duration_s: f64,
+    /// Share of the window's requests hit (0..=1, default 1).
+    #[serde(default = "default_one")]
+    pub rate: f64,
+    /// `latency`: the slowdown factor (> 0).
+    #[serde(default)]
+    pub factor: Option<f64>,
+    /// `error`: the status answered (400..=599, default 503).
+    #[serde(default)]
+    pub status: Option<u16>,
+    /// Only requests of this class (default: every class).
+    #[serde(default)]
+    pub class: Option<String>,
+}
+
 /// Parameters of the baseline policies. `None`: derived from the scenario (see docs).
 #[derive(Clone, Debug, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
@@ -383,6 +426,9 @@ pub struct Scenario {
     /// Injected long jobs.
     #[serde(default)]
     pub stuck: Vec<Stuck>,
+    /// Injected upstream faults.
+    #[serde(default)]
+    pub faults: Vec<Fault>,
     /// Baseline parameters.
     #[serde(default)]
     pub baselines: Baselines,
@@ -408,6 +454,15 @@ pub const ALL_POLICIES: &[&str] = &[
     "slackgate",
     "clairvoyant",
 ];
+
+/// Policies run only when named: `admit-always` is slackgate's core with its rollback flag
+/// set (the drill's "gate off"), there to compare with a live drill.
+pub const EXTRA_POLICIES: &[&str] = &["admit-always"];
+
+/// Every policy name `--policy` and `policies` accept.
+pub fn known_policies() -> Vec<&'static str> {
+    ALL_POLICIES.iter().chain(EXTRA_POLICIES).copied().collect()
+}
 
 impl Scenario {
     /// Read and validate a scenario file.
@@ -487,10 +542,13 @@ impl Scenario {
             return err("tick_ms", "must be between 1 and 60000");
         }
         for (i, p) in self.policies.iter().enumerate() {
-            if !ALL_POLICIES.contains(&p.as_str()) {
+            if !known_policies().contains(&p.as_str()) {
                 return Err((
                     format!("policies[{i}]"),
-                    format!("unknown policy {p:?}; known: {}", ALL_POLICIES.join(", ")),
+                    format!(
+                        "unknown policy {p:?}; known: {}",
+                        known_policies().join(", ")
+                    ),
                 ));
             }
         }
@@ -620,6 +678,48 @@ impl Scenario {
                 return Err((at("class"), format!("unknown class {:?}", st.class)));
             }
         }
+        for (i, f) in self.faults.iter().enumerate() {
+            let at = |k: &str| format!("faults[{i}].{k}");
+            if !nonneg(f.at_s) {
+                return Err((at("at_s"), "must be a non-negative number".into()));
+            }
+            if !(pos(f.duration_s) && f.duration_s <= 86_400.0) {
+                return Err((
+                    at("duration_s"),
+                    "must be a positive number of seconds".into(),
+                ));
+            }
+            if !(nonneg(f.rate) && f.rate <= 1.0) {
+                return Err((at("rate"), "must be between 0 and 1".into()));
+            }
+            match (f.kind, f.factor) {
+                (FaultKind::Latency, Some(x)) if pos(x) && x <= 1000.0 => {}
+                (FaultKind::Latency, _) => {
+                    return Err((
+                        at("factor"),
+                        "a latency fault needs a factor in (0, 1000]".into(),
+                    ))
+                }
+                (_, Some(_)) => {
+                    return Err((at("factor"), "only a latency fault takes a factor".into()))
+                }
+                (_, None) => {}
+            }
+            match (f.kind, f.status) {
+                (FaultKind::Error, Some(st)) if !(400..=599).contains(&st) => {
+                    return Err((at("status"), "must be an error status, 400..=599".into()))
+                }
+                (FaultKind::Error, _) | (_, None) => {}
+                (_, Some(_)) => {
+                    return Err((at("status"), "only an error fault takes a status".into()))
+                }
+            }
+            if let Some(c) = &f.class {
+                if self.class_index(c).is_none() {
+                    return Err((at("class"), format!("unknown class {c:?}")));
+                }
+            }
+        }
         let b = &self.baselines;
         if b.max_queue == Some(0) {
             return err("baselines.max_queue", "must be at least 1");
@@ -657,6 +757,24 @@ impl Scenario {
         let decode = u.decode_ms_per_token * slow;
         let first = prefill + if output_tokens > 0 { decode } else { 0.0 };
         (prefill + decode * f64::from(output_tokens), first)
+    }
+
+    /// The fault, if any, that hits a request arriving at `at_ms` of class `class` with id
+    /// `request`: the first `[[faults]]` window containing the arrival whose class matches and
+    /// whose `rate` draw (a hash of the seed, the request and the fault, so the simulator and
+    /// the drill pick the same requests) falls below the rate.
+    pub fn fault_for(&self, request: u64, at_ms: u64, class: usize) -> Option<&Fault> {
+        self.faults.iter().enumerate().find_map(|(i, f)| {
+            let from = f.at_s * 1000.0;
+            let to = from + f.duration_s * 1000.0;
+            let t = at_ms as f64;
+            let class_ok = match &f.class {
+                None => true,
+                Some(c) => self.class_index(c) == Some(class),
+            };
+            let hit = crate::rng::unit_hash(self.seed, request, i as u64) < f.rate;
+            (t >= from && t < to && class_ok && hit).then_some(f)
+        })
     }
 
     /// The deadline tightest of all classes (ms), for deriving baseline defaults.

@@ -1,5 +1,5 @@
 //! The `/stub/*` control endpoints that tests and drills use to steer the stub: releasing held
-//! requests and occupying slots outside any request.
+//! requests, occupying slots outside any request, and reading or clearing the request records.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +9,8 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::server::{error, json_response, read_body, Refusal};
+use crate::records::RequestLog;
+use crate::server::{error, json_bytes, json_response, read_body, Refusal};
 use crate::state::Shared;
 use crate::stream::StubBody;
 
@@ -98,4 +99,29 @@ pub(crate) async fn occupy(shared: &Arc<Shared>, req: Request<Incoming>) -> Resp
         drop(entry);
     });
     json_response(StatusCode::OK, &json!({ "occupied": body.slots }))
+}
+
+/// `GET /stub/requests`: every request record so far, as `{"requests":[..],"dropped":N}`.
+pub(crate) fn requests(shared: &Shared) -> Response<StubBody> {
+    // Serialize under the lock rather than cloning up to a million records first.
+    log_response(shared.with_requests(serde_json::to_vec))
+}
+
+/// `POST /stub/requests/clear` (or `DELETE /stub/requests`): the same answer as
+/// `GET /stub/requests`, taken atomically with emptying the log, so a drill that reads this way
+/// never loses a record that lands between a read and a clear.
+pub(crate) fn clear_requests(shared: &Shared) -> Response<StubBody> {
+    let log: RequestLog = shared.take_requests();
+    log_response(serde_json::to_vec(&log))
+}
+
+fn log_response(serialized: serde_json::Result<Vec<u8>>) -> Response<StubBody> {
+    match serialized {
+        Ok(bytes) => json_bytes(StatusCode::OK, bytes),
+        // Plain structs of strings and numbers always serialize; this is only for completeness.
+        Err(e) => {
+            let msg = format!("could not serialize the request records: {e}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, &msg, "internal_error")
+        }
+    }
 }

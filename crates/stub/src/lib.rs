@@ -8,7 +8,19 @@
 //! - `x-stub-output-tokens: N`, `x-stub-latency: <spec>` override a request's size and timing;
 //! - `x-stub-hold: NAME` keeps a request in its slot until `POST /stub/release`;
 //! - `x-stub-fault: status:503 | reset | hang` injects failures;
-//! - `POST /stub/occupy` takes slots away, `GET /stub/stats` reports [`StubStats`].
+//! - `x-stub-request-id: ID` (1 to 128 visible ASCII characters) asks for the request to be
+//!   accounted: when it ends, a [`RequestRecord`] notes how long it queued, how long it held a
+//!   slot and how it ended (`served`, `faulted` or `cancelled`, also when the client gave up
+//!   mid-way). Requests without the header are not recorded. A malformed value of any of these
+//!   headers is a 400 with code `invalid_header`;
+//! - `POST /stub/occupy` takes slots away, `GET /stub/stats` reports [`StubStats`];
+//! - `GET /stub/requests` returns every record so far as a [`RequestLog`]
+//!   (`{"requests":[..],"dropped":N}`, in completion order), and `POST /stub/requests/clear`
+//!   (or `DELETE /stub/requests`) returns the same and empties the log. At most
+//!   [`MAX_REQUEST_RECORDS`] are kept between clears; later ones only count in `dropped`.
+//!
+//! Only requests that pass validation and queue for a slot are recorded: a request refused with a
+//! 4xx before that has used no upstream time.
 //!
 //! Like mini-redis, the server takes an already bound listener, so tests bind `127.0.0.1:0` and
 //! never race for ports.
@@ -16,6 +28,7 @@
 mod control;
 mod latency;
 mod openai;
+mod records;
 mod server;
 mod state;
 mod stream;
@@ -30,6 +43,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 pub use latency::{LatencySpec, SpecError, MAX_SPEC_DURATION};
+pub use records::{RequestLog, RequestRecord, MAX_REQUEST_RECORDS};
+pub use state::Outcome;
 
 /// How the stub behaves when a request does not say otherwise.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,6 +87,10 @@ pub struct StubStats {
     pub occupied: usize,
     /// Model requests received (chat, completions, embeddings), including refused ones.
     pub requests: u64,
+    /// Milliseconds of slot-holding time summed over every request so far, recorded or not
+    /// (`/stub/occupy` is not a request and does not count). Summed exactly, then rounded down,
+    /// so it may exceed the sum of the records' rounded-down `busy_ms`.
+    pub busy_ms_total: u64,
 }
 
 /// Handle to a running stub. Dropping it stops the server, like [`Stub::shutdown`] without the
@@ -113,6 +132,18 @@ impl Stub {
     /// A snapshot of the counters.
     pub fn stats(&self) -> StubStats {
         self.shared.stats()
+    }
+
+    /// The records of requests that carried `x-stub-request-id`, in completion order, as
+    /// `GET /stub/requests` returns them.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        self.shared.requests()
+    }
+
+    /// Every record so far and the dropped count, emptying the log, like
+    /// `POST /stub/requests/clear`.
+    pub fn take_requests(&self) -> RequestLog {
+        self.shared.take_requests()
     }
 
     /// Stops accepting, aborts every open connection, and waits until that is done.

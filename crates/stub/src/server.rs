@@ -24,6 +24,7 @@ use tokio::time::Instant;
 use crate::control;
 use crate::latency::{sleep_from, LatencySpec};
 use crate::openai::{self, clamp_tokens, Endpoint, ModelRequest};
+use crate::records::{check_request_id, Tag};
 use crate::state::{Outcome, Shared};
 use crate::stream::{token_stream, StreamPlan, StubBody};
 
@@ -101,23 +102,32 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
         .await;
 }
 
+// The methods each route accepts. Statics rather than literals: `Method` has drop glue, so a
+// `&[Method::GET]` literal could not be borrowed for the whole function.
+static GET: [Method; 1] = [Method::GET];
+static POST: [Method; 1] = [Method::POST];
+// `DELETE /stub/requests` is an alias of `POST /stub/requests/clear`.
+static GET_OR_DELETE: [Method; 2] = [Method::GET, Method::DELETE];
+
 async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
-    let model = |e| (Method::POST, Some(e));
-    let (want, endpoint) = match path.as_str() {
+    let model = |e| (&POST[..], Some(e));
+    let (allowed, endpoint) = match path.as_str() {
         "/v1/chat/completions" => model(Endpoint::Chat),
         "/v1/completions" => model(Endpoint::Text),
         "/v1/embeddings" => model(Endpoint::Embeddings),
-        "/v1/models" | "/health" | "/stub/stats" => (Method::GET, None),
-        "/stub/release" | "/stub/occupy" => (Method::POST, None),
+        "/v1/models" | "/health" | "/stub/stats" => (&GET[..], None),
+        "/stub/requests" => (&GET_OR_DELETE[..], None),
+        "/stub/release" | "/stub/occupy" | "/stub/requests/clear" => (&POST[..], None),
         _ => {
             let msg = format!("no route for {method} {path}");
             return Ok(error(StatusCode::NOT_FOUND, &msg, "not_found"));
         }
     };
-    if method != want {
-        let msg = format!("{path} only accepts {want}");
+    if !allowed.contains(&method) {
+        let names: Vec<&str> = allowed.iter().map(Method::as_str).collect();
+        let msg = format!("{path} only accepts {}", names.join(" or "));
         return Ok(error(
             StatusCode::METHOD_NOT_ALLOWED,
             &msg,
@@ -134,6 +144,8 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
         ),
         "/health" => plain(StatusCode::OK, "ok"),
         "/stub/stats" => json_response(StatusCode::OK, &json!(shared.stats())),
+        "/stub/requests" if method == Method::GET => control::requests(&shared),
+        "/stub/requests" | "/stub/requests/clear" => control::clear_requests(&shared),
         "/stub/release" => control::release(&shared, req).await,
         _ => control::occupy(&shared, req).await,
     })
@@ -146,6 +158,8 @@ struct Overrides {
     latency: Option<LatencySpec>,
     hold: Option<String>,
     fault: Option<Fault>,
+    /// `x-stub-request-id`: record this request in `/stub/requests`.
+    request_id: Option<String>,
 }
 
 /// An injected failure (`x-stub-fault`).
@@ -193,6 +207,10 @@ impl Overrides {
                 )
             })?);
         }
+        if let Some(v) = get("x-stub-request-id")? {
+            check_request_id(v).map_err(|why| bad_header("x-stub-request-id", why))?;
+            o.request_id = Some(v.to_owned());
+        }
         Ok(o)
     }
 }
@@ -239,8 +257,14 @@ async fn model_request(shared: Arc<Shared>, endpoint: Endpoint, req: Request<Inc
     };
     // Register before queueing, so a release sent while the request waits for a slot is not lost.
     let hold = overrides.hold.as_deref().map(|n| shared.register_hold(n));
+    // From here on the request is accounted: its guards record it however it ends.
+    let tag = overrides.request_id.map(|id| Tag {
+        id,
+        output_tokens: tokens,
+        stream: parsed.stream,
+    });
 
-    let Some(mut slot) = shared.acquire_slot().await else {
+    let Some(mut slot) = shared.acquire_slot(tag).await else {
         return Ok(error(
             StatusCode::SERVICE_UNAVAILABLE,
             "stub is shutting down",
@@ -350,7 +374,12 @@ pub(crate) fn error(status: StatusCode, message: &str, code: &str) -> Response<S
 
 /// A JSON response.
 pub(crate) fn json_response(status: StatusCode, v: &Value) -> Response<StubBody> {
-    with_body(status, "application/json", StubBody::full(v.to_string()))
+    json_bytes(status, v.to_string())
+}
+
+/// A JSON response from already serialized bytes.
+pub(crate) fn json_bytes(status: StatusCode, bytes: impl Into<Bytes>) -> Response<StubBody> {
+    with_body(status, "application/json", StubBody::full(bytes))
 }
 
 fn plain(status: StatusCode, text: &'static str) -> Response<StubBody> {

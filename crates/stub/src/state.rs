@@ -1,5 +1,6 @@
-//! Shared server state: the slot semaphore, the counters behind `/stub/stats`, and the registries
-//! of held requests and occupations that `/stub/release` wakes.
+//! Shared server state: the slot semaphore, the counters behind `/stub/stats`, the per-request
+//! records behind `/stub/requests`, and the registries of held requests and occupations that
+//! `/stub/release` wakes.
 //!
 //! Every counter that goes up for a request goes down in a guard's `Drop`, never in a handler's
 //! happy path, because a request can vanish at any `.await` (client disconnect drops the future)
@@ -8,10 +9,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use crate::latency::{LatencySpec, Prng};
+use crate::records::{Records, RequestLog, RequestRecord, Tag, MAX_REQUEST_RECORDS};
 use crate::{StubConfig, StubStats};
 
 /// Most slots a stub may have: far beyond any real server, and small enough that the semaphore
@@ -25,6 +29,10 @@ pub(crate) struct Shared {
     /// One permit per upstream slot; tokio's semaphore is FIFO, which gives the internal queue.
     pub slots: Arc<Semaphore>,
     stats: Mutex<StubStats>,
+    /// Slot-holding time of every request so far, in microseconds, behind `busy_ms_total`. Only
+    /// updated under the `stats` lock, so a snapshot agrees with `served` and `cancelled`.
+    busy_us_total: AtomicU64,
+    records: Mutex<Records>,
     rng: Mutex<Prng>,
     waiters: Mutex<Waiters>,
     response_ids: AtomicU64,
@@ -44,21 +52,39 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// How a request that held a slot ended; decides which counter its release bumps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Outcome {
+/// How a request ended; decides which counter its release bumps and what its record says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
     /// The whole response was delivered.
     Served,
     /// The stub ended it on purpose (injected fault).
     Faulted,
-    /// The client went away first. This is the default, so any path that forgets to settle the
-    /// guard, i.e. a dropped future or body, is counted as a cancellation.
+    /// The client went away first, while queued or while holding a slot. This is what a slot
+    /// guard starts with, so any path that forgets to settle it, i.e. a dropped future or body,
+    /// is counted as a cancellation.
     Cancelled,
+}
+
+impl Outcome {
+    /// The stable name used in `/stub/requests`: `served`, `faulted` or `cancelled`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Served => "served",
+            Outcome::Faulted => "faulted",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
 }
 
 impl Shared {
     /// Creates the state for a stub with `cfg`, refusing a slot count the stub cannot serve.
     pub fn new(cfg: StubConfig) -> std::io::Result<Arc<Self>> {
+        Self::with_record_cap(cfg, MAX_REQUEST_RECORDS)
+    }
+
+    /// [`Shared::new`] keeping at most `cap` request records, so tests can reach the cap.
+    pub fn with_record_cap(cfg: StubConfig, cap: usize) -> std::io::Result<Arc<Self>> {
         if cfg.slots == 0 || cfg.slots > MAX_SLOTS {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
@@ -69,6 +95,8 @@ impl Shared {
             slots: Arc::new(Semaphore::new(cfg.slots)),
             rng: Mutex::new(Prng::new(cfg.seed)),
             stats: Mutex::new(StubStats::default()),
+            busy_us_total: AtomicU64::new(0),
+            records: Mutex::new(Records::with_cap(cap)),
             waiters: Mutex::new(Waiters::default()),
             response_ids: AtomicU64::new(0),
             cfg,
@@ -77,7 +105,31 @@ impl Shared {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> StubStats {
-        lock(&self.stats).clone()
+        let s = lock(&self.stats);
+        StubStats {
+            busy_ms_total: self.busy_us_total.load(Ordering::Relaxed) / 1000,
+            ..s.clone()
+        }
+    }
+
+    /// Runs `f` on the request records under their lock, e.g. to serialize them without a copy.
+    pub fn with_requests<R>(&self, f: impl FnOnce(&RequestLog) -> R) -> R {
+        f(lock(&self.records).log())
+    }
+
+    /// A copy of the request records kept so far, in completion order.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        lock(&self.records).list().to_vec()
+    }
+
+    /// Every request record so far (and the dropped count), leaving the log empty.
+    pub fn take_requests(&self) -> RequestLog {
+        lock(&self.records).take()
+    }
+
+    /// Adds a finished request's record.
+    fn record(&self, record: RequestRecord) {
+        lock(&self.records).push(record);
     }
 
     /// A fresh number for a response id; unique within this stub.
@@ -101,13 +153,15 @@ impl Shared {
     }
 
     /// Waits FIFO for a slot. While waiting the request counts as `queued`; once it has the slot
-    /// it counts as `in_flight` until the returned guard is dropped.
-    pub async fn acquire_slot(self: &Arc<Self>) -> Option<SlotGuard> {
-        let permit = {
-            let _queued = QueuedGuard::new(self);
-            // Only fails if the semaphore is closed, which the stub never does.
-            self.slots.clone().acquire_owned().await.ok()?
-        };
+    /// it counts as `in_flight` until the returned guard is dropped. A request with a `tag` is
+    /// recorded when it ends, including when it is dropped while still waiting.
+    pub async fn acquire_slot(self: &Arc<Self>, tag: Option<Tag>) -> Option<SlotGuard> {
+        let mut queued = QueuedGuard::new(self, tag);
+        // Only fails if the semaphore is closed, which the stub never does.
+        let permit = self.slots.clone().acquire_owned().await.ok()?;
+        let acquired = Instant::now();
+        let (tag, queued_for) = queued.admit(acquired);
+        drop(queued);
         let mut s = lock(&self.stats);
         s.in_flight += 1;
         s.max_in_flight_seen = s.max_in_flight_seen.max(s.in_flight);
@@ -115,6 +169,9 @@ impl Shared {
             _permit: permit,
             shared: self.clone(),
             outcome: Outcome::Cancelled,
+            acquired,
+            queued_for,
+            tag,
         })
     }
 
@@ -186,29 +243,55 @@ impl Shared {
     }
 }
 
-/// Counts a request as `queued` while it waits for a slot, including when it is cancelled while
-/// waiting.
-struct QueuedGuard<'a>(&'a Shared);
+/// Counts a request as `queued` while it waits for a slot. If it is dropped while still holding
+/// the request's tag, the client went away before getting a slot: that is recorded as cancelled
+/// with no busy time.
+struct QueuedGuard<'a> {
+    shared: &'a Shared,
+    since: Instant,
+    tag: Option<Tag>,
+}
 
 impl<'a> QueuedGuard<'a> {
-    fn new(shared: &'a Shared) -> Self {
+    fn new(shared: &'a Shared, tag: Option<Tag>) -> Self {
         lock(&shared.stats).queued += 1;
-        QueuedGuard(shared)
+        QueuedGuard {
+            shared,
+            since: Instant::now(),
+            tag,
+        }
+    }
+
+    /// The request got its slot at `now`: hands its tag on to the slot guard, with the time
+    /// it waited.
+    fn admit(&mut self, now: Instant) -> (Option<Tag>, Duration) {
+        (self.tag.take(), now.saturating_duration_since(self.since))
     }
 }
 
 impl Drop for QueuedGuard<'_> {
     fn drop(&mut self) {
-        lock(&self.0.stats).queued -= 1;
+        // Record before the counter drops, so whoever sees `queued` fall also sees the record.
+        if let Some(tag) = self.tag.take() {
+            let record = tag.into_record(self.since.elapsed(), Duration::ZERO, Outcome::Cancelled);
+            self.shared.record(record);
+        }
+        lock(&self.shared.stats).queued -= 1;
     }
 }
 
-/// One held slot. Dropping it frees the slot and bumps `served`, `cancelled` or neither,
-/// according to [`SlotGuard::settle`]; that happens exactly once, whichever path drops it.
+/// One held slot. Dropping it frees the slot, adds its holding time to `busy_ms_total`, bumps
+/// `served`, `cancelled` or neither according to [`SlotGuard::settle`], and writes the request's
+/// record if it has a tag; that happens exactly once, whichever path drops it.
 pub(crate) struct SlotGuard {
     _permit: OwnedSemaphorePermit,
     shared: Arc<Shared>,
     outcome: Outcome,
+    /// When the slot was acquired; busy time runs from here to the drop.
+    acquired: Instant,
+    /// How long the request waited for the slot.
+    queued_for: Duration,
+    tag: Option<Tag>,
 }
 
 impl SlotGuard {
@@ -220,7 +303,20 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        let busy = self.acquired.elapsed();
+        // Record before `in_flight` drops (and before the permit field is dropped after this
+        // body), so whoever sees the slot free also sees the record, and records stay in
+        // completion order.
+        if let Some(tag) = self.tag.take() {
+            let record = tag.into_record(self.queued_for, busy, self.outcome);
+            self.shared.record(record);
+        }
+        let busy_us = u64::try_from(busy.as_micros()).unwrap_or(u64::MAX);
         let mut s = lock(&self.shared.stats);
+        let total = self.shared.busy_us_total.load(Ordering::Relaxed);
+        self.shared
+            .busy_us_total
+            .store(total.saturating_add(busy_us), Ordering::Relaxed);
         s.in_flight -= 1;
         match self.outcome {
             Outcome::Served => s.served += 1,
@@ -267,3 +363,7 @@ impl Drop for OccupationEntry {
         lock(&self.shared.waiters).occupations.remove(&self.id);
     }
 }
+
+#[cfg(test)]
+#[path = "state_tests.rs"]
+mod tests;

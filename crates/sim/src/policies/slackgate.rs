@@ -12,6 +12,8 @@ use std::collections::HashMap;
 /// The core, driven by the simulator.
 pub struct Slackgate {
     gate: Gate,
+    /// `slackgate`, or `admit-always` with the rollback flag set.
+    name: &'static str,
     cancel_abandoned: bool,
     /// Classes whose clients retry: their requests carry an idempotency key so a retry is
     /// recognised as the same request (attempt counting, never held twice).
@@ -68,11 +70,26 @@ impl Slackgate {
         Slackgate::with_config(s, gate_config(s))
     }
 
+    /// The same gate with the `admit_always` rollback flag set: every request is admitted and
+    /// queued by priority, nothing is dropped, clients that give up are still cancelled. This
+    /// is what `slackgate drill` runs as "gate off".
+    pub fn admit_always(s: &Scenario) -> Result<Slackgate, ConfigError> {
+        let mut cfg = gate_config(s);
+        cfg.admit_always = true;
+        Slackgate::with_config(s, cfg)
+    }
+
     /// A gate with an explicit configuration (tests, tuning).
     pub fn with_config(s: &Scenario, cfg: GateConfig) -> Result<Slackgate, ConfigError> {
+        let name = if cfg.admit_always {
+            "admit-always"
+        } else {
+            "slackgate"
+        };
         let gate = Gate::new(cfg)?;
         Ok(Slackgate {
             gate,
+            name,
             cancel_abandoned: s.cancel_on_disconnect,
             keyed: s
                 .classes
@@ -121,7 +138,7 @@ impl Slackgate {
 
 impl Policy for Slackgate {
     fn name(&self) -> &str {
-        "slackgate"
+        self.name
     }
 
     fn offer(&mut self, now: u64, job: &Job, _in_flight: u32) -> Verdict {
@@ -171,6 +188,19 @@ impl Policy for Slackgate {
                     completion_tokens: Some(output_tokens),
                 },
             );
+        }
+    }
+
+    fn on_fail(&mut self, now: u64, id: u64, _service_ms: u64) {
+        self.drain_ledger();
+        if let Some(core) = self.to_core.get(&id).copied() {
+            self.forget(core);
+            let failed = Completion {
+                ok: false,
+                prompt_tokens: None,
+                completion_tokens: None,
+            };
+            self.gate.on_complete(now, core, failed);
         }
     }
 

@@ -1,0 +1,96 @@
+//! `slackgate drill`: the scenario live over HTTP through a real gate, gate on versus gate
+//! off, reported like `slackgate sim` (see crates/drill).
+
+use anyhow::{bail, Result};
+use slackgate_drill::{DrillOptions, Mode, Target};
+use slackgate_sim::scenario::Scenario;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Arguments of `slackgate drill`.
+#[derive(clap::Args)]
+pub struct DrillArgs {
+    /// The scenario (TOML; the same files `slackgate sim` reads).
+    pub scenario: PathBuf,
+    /// Real seconds per scenario second: 0.1 runs a 300 s scenario in 30 s per run.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Override the scenario's seed.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Which runs: `on`, `off` or both (default `on,off`).
+    #[arg(long = "run", value_delimiter = ',', default_values_t = vec!["on".to_string(), "off".to_string()])]
+    pub runs: Vec<String>,
+    /// Drive a running gate instead of starting one (needs --upstream too). Gate off then
+    /// sends straight to the upstream.
+    #[arg(long, requires = "upstream")]
+    pub gate: Option<String>,
+    /// The running gate's upstream (with --gate).
+    #[arg(long, requires = "gate")]
+    pub upstream: Option<String>,
+    /// Print JSON instead of markdown.
+    #[arg(long)]
+    pub json: bool,
+    /// Write report.md, report.json, the charts and the gates' decision logs here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn only_loopback(url: &str) -> Result<()> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| anyhow::anyhow!("{url}: only http:// URLs are supported"))?;
+    let host = rest.split(['/', ':']).next().unwrap_or("");
+    if !matches!(host, "127.0.0.1" | "localhost" | "[::1]" | "") || host.is_empty() {
+        bail!("{url}: a drill sends load only to 127.0.0.1 / localhost");
+    }
+    Ok(())
+}
+
+/// Run `slackgate drill`.
+pub fn run(a: DrillArgs) -> Result<()> {
+    let mut s = Scenario::load(&a.scenario)?;
+    if let Some(seed) = a.seed {
+        s.seed = seed;
+    }
+    let modes = a
+        .runs
+        .iter()
+        .map(|r| match r.as_str() {
+            "on" => Ok(Mode::On),
+            "off" => Ok(Mode::Off),
+            other => Err(anyhow::anyhow!("--run {other:?}: expected on or off")),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let target = match (a.gate, a.upstream) {
+        (Some(gate), Some(upstream)) => {
+            only_loopback(&gate)?;
+            only_loopback(&upstream)?;
+            Target::External { gate, upstream }
+        }
+        _ => Target::InProcess,
+    };
+    let opts = DrillOptions {
+        time_scale: a.time_scale,
+        target,
+        modes,
+        progress: slackgate_drill::progress::wanted() && !a.json,
+        log_dir: a.out.clone(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let drill = rt.block_on(slackgate_drill::run(&s, &opts))?;
+    let text = if a.json {
+        drill.to_json()
+    } else {
+        drill.to_markdown()
+    };
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{text}")?;
+    if let Some(dir) = &a.out {
+        drill.write(dir)?;
+        writeln!(stdout, "wrote {}", dir.display())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,363 @@
+//! One simulated client over real HTTP: it sends its request with the scenario's class,
+//! deadline and sizes, reads the (streamed) answer, hangs up at its deadline, and after a 429
+//! retries as its class says, honouring `retry-after-ms`. What happened is recorded as the
+//! simulator's [`RequestResult`], in scenario time, so both feed the same report.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use slackgate_core::Reason;
+use slackgate_sim::engine::{size_ms, Outcome, RequestResult};
+use slackgate_sim::scenario::{FaultKind, RetryMode, Scenario, HANG_TAIL_MS};
+use slackgate_sim::workload::Arrival;
+use tokio::time::Instant;
+
+/// The HTTP client every drill request shares.
+pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Build the shared client: no idle-connection cap, TCP_NODELAY.
+pub fn http_client() -> HttpClient {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(Duration::from_secs(5)));
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(2))
+        .build(http)
+}
+
+/// What marks a streamed chunk carrying tokens.
+const DELTA: &[u8] = b"\"delta\"";
+
+/// A retry storm's clients come back this fast (scenario ms), as in the simulator.
+const STORM_GAP_MS: u64 = 1;
+/// A client told to retry with no Retry-After waits this long (scenario ms).
+const DEFAULT_RETRY_MS: u64 = 1_000;
+
+/// What every client of one run shares.
+pub struct Run {
+    /// The scenario (scenario time).
+    pub scenario: Scenario,
+    /// Real seconds per scenario second.
+    pub scale: f64,
+    /// When the run started (scenario time 0).
+    pub t0: Instant,
+    /// Where requests go: `http://host:port`.
+    pub target: String,
+    /// Which run this is (distinct idempotency keys and stub request ids per run).
+    pub tag: &'static str,
+    /// The client.
+    pub http: HttpClient,
+    /// Progress counters.
+    pub progress: Arc<crate::progress::Counters>,
+}
+
+/// One offer's refusal, for the rejections-over-time series.
+#[derive(Clone, Copy, Debug)]
+pub struct Refusal {
+    /// Scenario ms since the run started.
+    pub at_ms: u64,
+}
+
+/// Everything one client saw.
+pub struct ClientLog {
+    /// Its request's fate, as the simulator records it.
+    pub result: RequestResult,
+    /// Its refusals (one per refused offer).
+    pub refusals: Vec<Refusal>,
+    /// Stub request ids of its offers, to join with the stub's accounting.
+    pub stub_ids: Vec<String>,
+    /// Transport errors (connection refused, reset) seen.
+    pub transport_errors: u32,
+}
+
+impl Run {
+    /// Real time for a scenario duration.
+    pub fn real(&self, scenario_ms: u64) -> Duration {
+        Duration::from_secs_f64(scenario_ms as f64 / 1000.0 * self.scale)
+    }
+
+    /// Scenario ms elapsed since the start.
+    pub fn now_ms(&self) -> u64 {
+        (self.t0.elapsed().as_secs_f64() * 1000.0 / self.scale).round() as u64
+    }
+
+    /// Real instant of a scenario time.
+    pub fn at(&self, scenario_ms: u64) -> Instant {
+        self.t0 + self.real(scenario_ms)
+    }
+}
+
+/// How one offer ended.
+enum Answer {
+    /// 200 and the whole body.
+    Done { ttft_ms: Option<u64> },
+    /// A 429/503 decision from the gate: refused at arrival, or dropped after queueing.
+    Refused {
+        dropped: bool,
+        reason: &'static str,
+        retry_after_ms: Option<u64>,
+    },
+    /// Any other status, or the body broke off: the upstream failed it.
+    Failed { reason: &'static str },
+    /// The client's deadline passed first.
+    GaveUp { admitted: bool },
+}
+
+/// Look a reason code up among the core's, so it can live in a `&'static str`.
+fn reason_code(s: &str) -> &'static str {
+    Reason::ALL
+        .iter()
+        .map(|r| r.as_str())
+        .find(|c| *c == s)
+        .unwrap_or("other")
+}
+
+/// Drive one request to its end.
+pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
+    let s = &run.scenario;
+    let class = &s.classes[a.class];
+    let deadline_ms = class.deadline_ms.map(|d| a.at_ms.saturating_add(d));
+    // A client with no deadline waits until the run's end at the latest.
+    let end_ms = (s.duration_s * 1000.0) as u64 + HANG_TAIL_MS;
+    let give_up = run.at(deadline_ms.unwrap_or(end_ms).max(a.at_ms));
+    let mut log = ClientLog {
+        result: RequestResult {
+            class: a.class,
+            first_at_ms: a.at_ms,
+            deadline_ms,
+            outcome: Outcome::Pending,
+            answered_at_ms: 0,
+            offers: 0,
+            admitted: 0,
+            ttft_ms: None,
+            busy_ms: 0,
+            size_ms: size_ms(s, &a),
+            output_tokens: a.output_tokens,
+            prompt_tokens: a.prompt_tokens,
+            reason: "",
+        },
+        refusals: Vec::new(),
+        stub_ids: Vec::new(),
+        transport_errors: 0,
+    };
+    tokio::time::sleep_until(run.at(a.at_ms)).await;
+    run.progress.sent();
+    let mut attempt = 0u32;
+    loop {
+        log.result.offers += 1;
+        let stub_id = format!("{}-{}-{}", run.tag, a.request, attempt);
+        log.stub_ids.push(stub_id.clone());
+        let answer =
+            match tokio::time::timeout_at(give_up, offer(&run, &a, attempt, &stub_id, give_up))
+                .await
+            {
+                Ok(ans) => ans,
+                Err(_) => Answer::GaveUp { admitted: true },
+            };
+        let now = run.now_ms();
+        let (outcome, retry_after) = match answer {
+            Answer::Done { ttft_ms } => {
+                log.result.admitted += 1;
+                log.result.ttft_ms = ttft_ms.map(|t| t.saturating_sub(a.at_ms));
+                (Outcome::OnTime, None)
+            }
+            Answer::GaveUp { admitted } => {
+                log.result.admitted += u32::from(admitted);
+                (Outcome::Abandoned, None)
+            }
+            Answer::Failed { reason } => {
+                if reason == "transport" {
+                    log.transport_errors += 1;
+                }
+                log.result.admitted += 1;
+                log.result.reason = "upstream_error";
+                (Outcome::Failed, None)
+            }
+            Answer::Refused {
+                dropped,
+                reason,
+                retry_after_ms,
+            } => {
+                log.result.admitted += u32::from(dropped);
+                log.result.reason = reason;
+                log.refusals.push(Refusal { at_ms: now });
+                let outcome = if dropped {
+                    Outcome::Dropped
+                } else {
+                    Outcome::Rejected
+                };
+                // A drop's advice is the gate's fixed "do not retry"; the simulator's client
+                // waits its default instead, and so does this one.
+                (outcome, Some(retry_after_ms.filter(|_| !dropped)))
+            }
+        };
+        // A refused client retries as its class says, if that is before its deadline.
+        if let Some(advice) = retry_after {
+            let wait_ms = match class.retry {
+                RetryMode::None => None,
+                RetryMode::Once if attempt == 0 => Some(advice.unwrap_or(DEFAULT_RETRY_MS).max(1)),
+                RetryMode::Once => None,
+                RetryMode::Storm if attempt < class.storm_retries => Some(STORM_GAP_MS),
+                RetryMode::Storm => None,
+            };
+            let at = wait_ms.map(|w| now.saturating_add(w));
+            if let Some(at) = at.filter(|&t| t < deadline_ms.unwrap_or(u64::MAX)) {
+                tokio::time::sleep_until(run.at(at)).await;
+                attempt += 1;
+                continue;
+            }
+        }
+        log.result.outcome = outcome;
+        log.result.answered_at_ms = if outcome == Outcome::Abandoned {
+            deadline_ms.unwrap_or(now).min(now)
+        } else {
+            now
+        };
+        run.progress.answered();
+        return log;
+    }
+}
+
+/// Send one offer and read its answer. `retry_after_ms` in the answer is in scenario ms.
+async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Instant) -> Answer {
+    let s = &run.scenario;
+    let class = &s.classes[a.class];
+    // The stub serves this request in its scenario service time, scaled; an injected fault
+    // changes that or fails it, as the simulator does for the same request.
+    let mut service_ms = size_ms(s, a) as f64;
+    let mut fault_header: Option<String> = None;
+    if a.forced_service_ms.is_none() {
+        if let Some(f) = s.fault_for(a.request, a.at_ms, a.class) {
+            match f.kind {
+                FaultKind::Latency => service_ms *= f.factor.unwrap_or(1.0),
+                FaultKind::Error => {
+                    fault_header = Some(format!("status:{}", f.status.unwrap_or(503)))
+                }
+                FaultKind::Reset => fault_header = Some("reset".into()),
+                FaultKind::Hang => fault_header = Some("hang".into()),
+            }
+        }
+    }
+    let real_us = (service_ms * run.scale * 1000.0).round().max(1.0) as u64;
+    let content = prompt_text(a.prompt_tokens);
+    let body = serde_json::json!({
+        "model": "drill",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": a.max_tokens,
+        "stream": true,
+    });
+    let mut req = Request::post(format!("{}/v1/chat/completions", run.target))
+        .header("content-type", "application/json")
+        .header("x-job-class", class.name.as_str())
+        .header("x-expected-output-tokens", a.expected_output_tokens)
+        .header("x-stub-output-tokens", a.output_tokens)
+        .header("x-stub-latency", format!("fixed:{real_us}us"))
+        .header("x-stub-request-id", stub_id)
+        .header("x-attempt", attempt);
+    if let Some(d) = class.deadline_ms {
+        // What is left of the budget since the first send (a retry has less).
+        let left = run
+            .at(a.at_ms.saturating_add(d))
+            .saturating_duration_since(Instant::now());
+        let left_ms = left.as_millis().max(1);
+        req = req.header("x-deadline-ms", left_ms.to_string());
+    }
+    if class.retry != RetryMode::None {
+        req = req.header(
+            "idempotency-key",
+            format!("drill-{}-{}", run.tag, a.request),
+        );
+    }
+    if let Some(f) = fault_header {
+        req = req.header("x-stub-fault", f);
+    }
+    let req = match req.body(Full::new(Bytes::from(body.to_string()))) {
+        Ok(r) => r,
+        Err(_) => return Answer::Failed { reason: "client" },
+    };
+    let resp = match run.http.request(req).await {
+        Ok(r) => r,
+        Err(_) => {
+            return Answer::Failed {
+                reason: "transport",
+            }
+        }
+    };
+    let status = resp.status();
+    let reason = resp
+        .headers()
+        .get("x-slackgate-reason")
+        .and_then(|v| v.to_str().ok())
+        .map(reason_code);
+    let retry_after_ms = resp
+        .headers()
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|real| (real / run.scale).round() as u64);
+    if status == StatusCode::OK {
+        let mut body = resp.into_body();
+        let mut ttft = None;
+        loop {
+            match body.frame().await {
+                None => return Answer::Done { ttft_ms: ttft },
+                Some(Ok(frame)) => {
+                    if ttft.is_none()
+                        && frame
+                            .data_ref()
+                            .is_some_and(|d| d.windows(DELTA.len()).any(|w| w == DELTA))
+                    {
+                        ttft = Some(run.now_ms());
+                    }
+                }
+                Some(Err(_)) => return Answer::Failed { reason: "stream" },
+            }
+            if Instant::now() >= give_up {
+                return Answer::GaveUp { admitted: true };
+            }
+        }
+    }
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    match reason {
+        Some(code)
+            if status == StatusCode::TOO_MANY_REQUESTS
+                || status == StatusCode::SERVICE_UNAVAILABLE
+                || status == StatusCode::GATEWAY_TIMEOUT =>
+        {
+            let action = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| {
+                    v.pointer("/admission/action")
+                        .and_then(|a| a.as_str())
+                        .map(str::to_string)
+                });
+            match action.as_deref() {
+                Some("reject") | Some("drop") => Answer::Refused {
+                    dropped: action.as_deref() == Some("drop"),
+                    reason: code,
+                    retry_after_ms,
+                },
+                _ => Answer::Failed { reason: code },
+            }
+        }
+        _ => Answer::Failed {
+            reason: "upstream_error",
+        },
+    }
+}
+
+/// A user message of about `tokens` tokens as the gate counts them (four characters each).
+fn prompt_text(tokens: u32) -> String {
+    let words = tokens.max(1) as usize;
+    "abc ".repeat(words)
+}
