@@ -15,12 +15,13 @@ if ! command -v curl >/dev/null 2>&1; then
   fi
 fi
 
-if ! command -v promtool >/dev/null 2>&1; then
-  echo "test.sh: installing Debian's prometheus package (promtool lints /metrics)" >&2
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+  echo "test.sh: installing Debian's prometheus package (promtool lints /metrics and the alert" \
+    "rules; the prometheus server scrapes a live gate in crates/gateway/tests/prometheus_scrape.rs)" >&2
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq prometheus >/dev/null
   else
-    echo "test.sh: promtool is missing and I am not root: apt-get install prometheus" >&2
+    echo "test.sh: promtool/prometheus missing and I am not root: apt-get install prometheus" >&2
     exit 1
   fi
 fi

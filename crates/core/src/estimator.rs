@@ -21,6 +21,8 @@ const LAMBDA: f64 = 0.995;
 const MAX_TRACE: f64 = 1e9;
 /// Service time never estimated below this (an estimate of zero would admit anything).
 const MIN_SERVICE_MS: f64 = 1.0;
+/// How far from the prediction one observation may pull, as a multiple of the prediction.
+const OUTLIER_CLIP: f64 = 2.0;
 /// Completions before a learning estimator's figures are trusted to reject on an idle pool.
 const WARMUP_SAMPLES: u64 = 5;
 
@@ -118,7 +120,12 @@ impl Estimator {
         }
         let k = [px[0] / denom, px[1] / denom, px[2] / denom];
         let pred: f64 = self.theta.iter().zip(x.iter()).map(|(a, b)| a * b).sum();
-        let err = y - pred;
+        // One outlier (a job stuck on its slot for minutes, seed 002's eval) must not drag
+        // every later estimate up with it: an observation counts as at most OUTLIER_CLIP
+        // times the prediction away from it. A real slowdown still gets through, a factor of
+        // OUTLIER_CLIP per completion.
+        let reach = OUTLIER_CLIP * pred.max(MIN_SERVICE_MS);
+        let err = (y - pred).clamp(-reach, reach);
         let mut next = self.theta;
         for i in 0..3 {
             next[i] += k[i] * err;
@@ -313,6 +320,37 @@ mod tests {
         let e = est.estimate(100, 100);
         assert!(e.service_ms >= 1);
         assert!(e.first_token_ms <= e.service_ms);
+    }
+
+    /// Seed 002: after a few normal completions, one job that held its slot for 90 s must
+    /// not make the next estimates absurd (they would refuse every request afterwards).
+    #[test]
+    fn one_stuck_job_does_not_poison_later_estimates() {
+        let prior = PriorConfig {
+            overhead_ms: 5.0,
+            prefill_ms_per_token: 0.0,
+            decode_ms_per_token: 10.0,
+            ..PriorConfig::default()
+        };
+        let mut est = Estimator::new(&prior);
+        for _ in 0..9 {
+            est.observe(10, 16, 165);
+        }
+        est.observe(10, 16, 90_000);
+        let after = est.estimate(10, 16).service_ms;
+        assert!(
+            after <= 3 * 165,
+            "one outlier moved the estimate to {after} ms"
+        );
+        // A real, lasting slowdown is still learned.
+        for _ in 0..40 {
+            est.observe(10, 16, 1_650);
+        }
+        let slow = est.estimate(10, 16).service_ms;
+        assert!(
+            (1_200..=1_900).contains(&slow),
+            "slowdown learned as {slow} ms"
+        );
     }
 
     /// Thousands of near-exact completions (a real trace's shape: long prompts, mostly short
