@@ -550,6 +550,7 @@ impl Drill {
             }
         );
         out.push_str(&self.report.to_markdown());
+        out.push_str(&self.refusals_over_time());
         let _ = writeln!(out, "\n## The seeds' counters\n");
         let _ = writeln!(
             out,
@@ -601,6 +602,38 @@ impl Drill {
                 "\nConnection failures seen by clients: {:?} (per run).",
                 self.transport_errors
             );
+        }
+        out
+    }
+
+    /// Refusals and drops per tenth of the scenario, per run: where the shedding happened.
+    pub fn refusals_over_time(&self) -> String {
+        use std::fmt::Write;
+        const BUCKETS: u64 = 10;
+        let span_ms = ((self.report.duration_s * 1000.0) as u64).max(BUCKETS);
+        let width = span_ms.div_ceil(BUCKETS);
+        let mut out = String::new();
+        let _ = writeln!(out, "\n## Refusals over time (scenario seconds)\n");
+        let mut head = String::from("| run |");
+        let mut rule = String::from("|---|");
+        for b in 0..BUCKETS {
+            let from = b * width / 1000;
+            let to = (b + 1) * width / 1000;
+            let _ = write!(head, " {from}-{to} |");
+            rule.push_str("---:|");
+        }
+        head.push_str(" later |");
+        rule.push_str("---:|");
+        let _ = writeln!(out, "{head}\n{rule}");
+        for run in &self.runs {
+            let mut counts = [0u64; BUCKETS as usize + 1];
+            for (i, &n) in run.series.rejections.iter().enumerate() {
+                let t = i as u64 * run.series.period_ms.max(1);
+                let b = ((t / width) as usize).min(BUCKETS as usize);
+                counts[b] += u64::from(n);
+            }
+            let cells: Vec<String> = counts.iter().map(u64::to_string).collect();
+            let _ = writeln!(out, "| {} | {} |", run.policy, cells.join(" | "));
         }
         out
     }

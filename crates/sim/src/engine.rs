@@ -522,8 +522,11 @@ impl<'a> Engine<'a> {
         self.results[r].busy_ms += end - start;
         self.reqs[r].live = None;
         if self.reqs[r].gone {
-            // The client left; the work ran anyway. Already answered as abandoned; mark late.
-            self.results[r].outcome = Outcome::Late;
+            // The client left; the work ran anyway. Already answered as abandoned; mark late
+            // if it did complete (a failed job stays abandoned: nothing was produced).
+            if !fails {
+                self.results[r].outcome = Outcome::Late;
+            }
             return;
         }
         if fails {

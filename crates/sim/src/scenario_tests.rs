@@ -128,3 +128,75 @@ fn empty_and_garbage_documents_are_errors_not_panics() {
     assert!(parse("\u{0}\u{1}[[[").is_err());
     assert!(parse(&"x".repeat(100_000)).is_err());
 }
+
+#[test]
+fn bad_faults_name_their_field_and_line() {
+    let cases = [
+        (
+            "kind = \"latency\"\nat_s = 1\nduration_s = 2",
+            "faults[0].factor",
+        ),
+        (
+            "kind = \"latency\"\nat_s = 1\nduration_s = 2\nfactor = 0",
+            "faults[0].factor",
+        ),
+        (
+            "kind = \"error\"\nat_s = 1\nduration_s = 2\nfactor = 2",
+            "faults[0].factor",
+        ),
+        (
+            "kind = \"error\"\nat_s = 1\nduration_s = 2\nstatus = 200",
+            "faults[0].status",
+        ),
+        (
+            "kind = \"reset\"\nat_s = 1\nduration_s = 2\nstatus = 503",
+            "faults[0].status",
+        ),
+        (
+            "kind = \"hang\"\nat_s = -1\nduration_s = 2",
+            "faults[0].at_s",
+        ),
+        (
+            "kind = \"hang\"\nat_s = 1\nduration_s = 0",
+            "faults[0].duration_s",
+        ),
+        (
+            "kind = \"hang\"\nat_s = 1\nduration_s = 2\nrate = 1.5",
+            "faults[0].rate",
+        ),
+        (
+            "kind = \"hang\"\nat_s = 1\nduration_s = 2\nclass = \"nope\"",
+            "faults[0].class",
+        ),
+    ];
+    let fault_line = MINIMAL.lines().count() + 1;
+    for (body, field) in cases {
+        let text = format!("{MINIMAL}[[faults]]\n{body}\n");
+        let (line, f, message) = field_error(&text);
+        assert_eq!(f, field, "{body}: {message}");
+        assert!(line >= fault_line, "{body}: line {line}");
+    }
+    // An unknown kind is a parse error naming the field.
+    let text = format!("{MINIMAL}[[faults]]\nkind = \"meteor\"\nat_s = 1\nduration_s = 2\n");
+    let (line, _, message) = field_error(&text);
+    assert!(message.contains("meteor"), "{message}");
+    assert_eq!(line, fault_line + 1);
+}
+
+#[test]
+fn fault_choice_is_by_window_class_and_rate() {
+    let text =
+        format!("{MINIMAL}[[faults]]\nkind = \"error\"\nat_s = 1\nduration_s = 2\nrate = 0.5\n");
+    let s = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    assert!(s.fault_for(0, 999, 0).is_none(), "before the window");
+    assert!(s.fault_for(0, 3_000, 0).is_none(), "after the window");
+    let hit = (0..1000u64)
+        .filter(|&r| s.fault_for(r, 2_000, 0).is_some())
+        .count();
+    assert!((400..=600).contains(&hit), "rate 0.5 hit {hit} of 1000");
+    // The same request is always chosen the same way.
+    let again = (0..1000u64)
+        .filter(|&r| s.fault_for(r, 2_000, 0).is_some())
+        .count();
+    assert_eq!(hit, again);
+}

@@ -127,3 +127,69 @@ fn retries_are_counted_as_amplification() {
     assert_eq!(t.offered, 14);
     assert!((t.retry_amplification - 2.8).abs() < 1e-9);
 }
+
+/// One slot, four requests 2 s apart, each 1000 ms of service with a 5 s deadline, and one
+/// fault per request: a x3 latency spike, an error, a reset after the third of ten tokens,
+/// and a hang.
+const ONE_FAULT_EACH: &str = r#"
+name = "faults"
+duration_s = 8
+tick_ms = 10
+[upstream]
+slots = 1
+overhead_ms = 0
+decode_ms_per_token = 100
+[arrivals]
+process = "uniform"
+rate = 0.5
+count = 4
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 5000
+output_tokens = { dist = "fixed", value = 10 }
+max_tokens = 10
+[[faults]]
+kind = "latency"
+at_s = 0
+duration_s = 1
+factor = 3.0
+[[faults]]
+kind = "error"
+at_s = 1
+duration_s = 2
+status = 500
+[[faults]]
+kind = "reset"
+at_s = 3
+duration_s = 2
+[[faults]]
+kind = "hang"
+at_s = 5
+duration_s = 2
+"#;
+
+#[test]
+fn faults_slow_fail_cut_and_hang_their_requests() {
+    use Outcome::*;
+    let s = scenario(ONE_FAULT_EACH);
+    let (rep, runs) = slackgate_sim::simulate(&s, &["none".into()]).unwrap();
+    let r = &runs[0].requests;
+    let arrivals: Vec<u64> = r.iter().map(|q| q.first_at_ms).collect();
+    assert_eq!(arrivals, [0, 2000, 4000, 6000]);
+    // 0: 3000 ms instead of 1000, still on time. 1: an error after 1 ms. 2: cut after the
+    // third token (300 ms). 3: hangs; its client gives up at its deadline (11 s), and with
+    // no gate to cancel it the slot stays held until the run's end.
+    assert_eq!(
+        r.iter().map(|q| q.outcome).collect::<Vec<_>>(),
+        [OnTime, Failed, Failed, Abandoned]
+    );
+    assert_eq!(r[0].answered_at_ms, 3000);
+    assert_eq!(r[0].busy_ms, 3000);
+    assert_eq!((r[1].busy_ms, r[1].answered_at_ms), (1, 3001));
+    assert_eq!((r[2].busy_ms, r[2].answered_at_ms), (300, 4300));
+    assert_eq!(r[3].answered_at_ms, 11_000);
+    assert_eq!(r[1].reason, "upstream_error");
+    let t = &rep.policies[0].total;
+    assert_eq!((t.on_time, t.failed, t.abandoned), (1, 2, 1));
+}
