@@ -18,6 +18,13 @@ pub struct DrillArgs {
     /// Override the scenario's seed.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Estimator noise (sigma of the lognormal error of the size the gate is told), e.g. 0.3.
+    #[arg(long)]
+    pub noise: Option<f64>,
+    /// Do not tell the gate each request's size (X-Expected-Output-Tokens): it uses the
+    /// class's learned mean, as with clients that send no hint.
+    #[arg(long)]
+    pub no_hint: bool,
     /// Which runs: `on`, `off` or both (default `on,off`).
     #[arg(long = "run", value_delimiter = ',', default_values_t = vec!["on".to_string(), "off".to_string()])]
     pub runs: Vec<String>,
@@ -36,13 +43,18 @@ pub struct DrillArgs {
     pub out: Option<PathBuf>,
 }
 
+/// A drill is load: it may only go to this machine's loopback.
 fn only_loopback(url: &str) -> Result<()> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| anyhow::anyhow!("{url}: only http:// URLs are supported"))?;
-    let host = rest.split(['/', ':']).next().unwrap_or("");
-    if !matches!(host, "127.0.0.1" | "localhost" | "[::1]" | "") || host.is_empty() {
-        bail!("{url}: a drill sends load only to 127.0.0.1 / localhost");
+    let authority = rest.split('/').next().unwrap_or("");
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => authority.split(':').next().unwrap_or(""),
+    };
+    if !matches!(host, "127.0.0.1" | "localhost" | "::1") {
+        bail!("{url}: a drill sends load only to 127.0.0.1, localhost or [::1]");
     }
     Ok(())
 }
@@ -52,6 +64,15 @@ pub fn run(a: DrillArgs) -> Result<()> {
     let mut s = Scenario::load(&a.scenario)?;
     if let Some(seed) = a.seed {
         s.seed = seed;
+    }
+    if let Some(noise) = a.noise {
+        s.estimator_noise = noise;
+    }
+    if a.no_hint {
+        s.size_hint = false;
+    }
+    if let Err((field, why)) = s.validate() {
+        bail!("{}: {field}: {why}", a.scenario.display());
     }
     let modes = a
         .runs
@@ -91,6 +112,13 @@ pub fn run(a: DrillArgs) -> Result<()> {
     if let Some(dir) = &a.out {
         drill.write(dir)?;
         writeln!(stdout, "wrote {}", dir.display())?;
+    }
+    if !drill.healthy() {
+        bail!(
+            "the drill did not reach the gate cleanly (connection failures, malformed-request \
+             refusals or missing upstream records; see the report): its figures do not \
+             describe the gate"
+        );
     }
     Ok(())
 }

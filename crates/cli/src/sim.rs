@@ -25,6 +25,9 @@ pub struct SimArgs {
     /// Override a trace scenario's load (multiple of capacity), e.g. 1, 2 or 4.
     #[arg(long)]
     pub load: Option<f64>,
+    /// Do not tell slackgate each request's (noisy) size: it uses the class's learned mean.
+    #[arg(long)]
+    pub no_hint: bool,
     /// Skip the clairvoyant reference run (false rejections are not counted).
     #[arg(long)]
     pub no_reference: bool,
@@ -41,6 +44,9 @@ pub fn run(a: SimArgs) -> Result<()> {
     let mut s = Scenario::load(&a.scenario)?;
     if let Some(seed) = a.seed {
         s.seed = seed;
+    }
+    if a.no_hint {
+        s.size_hint = false;
     }
     if let Some(load) = a.load {
         match s.trace.as_mut() {

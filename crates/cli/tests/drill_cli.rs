@@ -64,7 +64,10 @@ fn drill_prints_both_runs_and_writes_report_charts_and_logs() {
     }
     assert!(policies[0]["total"]["rejected"].as_u64().unwrap() > 0);
     assert_eq!(policies[1]["total"]["rejected"], 0);
-    assert_eq!(v["agreement"].as_array().map(Vec::len), Some(2));
+    assert_eq!(v["healthy"], true);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert!(runs.iter().all(|r| r["agreement"]["sim_on_time"].is_u64()));
     for f in ["queue_age", "rejections", "goodput"] {
         let png = std::fs::read(out.join(format!("drill-{f}.png"))).unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{f}.png");
@@ -89,9 +92,32 @@ fn drill_prints_both_runs_and_writes_report_charts_and_logs() {
 }
 
 #[test]
+fn drill_against_a_dead_gate_fails_loudly() {
+    // Nothing listens on port 9 of loopback (discard is not run here): every offer fails to
+    // connect, and the drill must say its figures are worthless and exit non-zero.
+    let run = slackgate()
+        .arg("drill")
+        .arg(scenario("seed-003-probe-burst.toml"))
+        .args(["--time-scale", "0.05", "--run", "on"])
+        .args([
+            "--gate",
+            "http://127.0.0.1:9",
+            "--upstream",
+            "http://[::1]:9",
+        ])
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("did not reach the gate"), "{err}");
+    let out = String::from_utf8_lossy(&run.stdout);
+    assert!(out.contains("offers failed to connect"), "{out}");
+}
+
+#[test]
 fn drill_refuses_bad_options_and_remote_targets() {
     let s = scenario("seed-003-probe-burst.toml");
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--time-scale", "0"], "--time-scale"),
         (&["--time-scale", "50"], "--time-scale"),
         (&["--run", "sideways"], "--run"),
@@ -105,6 +131,17 @@ fn drill_refuses_bad_options_and_remote_targets() {
             "127.0.0.1",
         ),
         (&["--gate", "http://127.0.0.1:8080"], "--upstream"),
+        (&["--run", "on,on"], "at most once"),
+        (&["--noise=-1"], "estimator_noise"),
+        (
+            &[
+                "--gate",
+                "http://[::2]:8080",
+                "--upstream",
+                "http://[::1]:9",
+            ],
+            "127.0.0.1",
+        ),
     ];
     for (args, needle) in cases {
         let run = slackgate()

@@ -30,6 +30,9 @@ pub fn http_client() -> HttpClient {
         .build(http)
 }
 
+/// Largest error body read.
+const MAX_ERROR_BODY: usize = 1 << 20;
+
 /// What marks a streamed chunk carrying tokens.
 const DELTA: &[u8] = b"\"delta\"";
 
@@ -48,8 +51,11 @@ pub struct Run {
     pub t0: Instant,
     /// Where requests go: `http://host:port`.
     pub target: String,
-    /// Which run this is (distinct idempotency keys and stub request ids per run).
+    /// Which run this is (distinct stub request ids per run).
     pub tag: &'static str,
+    /// Unique to this drill invocation: idempotency keys never repeat across drills, so a
+    /// re-run against a gate with a durable ledger is not refused as duplicates.
+    pub key_prefix: String,
     /// The client.
     pub http: HttpClient,
     /// Progress counters.
@@ -71,14 +77,24 @@ pub struct ClientLog {
     pub refusals: Vec<Refusal>,
     /// Stub request ids of its offers, to join with the stub's accounting.
     pub stub_ids: Vec<String>,
+    /// Ids of offers answered completely: the stub must have a record of each.
+    pub completed_ids: Vec<String>,
     /// Transport errors (connection refused, reset) seen.
     pub transport_errors: u32,
+    /// Offers the gate refused as malformed (4xx that is not a decision).
+    pub invalid: u32,
 }
 
 impl Run {
     /// Real time for a scenario duration.
     pub fn real(&self, scenario_ms: u64) -> Duration {
         Duration::from_secs_f64(scenario_ms as f64 / 1000.0 * self.scale)
+    }
+
+    /// When clients with no deadline (or patient ones) give up at the latest: the arrivals'
+    /// end plus the hang tail (scenario ms).
+    pub fn end_ms(&self) -> u64 {
+        (self.scenario.duration_s * 1000.0) as u64 + HANG_TAIL_MS
     }
 
     /// Scenario ms elapsed since the start.
@@ -96,16 +112,22 @@ impl Run {
 enum Answer {
     /// 200 and the whole body.
     Done { ttft_ms: Option<u64> },
-    /// A 429/503 decision from the gate: refused at arrival, or dropped after queueing.
+    /// A decision from the gate: refused at arrival (429, or 409 for a duplicate key), or
+    /// dropped after queueing.
     Refused {
         dropped: bool,
         reason: &'static str,
         retry_after_ms: Option<u64>,
     },
-    /// Any other status, or the body broke off: the upstream failed it.
-    Failed { reason: &'static str },
+    /// The gate refused the request as malformed (a 4xx that is not a decision): a drill
+    /// bug or a misconfigured gate, never admitted.
+    Invalid { reason: &'static str },
+    /// Admitted, then the upstream failed it (an error status, or the stream broke off).
+    Failed,
+    /// The connection could not be made or broke before any answer.
+    Transport,
     /// The client's deadline passed first.
-    GaveUp { admitted: bool },
+    GaveUp,
 }
 
 /// Look a reason code up among the core's, so it can live in a `&'static str`.
@@ -122,9 +144,14 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
     let s = &run.scenario;
     let class = &s.classes[a.class];
     let deadline_ms = class.deadline_ms.map(|d| a.at_ms.saturating_add(d));
-    // A client with no deadline waits until the run's end at the latest.
-    let end_ms = (s.duration_s * 1000.0) as u64 + HANG_TAIL_MS;
-    let give_up = run.at(deadline_ms.unwrap_or(end_ms).max(a.at_ms));
+    // A client with no deadline, or a patient one, waits until the run's end at the latest.
+    let end_ms = run.end_ms();
+    let hang_up_ms = match deadline_ms {
+        Some(d) if !class.patient => d,
+        _ => end_ms,
+    }
+    .max(a.at_ms);
+    let give_up = run.at(hang_up_ms);
     let mut log = ClientLog {
         result: RequestResult {
             class: a.class,
@@ -143,7 +170,9 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
         },
         refusals: Vec::new(),
         stub_ids: Vec::new(),
+        completed_ids: Vec::new(),
         transport_errors: 0,
+        invalid: 0,
     };
     tokio::time::sleep_until(run.at(a.at_ms)).await;
     run.progress.sent();
@@ -152,30 +181,44 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
         log.result.offers += 1;
         let stub_id = format!("{}-{}-{}", run.tag, a.request, attempt);
         log.stub_ids.push(stub_id.clone());
-        let answer =
-            match tokio::time::timeout_at(give_up, offer(&run, &a, attempt, &stub_id, give_up))
-                .await
-            {
-                Ok(ans) => ans,
-                Err(_) => Answer::GaveUp { admitted: true },
-            };
+        let answer = tokio::time::timeout_at(give_up, offer(&run, &a, attempt, &stub_id, give_up))
+            .await
+            .unwrap_or(Answer::GaveUp);
         let now = run.now_ms();
+        // An error that reaches the client at or after its hang-up time is never seen: the
+        // client has gone (the gate's own timeout at the deadline races with the hang-up).
+        let answer = match answer {
+            Answer::Done { .. } | Answer::GaveUp => answer,
+            _ if now >= hang_up_ms => Answer::GaveUp,
+            other => other,
+        };
         let (outcome, retry_after) = match answer {
             Answer::Done { ttft_ms } => {
                 log.result.admitted += 1;
                 log.result.ttft_ms = ttft_ms.map(|t| t.saturating_sub(a.at_ms));
-                (Outcome::OnTime, None)
+                log.completed_ids.push(stub_id);
+                let late = deadline_ms.is_some_and(|d| now > d);
+                (if late { Outcome::Late } else { Outcome::OnTime }, None)
             }
-            Answer::GaveUp { admitted } => {
-                log.result.admitted += u32::from(admitted);
+            Answer::GaveUp => {
+                // Refusals come at once, so an offer with no answer by the hang-up was queued
+                // or running: admitted.
+                log.result.admitted += 1;
                 (Outcome::Abandoned, None)
             }
-            Answer::Failed { reason } => {
-                if reason == "transport" {
-                    log.transport_errors += 1;
-                }
+            Answer::Failed => {
                 log.result.admitted += 1;
                 log.result.reason = "upstream_error";
+                (Outcome::Failed, None)
+            }
+            Answer::Invalid { reason } => {
+                log.invalid += 1;
+                log.result.reason = reason;
+                (Outcome::Failed, None)
+            }
+            Answer::Transport => {
+                log.transport_errors += 1;
+                log.result.reason = "transport";
                 (Outcome::Failed, None)
             }
             Answer::Refused {
@@ -196,7 +239,8 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
                 (outcome, Some(retry_after_ms.filter(|_| !dropped)))
             }
         };
-        // A refused client retries as its class says, if that is before its deadline.
+        // A refused client retries as its class says, if that is before its deadline (or,
+        // with none, before the run's end).
         if let Some(advice) = retry_after {
             let wait_ms = match class.retry {
                 RetryMode::None => None,
@@ -206,7 +250,7 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
                 RetryMode::Storm => None,
             };
             let at = wait_ms.map(|w| now.saturating_add(w));
-            if let Some(at) = at.filter(|&t| t < deadline_ms.unwrap_or(u64::MAX)) {
+            if let Some(at) = at.filter(|&t| t < deadline_ms.unwrap_or(end_ms)) {
                 tokio::time::sleep_until(run.at(at)).await;
                 attempt += 1;
                 continue;
@@ -214,7 +258,7 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
         }
         log.result.outcome = outcome;
         log.result.answered_at_ms = if outcome == Outcome::Abandoned {
-            deadline_ms.unwrap_or(now).min(now)
+            hang_up_ms.min(now)
         } else {
             now
         };
@@ -249,12 +293,11 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         "model": "drill",
         "messages": [{"role": "user", "content": content}],
         "max_tokens": a.max_tokens,
-        "stream": true,
+        "stream": class.stream,
     });
     let mut req = Request::post(format!("{}/v1/chat/completions", run.target))
         .header("content-type", "application/json")
         .header("x-job-class", class.name.as_str())
-        .header("x-expected-output-tokens", a.expected_output_tokens)
         .header("x-stub-output-tokens", a.output_tokens)
         .header("x-stub-latency", format!("fixed:{real_us}us"))
         .header("x-stub-request-id", stub_id)
@@ -264,29 +307,27 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         let left = run
             .at(a.at_ms.saturating_add(d))
             .saturating_duration_since(Instant::now());
-        let left_ms = left.as_millis().max(1);
+        // Rounded up: the gate must not time the request out before its client hangs up.
+        let left_ms = left.as_micros().div_ceil(1000).max(1);
         req = req.header("x-deadline-ms", left_ms.to_string());
     }
+    if s.size_hint {
+        req = req.header("x-expected-output-tokens", a.expected_output_tokens);
+    }
     if class.retry != RetryMode::None {
-        req = req.header(
-            "idempotency-key",
-            format!("drill-{}-{}", run.tag, a.request),
-        );
+        let key = format!("{}-{}-{}", run.key_prefix, run.tag, a.request);
+        req = req.header("idempotency-key", key);
     }
     if let Some(f) = fault_header {
         req = req.header("x-stub-fault", f);
     }
     let req = match req.body(Full::new(Bytes::from(body.to_string()))) {
         Ok(r) => r,
-        Err(_) => return Answer::Failed { reason: "client" },
+        Err(_) => return Answer::Invalid { reason: "client" },
     };
     let resp = match run.http.request(req).await {
         Ok(r) => r,
-        Err(_) => {
-            return Answer::Failed {
-                reason: "transport",
-            }
-        }
+        Err(_) => return Answer::Transport,
     };
     let status = resp.status();
     let reason = resp
@@ -305,7 +346,12 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         let mut ttft = None;
         loop {
             match body.frame().await {
-                None => return Answer::Done { ttft_ms: ttft },
+                // Without streaming the first token arrives with the whole response.
+                None => {
+                    return Answer::Done {
+                        ttft_ms: ttft.or(Some(run.now_ms())),
+                    }
+                }
                 Some(Ok(frame)) => {
                     if ttft.is_none()
                         && frame
@@ -315,44 +361,43 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
                         ttft = Some(run.now_ms());
                     }
                 }
-                Some(Err(_)) => return Answer::Failed { reason: "stream" },
+                Some(Err(_)) => return Answer::Failed,
             }
             if Instant::now() >= give_up {
-                return Answer::GaveUp { admitted: true };
+                return Answer::GaveUp;
             }
         }
     }
-    let bytes = resp
-        .into_body()
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_ERROR_BODY);
+    let bytes = body
         .collect()
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
-    match reason {
-        Some(code)
-            if status == StatusCode::TOO_MANY_REQUESTS
-                || status == StatusCode::SERVICE_UNAVAILABLE
-                || status == StatusCode::GATEWAY_TIMEOUT =>
-        {
-            let action = serde_json::from_slice::<serde_json::Value>(&bytes)
-                .ok()
-                .and_then(|v| {
-                    v.pointer("/admission/action")
-                        .and_then(|a| a.as_str())
-                        .map(str::to_string)
-                });
-            match action.as_deref() {
-                Some("reject") | Some("drop") => Answer::Refused {
-                    dropped: action.as_deref() == Some("drop"),
-                    reason: code,
-                    retry_after_ms,
-                },
-                _ => Answer::Failed { reason: code },
-            }
-        }
-        _ => Answer::Failed {
-            reason: "upstream_error",
+    let action = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/admission/action")
+                .and_then(|a| a.as_str())
+                .map(str::to_string)
+        });
+    match (reason, action.as_deref()) {
+        // A decision: refused now, or dropped from the queue.
+        (Some(code), Some(act @ ("reject" | "drop"))) => Answer::Refused {
+            dropped: act == "drop",
+            reason: code,
+            retry_after_ms,
         },
+        // A replay of a held or done key: refused, never spent twice.
+        (Some("reject_duplicate"), _) => Answer::Refused {
+            dropped: false,
+            reason: "reject_duplicate",
+            retry_after_ms,
+        },
+        // The gate's own 4xx that is not a decision: malformed request or configuration.
+        (Some(code), _) if status.is_client_error() => Answer::Invalid { reason: code },
+        // Anything else came from (or because of) the upstream after admission.
+        _ => Answer::Failed,
     }
 }
 

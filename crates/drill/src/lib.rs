@@ -14,7 +14,10 @@
 
 pub mod client;
 pub mod progress;
+mod report;
 mod sampler;
+
+pub use report::{class_counters, Agreement, ClassCounters};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -22,12 +25,14 @@ use std::sync::Arc;
 use serde::Serialize;
 use slackgate_gateway::config::LogTarget;
 use slackgate_gateway::{Config, DecisionLog, Gateway};
-use slackgate_sim::engine::{self, Outcome, RequestResult, RunResult};
+use slackgate_sim::engine::{self, RequestResult, RunResult};
 use slackgate_sim::policies::slackgate::gate_config as sim_gate_config;
-use slackgate_sim::report::{self, Report};
+use slackgate_sim::report::Report;
 use slackgate_sim::scenario::{Process, Scenario, ScenarioError};
 use slackgate_sim::{bound, build_policy, workload, SimError};
 use slackgate_stub::{LatencySpec, Stub, StubConfig};
+use std::collections::HashMap;
+use std::time::Duration;
 use tokio::net::TcpListener;
 
 /// Smallest and largest accepted `--time-scale`.
@@ -112,9 +117,23 @@ pub enum DrillError {
     /// The simulator side failed.
     #[error(transparent)]
     Sim(#[from] SimError),
-    /// A bad option.
-    #[error("{0}")]
-    Option(String),
+    /// `--time-scale` outside its range.
+    #[error("--time-scale must be between {lo} and {hi}, got {0}", lo = TIME_SCALE_RANGE.0, hi = TIME_SCALE_RANGE.1)]
+    TimeScale(f64),
+    /// No run, or the same run twice.
+    #[error("the runs must be gate on and/or gate off, each at most once")]
+    Runs,
+    /// The scenario uses something the drill cannot reproduce live.
+    #[error("{field}: {why}; simulate it with `slackgate sim` instead")]
+    Unsupported {
+        /// The scenario field.
+        field: &'static str,
+        /// Why the drill cannot do it.
+        why: &'static str,
+    },
+    /// A client task panicked (a bug in the drill).
+    #[error("the client of request {0} panicked")]
+    ClientPanicked(usize),
     /// The stub or the gate could not start.
     #[error("cannot start the {what}: {why}")]
     Start {
@@ -125,43 +144,30 @@ pub enum DrillError {
     },
 }
 
-/// One class's counters in the seeds' own terms.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct ClassCounters {
-    /// The class.
-    pub class: String,
-    /// Requests admitted (at least one offer queued).
-    pub admitted: u64,
-    /// Requests whose final answer was a refusal or a drop.
-    pub rejected: u64,
-    /// Requests completed.
-    pub done: u64,
-    /// Admitted requests with a deadline that did not complete within it (seed 000's
-    /// `slo_breach`): completed late, dropped, abandoned at their deadline, or failed.
-    pub slo_breach: u64,
-    /// Admitted requests whose slack reached zero before they completed (seed 003's
-    /// `prod_completed_after_slack_zero` for the prod class). The drill's clients hang up at
-    /// slack zero, so these show as abandonments rather than late completions.
-    pub completed_after_slack_zero: u64,
-}
-
-/// Drill versus simulator for one mode.
+/// What one run produced besides its requests.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Agreement {
-    /// The mode.
-    pub mode: &'static str,
-    /// On-time completions, simulated.
-    pub sim_on_time: u64,
-    /// On-time completions, live.
-    pub drill_on_time: u64,
-    /// |drill - sim| / max(sim, 1).
-    pub on_time_diff: f64,
-    /// Refusals and drops, simulated.
-    pub sim_refused: u64,
-    /// Refusals and drops, live.
-    pub drill_refused: u64,
-    /// |drill - sim| / max(sim, 1).
-    pub refused_diff: f64,
+pub struct RunSummary {
+    /// Gate on or off.
+    pub mode: Mode,
+    /// Its name in reports.
+    pub label: &'static str,
+    /// Real seconds it took.
+    pub wall_s: f64,
+    /// Offers that never got an answer because the connection failed (0 in a healthy drill).
+    pub transport_errors: u64,
+    /// Offers the gate refused as malformed (a 4xx that is not a decision; 0 in a healthy
+    /// drill).
+    pub invalid: u64,
+    /// Whether upstream time per request came from the stub's accounting (else estimated:
+    /// the service time of completions, nothing for the rest).
+    pub stub_accounted: bool,
+    /// Completed offers the stub has no record of (0 when the accounting is whole).
+    pub missing_records: u64,
+    /// Per class, the seeds' counters.
+    pub counters: Vec<ClassCounters>,
+    /// Drill versus simulator; `None` when the simulator has no model of the run (gate off
+    /// against an external upstream: no gate at all).
+    pub agreement: Option<Agreement>,
 }
 
 /// A finished drill.
@@ -171,18 +177,29 @@ pub struct Drill {
     pub report: Report,
     /// The raw runs.
     pub runs: Vec<RunResult>,
-    /// Per mode, per class, the seeds' counters.
-    pub counters: Vec<(&'static str, Vec<ClassCounters>)>,
-    /// What the simulator predicts for the same modes, and how far the drill is from it.
-    pub agreement: Vec<Agreement>,
-    /// Real seconds each run took.
-    pub wall_s: Vec<f64>,
-    /// Connection failures the clients saw, per run (0 in a healthy drill).
-    pub transport_errors: Vec<u64>,
-    /// Whether upstream time per request came from the stub's accounting (else estimated).
-    pub stub_accounted: Vec<bool>,
+    /// One per run, in the same order.
+    pub summaries: Vec<RunSummary>,
     /// Real seconds per scenario second.
     pub time_scale: f64,
+    /// Whether the gate was told each request's (noisy) size.
+    pub size_hint: bool,
+    /// Whether the load went to a gate and upstream the drill did not start.
+    pub external: bool,
+}
+
+impl Drill {
+    /// The summary of the run with this label.
+    pub fn summary(&self, label: &str) -> Option<&RunSummary> {
+        self.summaries.iter().find(|r| r.label == label)
+    }
+
+    /// Whether every offer got an answer from the gate: no connection failure, no request
+    /// refused as malformed, no completion missing from the upstream's accounting.
+    pub fn healthy(&self) -> bool {
+        self.summaries
+            .iter()
+            .all(|r| r.transport_errors == 0 && r.invalid == 0 && r.missing_records == 0)
+    }
 }
 
 /// Scale a scenario duration (ms) to real ms, at least 1.
@@ -233,127 +250,129 @@ fn windowed(s: &Scenario, arrivals: &[workload::Arrival]) -> Scenario {
     w
 }
 
+/// Refuse what the drill cannot reproduce live, rather than report a different experiment.
+fn check_supported(s: &Scenario) -> Result<(), DrillError> {
+    if s.upstream.concurrency_slowdown > 0.0 {
+        return Err(DrillError::Unsupported {
+            field: "upstream.concurrency_slowdown",
+            why: "the stub serves each request in its own time, whatever else runs",
+        });
+    }
+    if !s.cancel_on_disconnect {
+        return Err(DrillError::Unsupported {
+            field: "cancel_on_disconnect = false",
+            why: "the live gate always cancels the upstream request of a client that hangs up",
+        });
+    }
+    Ok(())
+}
+
 /// Run the drill: each mode live, then the simulator on the same requests, then the report.
 pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError> {
     let (lo, hi) = TIME_SCALE_RANGE;
     if !(opts.time_scale >= lo && opts.time_scale <= hi) {
-        return Err(DrillError::Option(format!(
-            "--time-scale must be between {lo} and {hi}, got {}",
-            opts.time_scale
-        )));
+        return Err(DrillError::TimeScale(opts.time_scale));
     }
-    if opts.modes.is_empty() {
-        return Err(DrillError::Option("no run to do".into()));
+    let twice = opts.modes.len() == 2 && opts.modes[0] == opts.modes[1];
+    if opts.modes.is_empty() || opts.modes.len() > 2 || twice {
+        return Err(DrillError::Runs);
     }
+    check_supported(s)?;
     let arrivals = workload::generate(s)?;
     let s = windowed(s, &arrivals);
+    let external = matches!(opts.target, Target::External { .. });
+    let key_prefix = format!(
+        "drill-{:x}-{}",
+        slackgate_gateway::telemetry::epoch_ms(),
+        std::process::id()
+    );
     let mut runs = Vec::new();
-    let mut wall_s = Vec::new();
-    let mut transport_errors = Vec::new();
-    let mut stub_accounted = Vec::new();
+    let mut summaries = Vec::new();
     for &mode in &opts.modes {
         let started = std::time::Instant::now();
-        let live = run_mode(&s, &arrivals, mode, opts).await?;
-        wall_s.push(started.elapsed().as_secs_f64());
-        transport_errors.push(live.transport_errors);
-        stub_accounted.push(live.stub_accounted);
-        runs.push(live.run);
+        let (run, mut summary) = run_mode(&s, &arrivals, mode, opts, &key_prefix).await?;
+        summary.wall_s = started.elapsed().as_secs_f64();
+        summary.counters = class_counters(&s, &run);
+        // The simulator's prediction for the same requests, unless the run has no model
+        // there (no gate at all).
+        if !(external && mode == Mode::Off) {
+            let mut p = build_policy(&s, mode.sim_policy())?;
+            let sim = engine::run(&s, &arrivals, p.as_mut());
+            summary.agreement = Some(report::agree(mode, &sim, &run));
+        }
+        runs.push(run);
+        summaries.push(summary);
     }
-    // The simulator's view of the same requests: the reference schedule, the bound and the
-    // two modes' predictions.
+    // The reference schedule (false rejections) and the bound, on the same requests.
     let mut reference = build_policy(&s, "clairvoyant")?;
     let reference = engine::run(&s, &arrivals, reference.as_mut());
     let b = bound::bound(&reference.requests, s.upstream.slots);
     let rep = report::build(&s, &runs, Some(&reference), &b);
-    let mut agreement = Vec::new();
-    for (mode, live) in opts.modes.iter().zip(&runs) {
-        let mut p = build_policy(&s, mode.sim_policy())?;
-        let sim = engine::run(&s, &arrivals, p.as_mut());
-        agreement.push(agree(*mode, &sim, live));
-    }
-    let counters = opts
-        .modes
-        .iter()
-        .zip(&runs)
-        .map(|(m, r)| (m.label(), class_counters(&s, r)))
-        .collect();
     Ok(Drill {
         report: rep,
         runs,
-        counters,
-        agreement,
-        wall_s,
-        transport_errors,
-        stub_accounted,
+        summaries,
         time_scale: opts.time_scale,
+        size_hint: s.size_hint,
+        external,
     })
 }
 
-fn refused(r: &RunResult) -> u64 {
-    r.requests
-        .iter()
-        .filter(|q| matches!(q.outcome, Outcome::Rejected | Outcome::Dropped))
-        .count() as u64
+/// The stub and gate a run talks to, if the drill started them.
+struct Started {
+    stub: Stub,
+    gate: Gateway,
 }
 
-fn on_time(r: &RunResult) -> u64 {
-    r.requests.iter().filter(|q| q.on_time()).count() as u64
+async fn start(
+    s: &Scenario,
+    mode: Mode,
+    opts: &DrillOptions,
+) -> Result<(Started, String, String), DrillError> {
+    let start_err = |what: &'static str| {
+        move |e: std::io::Error| DrillError::Start {
+            what,
+            why: e.to_string(),
+        }
+    };
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(start_err("stub"))?;
+    let stub = Stub::spawn(
+        listener,
+        StubConfig {
+            slots: s.upstream.slots as usize,
+            latency: LatencySpec::Fixed(Duration::from_millis(1)),
+            default_output_tokens: 16,
+            seed: s.seed,
+        },
+    )
+    .map_err(start_err("stub"))?;
+    let upstream = format!("http://{}", stub.local_addr());
+    let mut cfg = gate_config(s, opts.time_scale, mode, &upstream);
+    let log = match &opts.log_dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(start_err("decision log"))?;
+            let path = dir.join(format!("decisions-{}.jsonl", mode.label()));
+            let _ = std::fs::remove_file(&path);
+            cfg.log.path = path.display().to_string();
+            DecisionLog::start(LogTarget::File(path), cfg.log.channel_capacity)
+                .map_err(start_err("decision log"))?
+        }
+        None => DecisionLog::off(),
+    };
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(start_err("gate"))?;
+    let gate = Gateway::spawn(listener, &cfg, log)
+        .map_err(|why| DrillError::Start { what: "gate", why })?;
+    let target = format!("http://{}", gate.local_addr());
+    Ok((Started { stub, gate }, target, upstream))
 }
 
-fn rel(a: u64, b: u64) -> f64 {
-    a.abs_diff(b) as f64 / b.max(1) as f64
-}
-
-fn agree(mode: Mode, sim: &RunResult, live: &RunResult) -> Agreement {
-    let (so, dr) = (on_time(sim), on_time(live));
-    let (sr, drr) = (refused(sim), refused(live));
-    Agreement {
-        mode: mode.label(),
-        sim_on_time: so,
-        drill_on_time: dr,
-        on_time_diff: rel(dr, so),
-        sim_refused: sr,
-        drill_refused: drr,
-        refused_diff: rel(drr, sr),
-    }
-}
-
-/// The seeds' counters, per class.
-pub fn class_counters(s: &Scenario, run: &RunResult) -> Vec<ClassCounters> {
-    s.classes
-        .iter()
-        .enumerate()
-        .map(|(ci, c)| {
-            let mut k = ClassCounters {
-                class: c.name.clone(),
-                ..ClassCounters::default()
-            };
-            for r in run.requests.iter().filter(|r| r.class == ci) {
-                let admitted = r.admitted > 0;
-                k.admitted += u64::from(admitted);
-                match r.outcome {
-                    Outcome::Rejected | Outcome::Dropped => k.rejected += 1,
-                    Outcome::OnTime | Outcome::Late => k.done += 1,
-                    _ => {}
-                }
-                if admitted && r.deadline_ms.is_some() && !r.on_time() {
-                    k.slo_breach += 1;
-                    if matches!(r.outcome, Outcome::Late | Outcome::Abandoned) {
-                        k.completed_after_slack_zero += 1;
-                    }
-                }
-            }
-            k
-        })
-        .collect()
-}
-
-/// What one live run produced.
-struct LiveRun {
-    run: RunResult,
-    transport_errors: u64,
-    stub_accounted: bool,
-}
+/// Longest wait for the upstream to go idle after the last client, so the accounting of
+/// cancelled requests has landed (real time).
+const SETTLE: Duration = Duration::from_secs(10);
 
 /// Run one mode: start (or reach) the stub and gate, drive every client, collect.
 async fn run_mode(
@@ -361,65 +380,25 @@ async fn run_mode(
     arrivals: &[workload::Arrival],
     mode: Mode,
     opts: &DrillOptions,
-) -> Result<LiveRun, DrillError> {
+    key_prefix: &str,
+) -> Result<(RunResult, RunSummary), DrillError> {
     let scale = opts.time_scale;
-    let start_err = |what: &'static str| {
-        move |e: std::io::Error| DrillError::Start {
-            what,
-            why: e.to_string(),
-        }
-    };
-    let mut stub = None;
-    let mut gate = None;
-    let (target, upstream) = match &opts.target {
+    let (started, target, upstream) = match &opts.target {
         Target::InProcess => {
-            let listener = TcpListener::bind("127.0.0.1:0")
-                .await
-                .map_err(start_err("stub"))?;
-            let st = Stub::spawn(
-                listener,
-                StubConfig {
-                    slots: s.upstream.slots as usize,
-                    latency: LatencySpec::Fixed(std::time::Duration::from_millis(1)),
-                    default_output_tokens: 16,
-                    seed: s.seed,
-                },
-            )
-            .map_err(start_err("stub"))?;
-            let upstream = format!("http://{}", st.local_addr());
-            let mut cfg = gate_config(s, scale, mode, &upstream);
-            let log = match &opts.log_dir {
-                Some(dir) => {
-                    std::fs::create_dir_all(dir).map_err(start_err("decision log"))?;
-                    let path = dir.join(format!("decisions-{}.jsonl", mode.label()));
-                    let _ = std::fs::remove_file(&path);
-                    cfg.log.path = path.display().to_string();
-                    DecisionLog::start(LogTarget::File(path), cfg.log.channel_capacity)
-                        .map_err(start_err("decision log"))?
-                }
-                None => DecisionLog::off(),
-            };
-            let listener = TcpListener::bind("127.0.0.1:0")
-                .await
-                .map_err(start_err("gate"))?;
-            let g = Gateway::spawn(listener, &cfg, log)
-                .map_err(|why| DrillError::Start { what: "gate", why })?;
-            let target = format!("http://{}", g.local_addr());
-            stub = Some(st);
-            gate = Some(g);
-            (target, upstream)
+            let (st, target, upstream) = start(s, mode, opts).await?;
+            (Some(st), target, upstream)
         }
         Target::External { gate, upstream } => {
+            let upstream = upstream.trim_end_matches('/').to_string();
             let target = match mode {
                 Mode::On => gate.trim_end_matches('/').to_string(),
-                Mode::Off => upstream.trim_end_matches('/').to_string(),
+                Mode::Off => upstream.clone(),
             };
-            (target, upstream.trim_end_matches('/').to_string())
+            (None, target, upstream)
         }
     };
     let http = client::http_client();
-    let external_stub = matches!(opts.target, Target::External { .. })
-        && sampler::clear_stub_requests(&http, &upstream).await;
+    let external_stub = started.is_none() && sampler::clear_stub_requests(&http, &upstream).await;
     let counters = Arc::new(progress::Counters::default());
     let run = Arc::new(client::Run {
         scenario: s.clone(),
@@ -427,6 +406,7 @@ async fn run_mode(
         t0: tokio::time::Instant::now(),
         target: target.clone(),
         tag: mode.label(),
+        key_prefix: key_prefix.to_string(),
         http: http.clone(),
         progress: counters.clone(),
     });
@@ -448,18 +428,22 @@ async fn run_mode(
     let bar = opts
         .progress
         .then(|| progress::spawn(mode.label().into(), arrivals.len() as u64, counters));
+    // Clients are started at their arrival time, not all up front: memory follows the
+    // requests in flight, not the scenario's length.
+    let mut logs: Vec<Option<client::ClientLog>> = (0..arrivals.len()).map(|_| None).collect();
     let mut tasks = tokio::task::JoinSet::new();
     for (i, a) in arrivals.iter().enumerate() {
+        tokio::time::sleep_until(run.at(a.at_ms)).await;
         let run = run.clone();
         let a = a.clone();
         tasks.spawn(async move { (i, client::drive(run, a).await) });
+        while let Some(Ok((j, log))) = tasks.try_join_next() {
+            logs[j] = Some(log);
+        }
     }
-    let mut logs: Vec<Option<client::ClientLog>> = (0..arrivals.len()).map(|_| None).collect();
-    let mut transport_errors = 0u64;
     while let Some(joined) = tasks.join_next().await {
-        if let Ok((i, log)) = joined {
-            transport_errors += u64::from(log.transport_errors);
-            logs[i] = Some(log);
+        if let Ok((j, log)) = joined {
+            logs[j] = Some(log);
         }
     }
     let end_ms = run.now_ms();
@@ -469,32 +453,61 @@ async fn run_mode(
         b.abort();
         progress::clear();
     }
-    // Upstream time per request, from the stub's own accounting.
-    let records = match (&stub, external_stub) {
-        (Some(st), _) => Some(st.requests()),
-        (None, true) => sampler::stub_requests(&http, &upstream).await,
-        (None, false) => None,
+    // Upstream time per request, from the stub's own accounting, once the cancellations of
+    // the last clients have reached it.
+    let records = match &started {
+        Some(st) => {
+            let deadline = tokio::time::Instant::now() + SETTLE;
+            while tokio::time::Instant::now() < deadline {
+                let stats = st.stub.stats();
+                if stats.in_flight == 0 && stats.queued == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Some(st.stub.requests())
+        }
+        None if external_stub => {
+            sampler::wait_stub_idle(&http, &upstream, SETTLE).await;
+            sampler::stub_requests(&http, &upstream).await
+        }
+        None => None,
     };
-    let busy: std::collections::HashMap<String, u64> = records
+    let busy: HashMap<String, u64> = records
         .iter()
         .flatten()
         .map(|r| (r.id.clone(), r.busy_ms))
         .collect();
     let stub_accounted = records.is_some();
+    let mut summary = RunSummary {
+        mode,
+        label: mode.label(),
+        wall_s: 0.0,
+        transport_errors: 0,
+        invalid: 0,
+        stub_accounted,
+        missing_records: 0,
+        counters: Vec::new(),
+        agreement: None,
+    };
     let mut requests: Vec<RequestResult> = Vec::with_capacity(arrivals.len());
     let mut refusal_times = Vec::new();
     for (i, log) in logs.into_iter().enumerate() {
         let Some(log) = log else {
-            return Err(DrillError::Start {
-                what: "client",
-                why: format!("client task {i} panicked"),
-            });
+            return Err(DrillError::ClientPanicked(i));
         };
+        summary.transport_errors += u64::from(log.transport_errors);
+        summary.invalid += u64::from(log.invalid);
         let mut r = log.result;
         r.busy_ms = if stub_accounted {
+            summary.missing_records += log
+                .completed_ids
+                .iter()
+                .filter(|id| !busy.contains_key(*id))
+                .count() as u64;
             let real: u64 = log.stub_ids.iter().filter_map(|id| busy.get(id)).sum();
             (real as f64 / scale).round() as u64
-        } else if r.outcome == Outcome::OnTime {
+        } else if r.on_time() || r.outcome == slackgate_sim::engine::Outcome::Late {
             r.size_ms
         } else {
             0
@@ -509,161 +522,16 @@ async fn run_mode(
         let b = ((t / period_ms) as usize).min(buckets - 1);
         series.rejections[b] += 1;
     }
-    if let Some(g) = gate {
-        g.shutdown().await;
+    if let Some(st) = started {
+        st.gate.shutdown().await;
+        st.stub.shutdown().await;
     }
-    if let Some(st) = stub {
-        st.shutdown().await;
-    }
-    Ok(LiveRun {
-        run: RunResult {
-            policy: mode.label().into(),
-            requests,
-            series,
-            end_ms,
-            protocol_errors: 0,
-        },
-        transport_errors,
-        stub_accounted,
-    })
-}
-
-impl Drill {
-    /// Markdown: the side-by-side report, the seeds' counters, and the simulator agreement.
-    pub fn to_markdown(&self) -> String {
-        use std::fmt::Write;
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "# Drill: gate on versus gate off, live over HTTP on 127.0.0.1 (time scale {})\n",
-            self.time_scale
-        );
-        let walls: Vec<String> = self.wall_s.iter().map(|w| format!("{w:.1} s")).collect();
-        let _ = writeln!(
-            out,
-            "Real time per run: {}. Figures are in scenario time. Upstream time per request: {}.\n",
-            walls.join(", "),
-            if self.stub_accounted.iter().all(|&b| b) {
-                "measured by the stub"
-            } else {
-                "estimated (the upstream is not slackgate stub)"
-            }
-        );
-        out.push_str(&self.report.to_markdown());
-        out.push_str(&self.refusals_over_time());
-        let _ = writeln!(out, "\n## The seeds' counters\n");
-        let _ = writeln!(
-            out,
-            "| run | class | admitted | rejected | done | slo_breach | completed_after_slack_zero |"
-        );
-        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|");
-        for (mode, classes) in &self.counters {
-            for k in classes {
-                let _ = writeln!(
-                    out,
-                    "| {mode} | {} | {} | {} | {} | {} | {} |",
-                    k.class,
-                    k.admitted,
-                    k.rejected,
-                    k.done,
-                    k.slo_breach,
-                    k.completed_after_slack_zero
-                );
-            }
-        }
-        let _ = writeln!(
-            out,
-            "\nslo_breach: admitted with a deadline, not completed within it. \
-             completed_after_slack_zero: admitted, and slack reached zero before completion \
-             (clients hang up at zero slack, so these are abandonments).\n"
-        );
-        let _ = writeln!(out, "## Drill versus simulator (same requests)\n");
-        let _ = writeln!(
-            out,
-            "| run | on-time sim | on-time drill | diff | refused sim | refused drill | diff |"
-        );
-        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|");
-        for a in &self.agreement {
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {:.1}% | {} | {} | {:.1}% |",
-                a.mode,
-                a.sim_on_time,
-                a.drill_on_time,
-                a.on_time_diff * 100.0,
-                a.sim_refused,
-                a.drill_refused,
-                a.refused_diff * 100.0
-            );
-        }
-        if self.transport_errors.iter().any(|&n| n > 0) {
-            let _ = writeln!(
-                out,
-                "\nConnection failures seen by clients: {:?} (per run).",
-                self.transport_errors
-            );
-        }
-        out
-    }
-
-    /// Refusals and drops per tenth of the scenario, per run: where the shedding happened.
-    pub fn refusals_over_time(&self) -> String {
-        use std::fmt::Write;
-        const BUCKETS: u64 = 10;
-        let span_ms = ((self.report.duration_s * 1000.0) as u64).max(BUCKETS);
-        let width = span_ms.div_ceil(BUCKETS);
-        let mut out = String::new();
-        let _ = writeln!(out, "\n## Refusals over time (scenario seconds)\n");
-        let mut head = String::from("| run |");
-        let mut rule = String::from("|---|");
-        for b in 0..BUCKETS {
-            let from = b * width / 1000;
-            let to = (b + 1) * width / 1000;
-            let _ = write!(head, " {from}-{to} |");
-            rule.push_str("---:|");
-        }
-        head.push_str(" later |");
-        rule.push_str("---:|");
-        let _ = writeln!(out, "{head}\n{rule}");
-        for run in &self.runs {
-            let mut counts = [0u64; BUCKETS as usize + 1];
-            for (i, &n) in run.series.rejections.iter().enumerate() {
-                let t = i as u64 * run.series.period_ms.max(1);
-                let b = ((t / width) as usize).min(BUCKETS as usize);
-                counts[b] += u64::from(n);
-            }
-            let cells: Vec<String> = counts.iter().map(u64::to_string).collect();
-            let _ = writeln!(out, "| {} | {} |", run.policy, cells.join(" | "));
-        }
-        out
-    }
-
-    /// JSON: the report plus the drill's own sections.
-    pub fn to_json(&self) -> String {
-        let report: serde_json::Value =
-            serde_json::from_str(&self.report.to_json()).unwrap_or(serde_json::Value::Null);
-        let counters: Vec<serde_json::Value> = self
-            .counters
-            .iter()
-            .map(|(m, k)| serde_json::json!({"run": m, "classes": k}))
-            .collect();
-        let v = serde_json::json!({
-            "time_scale": self.time_scale,
-            "wall_s": self.wall_s,
-            "transport_errors": self.transport_errors,
-            "stub_accounted": self.stub_accounted,
-            "report": report,
-            "counters": counters,
-            "agreement": self.agreement,
-        });
-        serde_json::to_string_pretty(&v).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
-    }
-
-    /// Write report.md, report.json and the charts into `dir`.
-    pub fn write(&self, dir: &std::path::Path) -> std::io::Result<()> {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(dir.join("report.md"), self.to_markdown())?;
-        std::fs::write(dir.join("report.json"), self.to_json())?;
-        report::write_charts(dir, "drill-", &self.report, &self.runs)
-    }
+    let run = RunResult {
+        policy: mode.label().into(),
+        requests,
+        series,
+        end_ms,
+        protocol_errors: 0,
+    };
+    Ok((run, summary))
 }

@@ -3,6 +3,7 @@
 //! in-process.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
@@ -12,8 +13,10 @@ use slackgate_stub::RequestRecord;
 
 use crate::client::{HttpClient, Run};
 
-/// Largest response read from a metrics or stub endpoint.
-const MAX_BODY: usize = 256 * 1024 * 1024;
+/// Largest response read from a metrics or stub endpoint (a million request records).
+const MAX_BODY: usize = 192 * 1024 * 1024;
+/// Longest wait for one control or metrics response.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 async fn fetch(http: &HttpClient, method: Method, url: &str) -> Option<Bytes> {
     let req = Request::builder()
@@ -21,12 +24,18 @@ async fn fetch(http: &HttpClient, method: Method, url: &str) -> Option<Bytes> {
         .uri(url)
         .body(Full::new(Bytes::new()))
         .ok()?;
-    let resp = http.request(req).await.ok()?;
-    if resp.status() != StatusCode::OK {
-        return None;
-    }
-    let body = http_body_util::Limited::new(resp.into_body(), MAX_BODY);
-    body.collect().await.ok().map(|b| b.to_bytes())
+    let call = async {
+        let resp = http.request(req).await.ok()?;
+        if resp.status() != StatusCode::OK {
+            return None;
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_BODY);
+        body.collect().await.ok().map(|b| b.to_bytes())
+    };
+    tokio::time::timeout(FETCH_TIMEOUT, call)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// One sample: (oldest queued age in seconds, queued jobs, jobs in flight), summed or maxed
@@ -99,6 +108,21 @@ pub async fn clear_stub_requests(http: &HttpClient, upstream: &str) -> bool {
     fetch(http, Method::DELETE, &format!("{upstream}/stub/requests"))
         .await
         .is_some()
+}
+
+/// Wait (up to `limit`) until an external stub has nothing in flight or queued.
+pub async fn wait_stub_idle(http: &HttpClient, upstream: &str, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        let idle = fetch(http, Method::GET, &format!("{upstream}/stub/stats"))
+            .await
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .is_some_and(|v| v["in_flight"] == 0 && v["queued"] == 0);
+        if idle {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// An external stub's request accounting.

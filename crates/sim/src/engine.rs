@@ -294,7 +294,7 @@ impl<'a> Engine<'a> {
             return; // the client gave up before its retry
         }
         let a = &self.arrivals[r];
-        if attempt == 0 {
+        if attempt == 0 && !self.s.classes[a.class].patient {
             if let Some(d) = self.results[r].deadline_ms {
                 self.push(d, Ev::GiveUp { request });
             }

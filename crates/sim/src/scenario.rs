@@ -287,6 +287,14 @@ pub struct ClassSpec {
     /// Retries of a storm.
     #[serde(default = "default_storm")]
     pub storm_retries: u32,
+    /// The client waits for its answer past its deadline instead of hanging up (seed 003's
+    /// and seed 000's harnesses do): a completion after the deadline is then late, not
+    /// abandoned. The deadline still tells the gate the request's slack.
+    #[serde(default)]
+    pub patient: bool,
+    /// The drill's client asks for a streamed response (the simulator is the same either way).
+    #[serde(default = "default_true")]
+    pub stream: bool,
 }
 
 /// A long job injected at a fixed time (seed 002's eval holding the only slot).
@@ -409,6 +417,11 @@ pub struct Scenario {
     /// Housekeeping period of the policies (ms).
     #[serde(default = "default_tick")]
     pub tick_ms: u64,
+    /// Whether the gate is told each request's (noisy) output length, as a caller that knows
+    /// its sizes would (`X-Expected-Output-Tokens`); without it the gate uses the class's
+    /// learned mean, capped by `max_tokens`.
+    #[serde(default = "default_true")]
+    pub size_hint: bool,
     /// Whether a gate sees a client give up and cancels its upstream request. The `none`
     /// policy (no gate) never does.
     #[serde(default = "default_true")]

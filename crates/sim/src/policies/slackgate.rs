@@ -14,6 +14,8 @@ pub struct Slackgate {
     gate: Gate,
     /// `slackgate`, or `admit-always` with the rollback flag set.
     name: &'static str,
+    /// Pass each request's noisy output length to the core (the scenario's `size_hint`).
+    size_hint: bool,
     cancel_abandoned: bool,
     /// Classes whose clients retry: their requests carry an idempotency key so a retry is
     /// recognised as the same request (attempt counting, never held twice).
@@ -90,6 +92,7 @@ impl Slackgate {
         Ok(Slackgate {
             gate,
             name,
+            size_hint: s.size_hint,
             cancel_abandoned: s.cancel_on_disconnect,
             keyed: s
                 .classes
@@ -148,7 +151,7 @@ impl Policy for Slackgate {
             deadline: job.deadline_ms,
             prompt_tokens: job.prompt_tokens,
             max_tokens: Some(job.max_tokens),
-            expected_output_tokens: Some(job.expected_output_tokens),
+            expected_output_tokens: self.size_hint.then_some(job.expected_output_tokens),
             idempotency_key: self
                 .keyed
                 .get(job.class)

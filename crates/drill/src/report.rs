@@ -1,0 +1,285 @@
+//! The drill's own figures beside the simulator's report: the seeds' counters, the agreement
+//! with the simulator, refusals over time; and the markdown, JSON and files.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+use slackgate_sim::engine::{Outcome, RunResult};
+use slackgate_sim::report;
+use slackgate_sim::scenario::Scenario;
+
+use crate::{Drill, Mode};
+
+pub(crate) use slackgate_sim::report::build;
+
+/// One class's counters in the seeds' own terms.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ClassCounters {
+    /// The class.
+    pub class: String,
+    /// Requests admitted (at least one offer queued).
+    pub admitted: u64,
+    /// Requests whose final answer was a refusal or a drop.
+    pub rejected: u64,
+    /// Requests completed (on time or late).
+    pub done: u64,
+    /// Admitted requests with a deadline that did not complete within it (seed 000's
+    /// `slo_breach`): completed late, dropped, abandoned at their deadline, or failed.
+    pub slo_breach: u64,
+    /// Requests that completed after their deadline, i.e. with negative slack at completion
+    /// (seed 003's `prod_completed_after_slack_zero` for the prod class). Only patient
+    /// clients (scenario `patient = true`) wait for such a completion; the others hang up at
+    /// their deadline and count in `slo_breach` only.
+    pub completed_after_slack_zero: u64,
+}
+
+/// Drill versus simulator for one mode.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Agreement {
+    /// The simulator policy compared with.
+    pub sim_policy: &'static str,
+    /// On-time completions, simulated.
+    pub sim_on_time: u64,
+    /// On-time completions, live.
+    pub drill_on_time: u64,
+    /// |drill - sim| / max(sim, 1).
+    pub on_time_diff: f64,
+    /// Refusals and drops, simulated.
+    pub sim_refused: u64,
+    /// Refusals and drops, live.
+    pub drill_refused: u64,
+    /// |drill - sim| / max(sim, 1).
+    pub refused_diff: f64,
+}
+
+fn refused(r: &RunResult) -> u64 {
+    r.requests
+        .iter()
+        .filter(|q| matches!(q.outcome, Outcome::Rejected | Outcome::Dropped))
+        .count() as u64
+}
+
+fn on_time(r: &RunResult) -> u64 {
+    r.requests.iter().filter(|q| q.on_time()).count() as u64
+}
+
+fn rel(a: u64, b: u64) -> f64 {
+    a.abs_diff(b) as f64 / b.max(1) as f64
+}
+
+/// How far a live run is from the simulator's run of the same mode.
+pub(crate) fn agree(mode: Mode, sim: &RunResult, live: &RunResult) -> Agreement {
+    let (so, dr) = (on_time(sim), on_time(live));
+    let (sr, drr) = (refused(sim), refused(live));
+    Agreement {
+        sim_policy: mode.sim_policy(),
+        sim_on_time: so,
+        drill_on_time: dr,
+        on_time_diff: rel(dr, so),
+        sim_refused: sr,
+        drill_refused: drr,
+        refused_diff: rel(drr, sr),
+    }
+}
+
+/// The seeds' counters, per class.
+pub fn class_counters(s: &Scenario, run: &RunResult) -> Vec<ClassCounters> {
+    s.classes
+        .iter()
+        .enumerate()
+        .map(|(ci, c)| {
+            let mut k = ClassCounters {
+                class: c.name.clone(),
+                ..ClassCounters::default()
+            };
+            for r in run.requests.iter().filter(|r| r.class == ci) {
+                let admitted = r.admitted > 0;
+                k.admitted += u64::from(admitted);
+                match r.outcome {
+                    Outcome::Rejected | Outcome::Dropped => k.rejected += 1,
+                    Outcome::OnTime => k.done += 1,
+                    Outcome::Late => {
+                        k.done += 1;
+                        k.completed_after_slack_zero += 1;
+                    }
+                    _ => {}
+                }
+                if admitted && r.deadline_ms.is_some() && !r.on_time() {
+                    k.slo_breach += 1;
+                }
+            }
+            k
+        })
+        .collect()
+}
+
+impl Drill {
+    /// Markdown: the side-by-side report, refusals over time, the seeds' counters and the
+    /// simulator agreement.
+    pub fn to_markdown(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# Drill: gate on versus gate off, live over HTTP on 127.0.0.1 (time scale {})\n",
+            self.time_scale
+        );
+        let walls: Vec<String> = self
+            .summaries
+            .iter()
+            .map(|r| format!("{} {:.1} s", r.label, r.wall_s))
+            .collect();
+        let off = if self.external {
+            "gate off sends straight to the upstream (no gate at all)"
+        } else {
+            "gate off is the same gate with `admit_always`: every request admitted and queued \
+             by priority, clients that hang up still cancelled"
+        };
+        let _ = writeln!(
+            out,
+            "Real time: {}. Figures are in scenario time; the decision logs are in real time. \
+             {off}. The gate {} each request's size (X-Expected-Output-Tokens, estimator \
+             noise {}). Upstream time per request: {}.\n",
+            walls.join(", "),
+            if self.size_hint {
+                "is told"
+            } else {
+                "is not told"
+            },
+            self.report.estimator_noise,
+            if self.summaries.iter().all(|r| r.stub_accounted) {
+                "measured by the stub"
+            } else {
+                "estimated (the upstream is not slackgate stub; faults were not injected)"
+            }
+        );
+        out.push_str(&self.report.to_markdown());
+        out.push_str(&self.refusals_over_time());
+        let _ = writeln!(out, "\n## The seeds' counters\n");
+        let _ = writeln!(
+            out,
+            "| run | class | admitted | rejected | done | slo_breach | completed_after_slack_zero |"
+        );
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|");
+        for r in &self.summaries {
+            for k in &r.counters {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    r.label,
+                    k.class,
+                    k.admitted,
+                    k.rejected,
+                    k.done,
+                    k.slo_breach,
+                    k.completed_after_slack_zero
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "\nslo_breach: admitted with a deadline, not completed within it (late, dropped, \
+             abandoned or failed). completed_after_slack_zero: completed after the deadline \
+             (only clients that wait past it, `patient = true`, see such completions).\n"
+        );
+        let _ = writeln!(out, "## Drill versus simulator (same requests)\n");
+        let _ = writeln!(
+            out,
+            "| run | sim policy | on-time sim | on-time drill | diff | refused sim | refused drill | diff |"
+        );
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+        for r in &self.summaries {
+            match &r.agreement {
+                Some(a) => {
+                    let _ = writeln!(
+                        out,
+                        "| {} | {} | {} | {} | {:.1}% | {} | {} | {:.1}% |",
+                        r.label,
+                        a.sim_policy,
+                        a.sim_on_time,
+                        a.drill_on_time,
+                        a.on_time_diff * 100.0,
+                        a.sim_refused,
+                        a.drill_refused,
+                        a.refused_diff * 100.0
+                    );
+                }
+                None => {
+                    let _ = writeln!(out, "| {} | (none: no gate) | | | | | | |", r.label);
+                }
+            }
+        }
+        for r in &self.summaries {
+            if r.transport_errors + r.invalid + r.missing_records > 0 {
+                let _ = writeln!(
+                    out,
+                    "\n**{}: {} offers failed to connect, {} were refused as malformed, {} \
+                     completions are missing from the upstream's accounting.** The figures \
+                     above do not describe the gate.",
+                    r.label, r.transport_errors, r.invalid, r.missing_records
+                );
+            }
+        }
+        out
+    }
+
+    /// Refusals and drops per tenth of the scenario, per run: where the shedding happened.
+    pub fn refusals_over_time(&self) -> String {
+        const BUCKETS: u64 = 10;
+        let span_ms = ((self.report.duration_s * 1000.0) as u64).max(BUCKETS);
+        let width = span_ms.div_ceil(BUCKETS);
+        let mut out = String::new();
+        let _ = writeln!(out, "\n## Refusals over time (scenario seconds)\n");
+        let mut head = String::from("| run |");
+        let mut rule = String::from("|---|");
+        for b in 0..BUCKETS {
+            let from = b * width / 1000;
+            let to = (b + 1) * width / 1000;
+            let _ = write!(head, " {from}-{to} |");
+            rule.push_str("---:|");
+        }
+        head.push_str(" later |");
+        rule.push_str("---:|");
+        let _ = writeln!(out, "{head}\n{rule}");
+        for run in &self.runs {
+            let mut counts = [0u64; BUCKETS as usize + 1];
+            for (i, &n) in run.series.rejections.iter().enumerate() {
+                let t = i as u64 * run.series.period_ms.max(1);
+                let b = ((t / width) as usize).min(BUCKETS as usize);
+                counts[b] += u64::from(n);
+            }
+            let cells: Vec<String> = counts.iter().map(u64::to_string).collect();
+            let _ = writeln!(out, "| {} | {} |", run.policy, cells.join(" | "));
+        }
+        out
+    }
+
+    /// JSON: the report plus the drill's own sections.
+    pub fn to_json(&self) -> String {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            time_scale: f64,
+            size_hint: bool,
+            external: bool,
+            healthy: bool,
+            runs: &'a [crate::RunSummary],
+            report: &'a report::Report,
+        }
+        let out = Out {
+            time_scale: self.time_scale,
+            size_hint: self.size_hint,
+            external: self.external,
+            healthy: self.healthy(),
+            runs: &self.summaries,
+            report: &self.report,
+        };
+        serde_json::to_string_pretty(&out).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+
+    /// Write report.md, report.json and the charts into `dir`.
+    pub fn write(&self, dir: &std::path::Path) -> std::io::Result<()> {
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("report.md"), self.to_markdown())?;
+        std::fs::write(dir.join("report.json"), self.to_json())?;
+        report::write_charts(dir, "drill-", &self.report, &self.runs)
+    }
+}
