@@ -1,7 +1,8 @@
 //! `slackgate`: a thin command-line wrapper over the gateway and stub libraries.
 //!
 //! - `slackgate serve --demo` runs the gate on embedded defaults with a built-in fake model.
-//! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]`
+//! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]
+//!   [--admin-listen ADDR]` (SIGHUP reloads the config; SIGTERM drains and stops)
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC`
 //! - `slackgate check --config FILE`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
@@ -12,7 +13,8 @@ mod sim;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use slackgate_gateway::{Config, DecisionLog};
+use slackgate_gateway::control::ConfigSource;
+use slackgate_gateway::{Config, DecisionLog, Gateway, GatewayOptions};
 use slackgate_stub::{LatencySpec, StubConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -71,6 +73,50 @@ struct ServeArgs {
     /// a gate you can curl at once, no external service needed.
     #[arg(long)]
     demo: bool,
+    /// Serve the admin API on this address (overrides admin.listen; loopback unless
+    /// admin.allow_remote). Its bearer token comes from admin.token_file or the
+    /// SLACKGATE_ADMIN_TOKEN environment variable.
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+}
+
+/// The command-line settings that override the config file, applied again at every reload
+/// so a reloaded file means what a restart with the same command would.
+#[derive(Clone, Default)]
+struct Overrides {
+    listen: Option<SocketAddr>,
+    upstream: Option<String>,
+    slots: Option<u32>,
+    log: Option<String>,
+    ledger: Option<String>,
+    admin_listen: Option<SocketAddr>,
+}
+
+impl Overrides {
+    fn apply(&self, cfg: &mut Config) {
+        if let Some(l) = self.listen {
+            cfg.server.listen = l;
+        }
+        if let Some(s) = self.slots {
+            for p in cfg.gate.pools.iter_mut() {
+                p.max_in_flight = s;
+            }
+        }
+        if let Some(l) = &self.log {
+            cfg.log.path = l.clone();
+        }
+        if let Some(l) = &self.ledger {
+            cfg.server.ledger = l.clone();
+        }
+        if let Some(u) = &self.upstream {
+            for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
+                p.upstream = Some(u.clone());
+            }
+        }
+        if let Some(a) = self.admin_listen {
+            cfg.admin.listen = Some(a);
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -164,21 +210,16 @@ async fn serve(a: ServeArgs) -> Result<()> {
         Some(p) => Config::from_file(p).with_context(|| format!("{} is not valid", p.display()))?,
         None => Config::default(),
     };
-    if let Some(l) = a.listen {
-        cfg.server.listen = l;
-    }
-    if let Some(s) = a.slots {
-        for p in cfg.gate.pools.iter_mut() {
-            p.max_in_flight = s;
-        }
-    }
-    if let Some(l) = &a.log {
-        cfg.log.path = l.clone();
-    }
-    match &a.ledger {
-        Some(l) => cfg.server.ledger = l.clone(),
-        None if a.demo => cfg.server.ledger = "memory".into(),
-        None => {}
+    let mut over = Overrides {
+        listen: a.listen,
+        upstream: a.upstream.clone(),
+        slots: a.slots,
+        log: a.log.clone(),
+        ledger: a.ledger.clone(),
+        admin_listen: a.admin_listen,
+    };
+    if a.demo && over.ledger.is_none() {
+        over.ledger = Some("memory".into());
     }
     let mut _demo_stub = None;
     if a.demo {
@@ -206,17 +247,18 @@ async fn serve(a: ServeArgs) -> Result<()> {
         )
         .context("cannot start the demo upstream")?;
         let url = format!("http://{}", stub.local_addr());
-        for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
-            p.upstream = Some(url.clone());
-        }
         eprintln!("slackgate: demo upstream (fake model, 20 ms/token) on {url}");
+        // Pools without an upstream use the demo model (before --upstream, as before).
+        if over.upstream.is_none() {
+            over.upstream = Some(url);
+        } else {
+            for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
+                p.upstream = Some(url.clone());
+            }
+        }
         _demo_stub = Some(stub);
     }
-    if let Some(u) = &a.upstream {
-        for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
-            p.upstream = Some(u.clone());
-        }
-    }
+    over.apply(&mut cfg);
     if let Err(e) = cfg.validate() {
         bail!("invalid configuration: {e}");
     }
@@ -224,22 +266,86 @@ async fn serve(a: ServeArgs) -> Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
+    let admin = match cfg.admin.listen {
+        Some(at) => Some(
+            tokio::net::TcpListener::bind(at)
+                .await
+                .with_context(|| format!("cannot listen on {at} (admin API)"))?,
+        ),
+        None => None,
+    };
     let log = DecisionLog::start(cfg.log.target(), cfg.log.channel_capacity)
         .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
     eprintln!(
         "slackgate: gate listening on http://{addr} (ledger: {})",
         cfg.server.ledger
     );
+    // Reloads parse the file and apply the same command-line overrides.
+    let source = a.config.as_ref().map(|path| {
+        let over = over.clone();
+        ConfigSource {
+            path: path.clone(),
+            parse: std::sync::Arc::new(move |text: &str| {
+                let mut c = Config::from_toml(text).map_err(|e| e.to_string())?;
+                over.apply(&mut c);
+                Ok(c)
+            }),
+        }
+    });
+    let opts = GatewayOptions {
+        admin,
+        env_token: std::env::var("SLACKGATE_ADMIN_TOKEN").ok(),
+        source,
+    };
+    let store =
+        slackgate_gateway::server::open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)
+            .map_err(anyhow::Error::msg)?;
+    let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
+    if let Some(at) = gw.admin_addr() {
+        let auth = if gw.shared().control.has_token() {
+            "bearer token required"
+        } else {
+            "NO TOKEN CONFIGURED: every call is refused (set admin.token_file or SLACKGATE_ADMIN_TOKEN)"
+        };
+        eprintln!("slackgate: admin API on http://{at} ({auth})");
+    }
     if a.demo {
         eprintln!(
             "slackgate: try\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -H 'x-job-class: interactive' -H 'x-deadline-ms: 5000' \\\n    -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":16}}'\n  curl -s http://{addr}/metrics | grep slackgate_decisions"
         );
     }
-    slackgate_gateway::run(listener, &cfg, log, shutdown_signal())
-        .await
-        .map_err(anyhow::Error::msg)?;
+    signals(&gw).await;
+    eprintln!(
+        "slackgate: shutting down (grace {} ms)",
+        cfg.server.shutdown_grace_ms
+    );
+    gw.shutdown().await;
     eprintln!("slackgate: stopped");
     Ok(())
+}
+
+/// Serve until SIGINT or SIGTERM; reload the config on each SIGHUP.
+async fn signals(gw: &Gateway) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut hup) = signal(SignalKind::hangup()) {
+            let stop = shutdown_signal();
+            tokio::pin!(stop);
+            loop {
+                tokio::select! {
+                    _ = &mut stop => return,
+                    Some(()) = hup.recv() => {
+                        match gw.shared().reload_from_source("signal:SIGHUP") {
+                            Ok(o) => eprintln!("slackgate: config reloaded (generation {})", o.generation),
+                            Err(e) => eprintln!("slackgate: SIGHUP reload refused: {e}"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    shutdown_signal().await;
 }
 
 async fn stub(a: StubArgs) -> Result<()> {

@@ -20,6 +20,10 @@ pub struct GateConfig {
     pub default_class: Option<String>,
     /// Rollback flag (seed 000): admit everything, never drop; the gate behaves as a plain queue.
     pub admit_always: bool,
+    /// Shadow mode: decide as usual, but admit what would be rejected (logged as
+    /// `shadow_reject` with the reason) and drop nothing, to calibrate thresholds on live
+    /// traffic before enforcing them.
+    pub shadow: bool,
     /// How Retry-After is computed and when clients are told not to retry.
     pub retry: RetryConfig,
     /// The token reservation ledger: hold TTL, retry cap, tenant grants.
@@ -49,6 +53,7 @@ impl Default for GateConfig {
             // Unlabeled work must not borrow interactive priority (seed 002): it runs as batch.
             default_class: Some("batch".into()),
             admit_always: false,
+            shadow: false,
             retry: RetryConfig::default(),
             ledger: crate::ledger::LedgerConfig::default(),
         }
@@ -142,6 +147,24 @@ pub struct ClassConfig {
     pub retry_hint: Option<String>,
     /// Prior for the expected output length of this class (learned online afterwards).
     pub expected_output_tokens: Option<u32>,
+    /// A second pool this class may use when its own cannot serve it in time (seed 003's
+    /// `paid_path`, seed 002's dedicated pool).
+    pub overflow_pool: Option<String>,
+    /// What a capacity rejection does with the overflow pool: name it in `retry_hint`
+    /// (`hint`, the default) or admit the request there when it fits (`route`).
+    pub overflow: OverflowMode,
+}
+
+/// How a class uses its overflow pool.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverflowMode {
+    /// Reject as usual, with `retry_hint` naming the overflow pool.
+    #[default]
+    Hint,
+    /// Admit on the overflow pool when the request's projected wait there fits its slack
+    /// (`overflow_routed`); reject with the hint otherwise.
+    Route,
 }
 
 impl Default for ClassConfig {
@@ -156,6 +179,8 @@ impl Default for ClassConfig {
             pool: "default".into(),
             retry_hint: None,
             expected_output_tokens: None,
+            overflow_pool: None,
+            overflow: OverflowMode::Hint,
         }
     }
 }
@@ -294,6 +319,29 @@ impl GateConfig {
                     ),
                 ));
             }
+            if let Some(o) = &c.overflow_pool {
+                if !pool_names.contains(o.as_str()) {
+                    return Err(ConfigError::new(
+                        at("overflow_pool"),
+                        format!(
+                            "unknown pool {:?} (known: {})",
+                            o,
+                            pool_names.iter().copied().collect::<Vec<_>>().join(", ")
+                        ),
+                    ));
+                }
+                if *o == c.pool {
+                    return Err(ConfigError::new(
+                        at("overflow_pool"),
+                        format!("is the class's own pool {o:?}; name another pool or remove it"),
+                    ));
+                }
+            } else if c.overflow == OverflowMode::Route {
+                return Err(ConfigError::new(
+                    at("overflow"),
+                    "\"route\" needs an overflow_pool to route to",
+                ));
+            }
             for (name, v) in [
                 ("deadline_ms", c.deadline_ms),
                 ("max_queue_age_ms", c.max_queue_age_ms),
@@ -379,6 +427,23 @@ mod tests {
         let mut c = GateConfig::default();
         c.pools[0].prior.decode_ms_per_token = f64::NAN;
         assert!(c.validate().is_err());
+
+        let mut c = GateConfig::default();
+        c.classes[0].overflow_pool = Some("paid".into());
+        let e = c.validate().err();
+        assert_eq!(
+            e.map(|e| e.path),
+            Some("classes[0].overflow_pool".to_string())
+        );
+
+        let mut c = GateConfig::default();
+        c.classes[0].overflow_pool = Some("default".into());
+        assert!(c.validate().is_err(), "its own pool is no overflow");
+
+        let mut c = GateConfig::default();
+        c.classes[1].overflow = OverflowMode::Route;
+        let e = c.validate().err();
+        assert_eq!(e.map(|e| e.path), Some("classes[1].overflow".to_string()));
 
         let c = GateConfig {
             default_class: Some("nope".into()),

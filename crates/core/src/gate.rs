@@ -14,7 +14,7 @@
 //! estimated work, so the wait for priority `p` is the in-flight remainder plus the queued work
 //! of classes at priority `>= p`, spread over the pool's slots.
 
-use crate::config::{ConfigError, GateConfig};
+use crate::config::{ConfigError, GateConfig, OverflowMode, PriorConfig};
 use crate::estimator::{Estimate, Estimator, EstimatorSnapshot};
 use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError};
 use crate::queue::{ClassQueue, QueueKey};
@@ -120,9 +120,10 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// True when the request was queued.
+    /// True when the request was queued (admitted, or admitted in shadow mode although the
+    /// gate would have rejected it).
     pub fn admitted(&self) -> bool {
-        self.action == Action::Admit
+        matches!(self.action, Action::Admit | Action::ShadowReject)
     }
 }
 
@@ -248,6 +249,14 @@ pub struct ClassSnapshot {
     pub projected_wait_ms: u64,
     /// Expected output tokens learned for this class.
     pub expected_output_tokens: u32,
+    /// Jobs of this class holding a slot on this pool.
+    pub in_flight: u32,
+    /// Being drained (admin API): new work is refused with `class_disabled`.
+    pub draining: bool,
+    /// This row is the class's overflow lane: its work routed to its `overflow_pool`.
+    pub overflow: bool,
+    /// Removed by a config reload: it takes no new work; what it already had runs to its end.
+    pub retired: bool,
 }
 
 /// Live view of one pool.
@@ -268,6 +277,12 @@ pub struct PoolSnapshot {
     pub oldest_in_flight_age_ms: u64,
     /// Learned service-time model.
     pub estimator: EstimatorSnapshot,
+    /// Whether the estimator learns from completions (`prior.learn`).
+    pub learning: bool,
+    /// Fewer completions than the warm-up needs: an idle pool admits on its prior anyway.
+    pub warming_up: bool,
+    /// Removed by a config reload: it takes no new work; what it already had runs to its end.
+    pub retired: bool,
 }
 
 /// Live view of the whole gate.
@@ -277,6 +292,13 @@ pub struct GateSnapshot {
     pub now_ms: Millis,
     /// Rollback flag.
     pub admit_always: bool,
+    /// Shadow mode: would-be rejections are admitted and reported as `shadow_reject`.
+    pub shadow: bool,
+    /// Unlabeled work is refused (`reject_unlabeled`) while a drain asks for it, even with a
+    /// default class.
+    pub unlabeled_suspended: bool,
+    /// The gate is shutting down: the time by which queued work must have finished.
+    pub closing_at_ms: Option<Millis>,
     /// Per class.
     pub classes: Vec<ClassSnapshot>,
     /// Per pool.
@@ -285,7 +307,11 @@ pub struct GateSnapshot {
 
 #[derive(Clone, Debug)]
 struct Job {
+    /// The lane (class entry) it is queued on; see [`ClassState`].
     class: ClassId,
+    /// The pool it runs on (its lane's pool, fixed at admission: a reload that moves the
+    /// class leaves this job where it was admitted).
+    pool: PoolId,
     seq: u64,
     arrived_at: Millis,
     deadline: Option<Millis>,
@@ -359,21 +385,44 @@ fn signed_diff(a: Millis, b: Millis) -> i64 {
     d.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 
+/// One lane: a class's queue on one pool. Every configured class has its primary lane on its
+/// own pool; a class with an `overflow_pool` has a second lane there, holding the work routed
+/// to it. Lanes are indexed by [`ClassId`]: the first ones are the configured classes, in
+/// order, and ids never change or get reused while the gate lives (a reload appends, and a
+/// removed lane is only retired), so a queued or in-flight job's lane is always valid.
 #[derive(Debug)]
 struct ClassState {
     name: String,
     pool: PoolId,
     priority: u32,
     enabled: bool,
+    /// Drained through the admin API: refuses new work like a disabled class. Runtime state,
+    /// kept across reloads.
+    draining: bool,
     default_deadline_ms: Option<u64>,
     max_queue_age_ms: Option<u64>,
     queue: ClassQueue,
-    /// Learned mean output length (EWMA), seeded from the class prior.
+    /// Learned mean output length (EWMA), seeded from the class prior. Only a primary lane's
+    /// is used: an overflow lane learns into its class's.
     expected_output: Option<f64>,
+    /// Configured `retry_hint`.
+    retry_hint: Option<String>,
+    /// The class's overflow lane and what to do with it (primary lanes only).
+    overflow: Option<(ClassId, OverflowMode)>,
+    /// For an overflow lane: the class it serves.
+    overflow_of: Option<ClassId>,
+    /// Removed by a reload: no new work; its queued and in-flight jobs run to their end.
+    retired: bool,
 }
 
 #[derive(Debug)]
 struct PoolState {
+    /// The configuration it was built from: a reload keeps the learned estimator unless
+    /// the prior or the upstream changed.
+    prior: PriorConfig,
+    upstream: Option<String>,
+    /// Removed by a reload: no class admits to it; it keeps its slots until its jobs end.
+    retired: bool,
     name: String,
     slots: u32,
     max_depth_factor: Option<f64>,
@@ -553,6 +602,22 @@ type IdHash = std::hash::BuildHasherDefault<IdHasher>;
 
 const EWMA_ALPHA: f64 = 0.2;
 
+/// What a request would see on one lane (see [`Gate::evaluate`]).
+#[derive(Clone, Copy, Debug)]
+struct Eval {
+    pool: PoolId,
+    est: Estimate,
+    deadline: Option<Millis>,
+    wait: u64,
+    count_ahead: u32,
+    queue_age_ms: u64,
+    slack_ms: Option<i64>,
+    in_flight: u32,
+    verdict: Result<Reason, Reason>,
+    /// The verdict is the pool's hard `max_queued` cap: enforced even in shadow mode.
+    hard_cap: bool,
+}
+
 /// How a job's hold is settled when the job ends.
 #[derive(Clone, Copy, Debug)]
 enum Settle {
@@ -583,76 +648,40 @@ pub struct Gate {
     keys: HashMap<String, JobId>,
     /// Prefix of generated keys, unique per process start (set by the caller).
     key_prefix: String,
+    /// Shutting down: nothing new is admitted, and queued work must finish by this time.
+    closing_at: Option<Millis>,
+    /// A drain suspended the default class: unlabeled work is refused.
+    unlabeled_suspended: bool,
 }
 
 impl Gate {
     /// Build a gate from a validated configuration.
     pub fn new(cfg: GateConfig) -> Result<Gate, ConfigError> {
         cfg.validate()?;
-        let mut pools: Vec<PoolState> = cfg
-            .pools
-            .iter()
-            .map(|p| PoolState {
-                name: p.name.clone(),
-                slots: p.max_in_flight,
-                max_depth_factor: p.max_depth_factor,
-                max_queued: p.max_queued,
-                default_output_tokens: p.prior.default_output_tokens,
-                estimator: Estimator::new(&p.prior),
-                in_flight: BTreeMap::new(),
+        let mut g = Gate {
+            cfg: GateConfig {
+                pools: Vec::new(),
                 classes: Vec::new(),
-            })
-            .collect();
-        let mut classes = Vec::new();
-        let mut labels = HashMap::new();
-        for (i, c) in cfg.classes.iter().enumerate() {
-            let pool = cfg
-                .pools
-                .iter()
-                .position(|p| p.name == c.pool)
-                .ok_or_else(|| ConfigError {
-                    path: format!("classes[{i}].pool"),
-                    message: format!("unknown pool {:?}", c.pool),
-                })?;
-            for label in std::iter::once(&c.name).chain(c.aliases.iter()) {
-                labels.insert(label.to_ascii_lowercase(), ClassId(i));
-            }
-            classes.push(ClassState {
-                name: c.name.clone(),
-                pool: PoolId(pool),
-                priority: c.priority,
-                enabled: c.enabled,
-                default_deadline_ms: c.deadline_ms,
-                max_queue_age_ms: c.max_queue_age_ms,
-                queue: ClassQueue::default(),
-                expected_output: c.expected_output_tokens.map(f64::from),
-            });
-            pools[pool].classes.push(ClassId(i));
-        }
-        for p in pools.iter_mut() {
-            p.classes
-                .sort_by_key(|id| (std::cmp::Reverse(classes[id.0].priority), id.0));
-        }
-        let cfg_ledger = cfg.ledger.clone();
-        let default_class = cfg
-            .default_class
-            .as_ref()
-            .and_then(|d| labels.get(&d.to_ascii_lowercase()).copied());
-        Ok(Gate {
-            cfg,
-            classes,
-            pools,
-            labels,
-            default_class,
+                ..cfg.clone()
+            },
+            classes: Vec::new(),
+            pools: Vec::new(),
+            labels: HashMap::new(),
+            default_class: None,
             jobs: HashMap::default(),
             events: VecDeque::new(),
             next_id: 1,
             last_now: 0,
-            ledger: Ledger::new(cfg_ledger),
+            ledger: Ledger::new(cfg.ledger.clone()),
             ledger_out: Vec::new(),
             keys: HashMap::new(),
             key_prefix: "gen".into(),
-        })
+            closing_at: None,
+            unlabeled_suspended: false,
+        };
+        // Building is a reconfiguration of an empty gate: every pool and lane is new.
+        g.reconfigure(0, cfg)?;
+        Ok(g)
     }
 
     /// The configuration in force.
@@ -665,7 +694,7 @@ impl Gate {
     pub fn classify(&self, label: Option<&str>) -> Option<ClassId> {
         label
             .and_then(|l| self.labels.get(&l.trim().to_ascii_lowercase()).copied())
-            .or(self.default_class)
+            .or(self.default_class.filter(|_| !self.unlabeled_suspended))
     }
 
     /// Canonical name of a class.
@@ -678,12 +707,15 @@ impl Gate {
         self.pools.get(pool.0).map_or("", |p| p.name.as_str())
     }
 
-    /// The retry hint configured for a class, if any.
+    /// Where a rejected client of a class should go instead: its configured `retry_hint`,
+    /// or else the name of its overflow pool.
     pub fn retry_hint(&self, class: ClassId) -> Option<&str> {
-        self.cfg
-            .classes
-            .get(class.0)
-            .and_then(|c| c.retry_hint.as_deref())
+        let c = self.classes.get(class.0)?;
+        c.retry_hint.as_deref().or_else(|| {
+            c.overflow
+                .and_then(|(lane, _)| self.classes.get(lane.0))
+                .map(|l| self.pool_name(l.pool))
+        })
     }
 
     /// Set the `admit_always` rollback flag.
@@ -695,9 +727,10 @@ impl Gate {
     pub fn set_class_enabled(&mut self, class: ClassId, enabled: bool) {
         if let Some(c) = self.classes.get_mut(class.0) {
             c.enabled = enabled;
-        }
-        if let Some(c) = self.cfg.classes.get_mut(class.0) {
-            c.enabled = enabled;
+            let name = c.name.clone();
+            if let Some(cc) = self.cfg.classes.iter_mut().find(|cc| cc.name == name) {
+                cc.enabled = enabled;
+            }
         }
     }
 
@@ -707,8 +740,16 @@ impl Gate {
         self.last_now
     }
 
+    /// The class a lane belongs to (itself for a primary lane).
+    fn home(&self, lane: ClassId) -> ClassId {
+        self.classes
+            .get(lane.0)
+            .and_then(|c| c.overflow_of)
+            .unwrap_or(lane)
+    }
+
     fn expected_output(&self, class: ClassId, max_tokens: Option<u32>) -> u32 {
-        let c = &self.classes[class.0];
+        let c = &self.classes[self.home(class).0];
         let pool = &self.pools[c.pool.0];
         let learned = c
             .expected_output
@@ -760,6 +801,67 @@ impl Gate {
             .sum()
     }
 
+    /// What a request would see on one lane: its estimate, deadline, wait and the verdict of
+    /// the lane's thresholds (queue age, depth, slack). Class switches, the ledger and the
+    /// flags are the caller's. O(classes of the pool + slots).
+    fn evaluate(&self, now: Millis, lane: ClassId, req: &Request, expected_output: u32) -> Eval {
+        let c = &self.classes[lane.0];
+        let pool = c.pool;
+        let est = self.pools[pool.0]
+            .estimator
+            .estimate(req.prompt_tokens, expected_output);
+        let deadline = req
+            .deadline
+            .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
+        let (work_ahead, count_ahead, oldest) = self.ahead(pool, c.priority);
+        let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
+        // Queue age: how long the work this request would wait behind has been waiting. That
+        // is the oldest queued job ahead, or, when every slot is busy, how long the pool has
+        // gone without freeing one (seed 002: one stuck eval, an empty queue, and a sync
+        // request that would wait behind it).
+        let queue_age_ms = oldest
+            .map_or(0, |t| now.saturating_sub(t))
+            .max(self.pools[pool.0].slot_age(now));
+        let slack_ms = slack(now, 0, deadline, req.first_token_deadline, est);
+        let in_flight = self.pools[pool.0].in_flight.len() as u32;
+        let p = &self.pools[pool.0];
+        let mut hard_cap = false;
+        let verdict = if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
+            Err(Reason::QueueAgeExceeded)
+        } else if self.pool_depth(pool) >= p.max_queued {
+            // Hard cap on everything queued on the pool, whatever the class: each queued
+            // request holds a connection and its body in the gateway.
+            hard_cap = true;
+            Err(Reason::QueueDepthExceeded)
+        } else if self.depth_exceeded(pool, in_flight, count_ahead) {
+            Err(Reason::QueueDepthExceeded)
+        } else if slack_ms.is_some_and(|s| i128::from(wait) > i128::from(s)) {
+            // A pool with a free slot and an estimator that has barely learned anything: the
+            // estimate is the prior, which may be far too pessimistic (a 256-token guess for
+            // a request that writes 20). Rejecting would keep it from ever learning, so admit
+            // and learn; such a job is never dropped on its (untrusted) estimate.
+            if wait == 0 && p.estimator.warming_up() {
+                Ok(Reason::EstimatorWarmup)
+            } else {
+                Err(Reason::ProjectedWaitExceedsSlack)
+            }
+        } else {
+            Ok(Reason::WithinSlack)
+        };
+        Eval {
+            pool,
+            est,
+            deadline,
+            wait,
+            count_ahead,
+            queue_age_ms,
+            slack_ms,
+            in_flight,
+            verdict,
+            hard_cap,
+        }
+    }
+
     /// Decide at arrival. An admitted job is queued; call [`Gate::poll`] to dispatch it.
     pub fn offer(&mut self, now: Millis, req: Request) -> Decision {
         let now = self.clock(now);
@@ -770,63 +872,59 @@ impl Gate {
         // A generated key is only spelled out if the request is admitted (a refusal under it
         // is never recorded), so rejections cost no allocation for it.
         let key = req.idempotency_key.clone().unwrap_or_default();
-        let Some(class) = req.class.filter(|c| c.0 < self.classes.len()) else {
+        // Only a live class's primary lane takes offers; overflow lanes are reached from it.
+        let Some(class) = req.class.filter(|c| {
+            self.classes
+                .get(c.0)
+                .is_some_and(|c| c.overflow_of.is_none() && !c.retired)
+        }) else {
             let mut d = self.rejection(job_id, None, Reason::RejectUnlabeled);
             d.idempotency_key = key;
             return d;
         };
-        let c = &self.classes[class.0];
-        let pool = c.pool;
-        let priority = c.priority;
         let expected_output = match (req.expected_output_tokens, req.max_tokens) {
             (Some(hint), Some(cap)) => hint.min(cap),
             (Some(hint), None) => hint,
             (None, cap) => self.expected_output(class, cap),
         };
-        let est = self.pools[pool.0]
-            .estimator
-            .estimate(req.prompt_tokens, expected_output);
-        let deadline = req
-            .deadline
-            .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
-        let (work_ahead, count_ahead, oldest) = self.ahead(pool, priority);
-        let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
-        // Queue age: how long the work this request would wait behind has been waiting. That
-        // is the oldest queued job ahead, or, when every slot is busy, how long the pool has
-        // gone without freeing one (seed 002: one stuck eval, an empty queue, and a sync
-        // request that would wait behind it).
-        let queue_age_ms = oldest
-            .map_or(0, |t| now.saturating_sub(t))
-            .max(self.pools[pool.0].slot_age(now));
-        let no_wait_slack = slack(now, 0, deadline, req.first_token_deadline, est);
-        let slack_ms = no_wait_slack;
-        let in_flight = self.pools[pool.0].in_flight.len() as u32;
+        let mut e = self.evaluate(now, class, &req, expected_output);
         let mut d = Decision {
             job_id,
             class: Some(class),
-            pool: Some(pool),
+            pool: Some(e.pool),
             action: Action::Reject,
             reason: Reason::WithinSlack,
-            queue_age_ms,
-            deadline_slack_ms: slack_ms,
-            projected_wait_ms: wait,
-            est_service_ms: est.service_ms,
+            queue_age_ms: e.queue_age_ms,
+            deadline_slack_ms: e.slack_ms,
+            projected_wait_ms: e.wait,
+            est_service_ms: e.est.service_ms,
             expected_output_tokens: expected_output,
-            in_flight,
-            depth: count_ahead,
+            in_flight: e.in_flight,
+            depth: e.count_ahead,
             retry_after_ms: None,
             should_retry: false,
-            deadline,
+            deadline: e.deadline,
             idempotency_key: key.clone(),
             tokens_held: 0,
             ledger: None,
         };
+        let primary_pool = e.pool;
+        // Shutting down: nothing new is taken on; another replica (or this one restarted)
+        // can serve it, so a retry is worth it.
+        if self.closing_at.is_some() {
+            d.reason = Reason::ShuttingDown;
+            d.retry_after_ms = Some(self.cfg.retry.min_retry_after_ms);
+            d.should_retry = true;
+            return d;
+        }
         let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
             u64::from(req.prompt_tokens).saturating_add(u64::from(expected_output))
         });
         let tenant = req.tenant.as_deref();
-        // Never spend twice: a held or done key is a duplicate even under `admit_always`.
-        // The retry cap and the tenant grant are thresholds, bypassed by the rollback flag.
+        let shadow = self.cfg.shadow && !self.cfg.admit_always;
+        // Never spend twice: a held or done key is a duplicate even under `admit_always` or
+        // in shadow mode. The retry cap and the tenant grant are thresholds, bypassed by the
+        // rollback flag (and only reported in shadow mode).
         let ledger_verdict = match self.ledger.check(
             if req.idempotency_key.is_some() {
                 &key
@@ -841,46 +939,97 @@ impl Gate {
             Err(other) if !self.cfg.admit_always => Some(other),
             _ => None,
         };
+        // The first would-be rejection of a shadowed request: reported, not enforced.
+        let mut shadowed: Option<Reason> = None;
+        let mut bypass_ledger = self.cfg.admit_always;
         if let Some(rej) = ledger_verdict {
-            d.reason = match rej {
+            let reason = match rej {
                 LedgerReject::Duplicate { .. } => Reason::RejectDuplicate,
                 LedgerReject::RetryCap { .. } => Reason::RejectRetryCap,
                 LedgerReject::BudgetExhausted { .. } => Reason::BudgetExhausted,
             };
-            let (after, retry) =
-                self.retry_after(job_id, d.reason, wait, slack_ms, count_ahead, pool);
-            d.retry_after_ms = Some(after);
-            d.should_retry = retry;
             d.ledger = Some(rej);
-            return d;
+            if shadow && reason != Reason::RejectDuplicate {
+                shadowed = Some(reason);
+                bypass_ledger = true;
+            } else {
+                d.reason = reason;
+                let (after, retry) = self.retry_after(
+                    job_id,
+                    d.reason,
+                    e.wait,
+                    e.slack_ms,
+                    e.count_ahead,
+                    primary_pool,
+                );
+                d.retry_after_ms = Some(after);
+                d.should_retry = retry;
+                return d;
+            }
         }
 
+        let c = &self.classes[class.0];
+        let mut lane = class;
         let verdict = if self.cfg.admit_always {
             Ok(Reason::AdmitAlways)
-        } else if !c.enabled {
+        } else if !c.enabled || c.draining {
+            // An operator's switch, not a threshold: enforced in shadow mode too.
             Err(Reason::ClassDisabled)
-        } else if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
-            Err(Reason::QueueAgeExceeded)
-        } else if self.depth_exceeded(pool, in_flight, count_ahead) {
-            Err(Reason::QueueDepthExceeded)
-        } else if slack_ms.is_some_and(|s| i128::from(wait) > i128::from(s)) {
-            // A pool with a free slot and an estimator that has barely learned anything: the
-            // estimate is the prior, which may be far too pessimistic (a 256-token guess for
-            // a request that writes 20). Rejecting would keep it from ever learning, so admit
-            // and learn; such a job is never dropped on its (untrusted) estimate.
-            if wait == 0 && self.pools[pool.0].estimator.warming_up() {
-                Ok(Reason::EstimatorWarmup)
-            } else {
-                Err(Reason::ProjectedWaitExceedsSlack)
-            }
         } else {
-            Ok(Reason::WithinSlack)
+            e.verdict
+        };
+        // A capacity rejection of a class with an overflow pool in `route` mode: admit it
+        // there instead if it fits there (under the same class rules).
+        let capacity = matches!(
+            verdict,
+            Err(Reason::QueueAgeExceeded
+                | Reason::QueueDepthExceeded
+                | Reason::ProjectedWaitExceedsSlack)
+        );
+        let verdict = match c.overflow {
+            Some((overflow_lane, OverflowMode::Route)) if capacity => {
+                let o = self.evaluate(now, overflow_lane, &req, expected_output);
+                match o.verdict {
+                    // In shadow mode nothing moves: the route is reported, not taken.
+                    Ok(_) if shadow => Err(Reason::OverflowRouted),
+                    Ok(_) => {
+                        lane = overflow_lane;
+                        e = o;
+                        d.pool = Some(e.pool);
+                        d.queue_age_ms = e.queue_age_ms;
+                        d.deadline_slack_ms = e.slack_ms;
+                        d.projected_wait_ms = e.wait;
+                        d.est_service_ms = e.est.service_ms;
+                        d.in_flight = e.in_flight;
+                        d.depth = e.count_ahead;
+                        d.deadline = e.deadline;
+                        Ok(Reason::OverflowRouted)
+                    }
+                    Err(_) => verdict,
+                }
+            }
+            _ => verdict,
+        };
+        let verdict = match verdict {
+            Err(r) if shadow && r != Reason::ClassDisabled && !e.hard_cap => {
+                shadowed = shadowed.or(Some(r));
+                Ok(r)
+            }
+            v => v,
         };
 
         match verdict {
             Ok(reason) => {
-                d.action = Action::Admit;
-                d.reason = reason;
+                match shadowed {
+                    Some(would) => {
+                        d.action = Action::ShadowReject;
+                        d.reason = would;
+                    }
+                    None => {
+                        d.action = Action::Admit;
+                        d.reason = reason;
+                    }
+                }
                 let key = if req.idempotency_key.is_some() {
                     key
                 } else {
@@ -888,13 +1037,14 @@ impl Gate {
                 };
                 d.idempotency_key = key.clone();
                 let cap = self.ledger.config().retry_cap;
-                // Under admit_always the cap and grant were bypassed: reserve past them.
-                let attempt = if self.cfg.admit_always {
+                // Under admit_always (or a shadowed ledger refusal) the cap and grant were
+                // bypassed: reserve past them.
+                let attempt = if bypass_ledger {
                     req.attempt.min(cap)
                 } else {
                     req.attempt
                 };
-                let hold = if self.cfg.admit_always {
+                let hold = if bypass_ledger {
                     self.ledger
                         .reserve_unchecked(now, &key, tenant, attempt, hold_tokens)
                 } else {
@@ -922,12 +1072,13 @@ impl Gate {
                 self.keys.insert(key.clone(), job_id);
                 let seq = job_id.0;
                 let job = Job {
-                    class,
+                    class: lane,
+                    pool: e.pool,
                     seq,
                     arrived_at: now,
-                    deadline,
+                    deadline: e.deadline,
                     first_token_deadline: req.first_token_deadline,
-                    est,
+                    est: e.est,
                     prompt_tokens: req.prompt_tokens,
                     state: JobState::Queued,
                     first_token_at: None,
@@ -940,9 +1091,9 @@ impl Gate {
                     reservation: req.reservation,
                 };
                 let key = job.key();
-                self.classes[class.0]
+                self.classes[lane.0]
                     .queue
-                    .push(key, now, job_id, est.service_ms);
+                    .push(key, now, job_id, e.est.service_ms);
                 self.jobs.insert(job_id, job);
             }
             Err(reason) => {
@@ -957,8 +1108,14 @@ impl Gate {
                         self.ledger_out.push(r);
                     }
                 }
-                let (after, retry) =
-                    self.retry_after(job_id, reason, wait, slack_ms, count_ahead, pool);
+                let (after, retry) = self.retry_after(
+                    job_id,
+                    reason,
+                    e.wait,
+                    e.slack_ms,
+                    e.count_ahead,
+                    primary_pool,
+                );
                 d.retry_after_ms = Some(after);
                 // With an absolute deadline the slack shrinks exactly as fast as the queue
                 // drains: the same request retried later can never fit.
@@ -970,13 +1127,9 @@ impl Gate {
         d
     }
 
+    /// Seed 000's depth rule: every slot busy and more than `factor x slots` queued ahead.
     fn depth_exceeded(&self, pool: PoolId, in_flight: u32, count_ahead: u32) -> bool {
         let p = &self.pools[pool.0];
-        // Hard cap on everything queued on the pool, whatever the class: each queued request
-        // holds a connection and its body in the gateway.
-        if self.pool_depth(pool) >= p.max_queued {
-            return true;
-        }
         match p.max_depth_factor {
             Some(k) => in_flight >= p.slots && f64::from(count_ahead) > k * f64::from(p.slots),
             None => false,
@@ -1094,14 +1247,26 @@ impl Gate {
                 continue;
             };
             self.unqueue(id, &job);
+            // Shutting down: a job that cannot finish before the process stops is not started
+            // (its client hears it now instead of being cut off mid-answer).
+            let closing = !job.reservation
+                && self
+                    .closing_at
+                    .is_some_and(|at| now.saturating_add(job.est.service_ms) > at);
             let dead = !self.cfg.admit_always
+                && !self.cfg.shadow
                 && !job.protected
                 && job.slack_after(now, 0).is_some_and(|s| s < 0);
             let pool_id = PoolId(pi);
-            if dead {
+            if dead || closing {
                 self.jobs.remove(&id);
                 self.settle_hold(now, &job, Settle::Cancel(0));
-                let ev = self.drop_event(now, id, &job, pool_id, 0);
+                let reason = if closing {
+                    Reason::ShuttingDown
+                } else {
+                    Reason::DeadlineUnmeetable
+                };
+                let ev = self.drop_event(now, id, &job, pool_id, 0, reason);
                 self.events.push_back(ev);
                 return true;
             }
@@ -1134,12 +1299,20 @@ impl Gate {
             .remove(job.key(), job.arrived_at, job.est.service_ms);
     }
 
-    fn drop_event(&self, now: Millis, id: JobId, job: &Job, pool: PoolId, wait: u64) -> Event {
+    fn drop_event(
+        &self,
+        now: Millis,
+        id: JobId,
+        job: &Job,
+        pool: PoolId,
+        wait: u64,
+        reason: Reason,
+    ) -> Event {
         Event::Drop {
             job_id: id,
             class: job.class,
             pool,
-            reason: Reason::DeadlineUnmeetable,
+            reason,
             queue_wait_ms: now.saturating_sub(job.arrived_at),
             deadline_slack_ms: job.slack_after(now, wait),
             projected_wait_ms: wait,
@@ -1167,8 +1340,10 @@ impl Gate {
             return None;
         };
         let job = self.jobs.remove(&id)?;
-        let c = &mut self.classes[job.class.0];
-        let pool = c.pool;
+        let pool = job.pool;
+        // An overflow lane's completions teach its class's output length.
+        let home = self.home(job.class);
+        let c = &mut self.classes[home.0];
         let service_ms = now.saturating_sub(started_at);
         if done.ok {
             let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
@@ -1223,7 +1398,7 @@ impl Gate {
     /// pool and when it was dispatched (if it was); the caller `finish`es it.
     fn take_job(&mut self, id: JobId) -> Option<(Job, PoolId, Option<Millis>)> {
         let job = self.jobs.remove(&id)?;
-        let pool = self.classes[job.class.0].pool;
+        let pool = job.pool;
         let started = match job.state {
             JobState::Queued => {
                 self.unqueue(id, &job);
@@ -1302,7 +1477,11 @@ impl Gate {
     pub fn tick(&mut self, now: Millis) {
         let now = self.clock(now);
         self.expire_holds(now);
-        if self.cfg.admit_always {
+        if self.closing_at.is_some() {
+            self.shutdown_sweep(now);
+        }
+        // The rollback flag and shadow mode enforce no deadline: nothing is dropped.
+        if self.cfg.admit_always || self.cfg.shadow {
             return;
         }
         for pi in 0..self.pools.len() {
@@ -1365,7 +1544,8 @@ impl Gate {
                 if let Some(job) = self.jobs.remove(&id) {
                     self.unqueue(id, &job);
                     self.settle_hold(now, &job, Settle::Cancel(0));
-                    let ev = self.drop_event(now, id, &job, pool_id, wait);
+                    let ev =
+                        self.drop_event(now, id, &job, pool_id, wait, Reason::DeadlineUnmeetable);
                     self.events.push_back(ev);
                 }
             }
@@ -1377,20 +1557,33 @@ impl Gate {
         self.jobs.len()
     }
 
-    /// A consistent view of queues, pools and estimators at `now`.
+    /// A consistent view of queues, pools and estimators at `now`. Lanes and pools retired
+    /// by a reload appear only while they still have work.
     pub fn snapshot(&self, now: Millis) -> GateSnapshot {
         let now = now.max(self.last_now);
+        let mut lane_in_flight = vec![0u32; self.classes.len()];
+        for p in &self.pools {
+            for id in p.in_flight.keys() {
+                if let Some(j) = self.jobs.get(id) {
+                    if let Some(n) = lane_in_flight.get_mut(j.class.0) {
+                        *n += 1;
+                    }
+                }
+            }
+        }
         let classes = self
             .classes
             .iter()
             .enumerate()
+            .filter(|(i, c)| !c.retired || !c.queue.is_empty() || lane_in_flight[*i] > 0)
             .map(|(i, c)| {
                 let (work, count, _) = self.ahead(c.pool, c.priority);
+                let home = &self.classes[self.home(ClassId(i)).0];
                 ClassSnapshot {
                     name: c.name.clone(),
                     pool: self.pools[c.pool.0].name.clone(),
                     priority: c.priority,
-                    enabled: c.enabled,
+                    enabled: home.enabled,
                     depth: c.queue.len() as u32,
                     oldest_queue_age_ms: c
                         .queue
@@ -1399,6 +1592,10 @@ impl Gate {
                     queued_work_ms: c.queue.work_ms(),
                     projected_wait_ms: self.projected_wait(c.pool, now, work, count),
                     expected_output_tokens: self.expected_output(ClassId(i), None),
+                    in_flight: lane_in_flight[i],
+                    draining: home.draining,
+                    overflow: c.overflow_of.is_some(),
+                    retired: c.retired,
                 }
             })
             .collect();
@@ -1406,6 +1603,9 @@ impl Gate {
             .pools
             .iter()
             .enumerate()
+            .filter(|(i, p)| {
+                !p.retired || !p.in_flight.is_empty() || self.pool_depth(PoolId(*i)) > 0
+            })
             .map(|(i, p)| PoolSnapshot {
                 name: p.name.clone(),
                 slots: p.slots,
@@ -1419,11 +1619,17 @@ impl Gate {
                     .max()
                     .unwrap_or(0),
                 estimator: p.estimator.snapshot(),
+                learning: p.prior.learn,
+                warming_up: p.estimator.warming_up(),
+                retired: p.retired,
             })
             .collect();
         GateSnapshot {
             now_ms: now,
             admit_always: self.cfg.admit_always,
+            shadow: self.cfg.shadow,
+            unlabeled_suspended: self.unlabeled_suspended,
+            closing_at_ms: self.closing_at,
             classes,
             pools,
         }
@@ -1431,5 +1637,9 @@ impl Gate {
 }
 
 mod holds;
+pub mod ops;
+#[cfg(test)]
+mod ops_tests;
+pub mod reconfigure;
 #[cfg(test)]
 mod tests;

@@ -338,6 +338,12 @@ impl Ledger {
         &self.cfg
     }
 
+    /// Apply a reloaded configuration: later holds get the new TTL, cap and grants; holds
+    /// already placed keep their expiry.
+    pub fn set_config(&mut self, cfg: LedgerConfig) {
+        self.cfg = cfg;
+    }
+
     /// Stop timing a held key's TTL: its live request settles it (a proxied request's
     /// connection always ends, one way or another), and a restart expires it. Keeps the
     /// expiry index to the holds that can actually expire, so a deep queue of live requests

@@ -15,8 +15,12 @@ pub mod ledger;
 mod queue;
 pub mod reason;
 
-pub use config::{ClassConfig, ConfigError, GateConfig, PoolConfig, PriorConfig, RetryConfig};
+pub use config::{
+    ClassConfig, ConfigError, GateConfig, OverflowMode, PoolConfig, PriorConfig, RetryConfig,
+};
 pub use estimator::{Estimate, Estimator, EstimatorSnapshot};
+pub use gate::ops::{DrainClass, DrainPool, DrainStatus};
+pub use gate::reconfigure::ReconfigureReport;
 pub use gate::{
     ClassId, ClassSnapshot, Completed, Completion, Decision, Event, Gate, GateSnapshot, JobId,
     PoolId, PoolSnapshot, Request,

@@ -60,6 +60,15 @@ impl ClassQueue {
         self.order.len()
     }
 
+    pub(crate) fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Every queued job, in dispatch order.
+    pub(crate) fn iter_all(&self) -> impl Iterator<Item = (QueueKey, JobId)> + '_ {
+        self.order.iter().map(|(k, v)| (*k, *v))
+    }
+
     pub(crate) fn work_ms(&self) -> u64 {
         self.work_ms
     }
@@ -79,11 +88,6 @@ impl ClassQueue {
 
     pub(crate) fn has_deadlined(&self) -> bool {
         self.deadlined > 0
-    }
-
-    #[cfg(test)]
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (QueueKey, JobId)> + '_ {
-        self.order.iter().map(|(k, v)| (*k, *v))
     }
 }
 
@@ -113,6 +117,6 @@ mod tests {
         assert_eq!(q.best_effort(), (1, 9));
         let dl: Vec<_> = q.iter_deadlined().map(|(_, id)| id).collect();
         assert_eq!(dl, vec![JobId(2), JobId(1)]);
-        assert_eq!(q.iter().count(), 3);
+        assert_eq!(q.iter_all().count(), 3);
     }
 }

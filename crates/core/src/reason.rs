@@ -56,8 +56,14 @@ pub enum Reason {
     UpstreamTimeout,
     /// The upstream broke the response (reset, protocol error) or answered with a server error.
     UpstreamError,
-    /// The gateway is shutting down and no longer accepts work.
+    /// The gateway is shutting down and no longer accepts work; queued work that cannot finish
+    /// before the shutdown deadline is told so at once.
     ShuttingDown,
+    /// The class is being drained (admin API) and its queued or in-flight work was cancelled.
+    Drained,
+    /// The class's own pool could not take the request in time, so it was admitted on the
+    /// class's overflow pool (`overflow = "route"`).
+    OverflowRouted,
 }
 
 impl Reason {
@@ -88,11 +94,13 @@ impl Reason {
             Reason::UpstreamTimeout => "upstream_timeout",
             Reason::UpstreamError => "upstream_error",
             Reason::ShuttingDown => "shutting_down",
+            Reason::Drained => "drained",
+            Reason::OverflowRouted => "overflow_routed",
         }
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 24] = [
+    pub const ALL: [Reason; 26] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -117,6 +125,8 @@ impl Reason {
         Reason::UpstreamTimeout,
         Reason::UpstreamError,
         Reason::ShuttingDown,
+        Reason::Drained,
+        Reason::OverflowRouted,
     ];
 }
 
@@ -144,6 +154,9 @@ pub enum Action {
     Cancel,
     /// Refused for bad input or a broken upstream, outside the admission policy.
     Error,
+    /// Shadow mode: the gate would have rejected the request (the decision's reason says
+    /// why) but admitted it, so thresholds can be calibrated on live traffic first.
+    ShadowReject,
 }
 
 impl Action {
@@ -157,6 +170,7 @@ impl Action {
             Action::Complete => "complete",
             Action::Cancel => "cancel",
             Action::Error => "error",
+            Action::ShadowReject => "shadow_reject",
         }
     }
 }

@@ -154,9 +154,17 @@ pub struct TrackedBody<B: Body> {
     /// The response's end, held back until the job's settlement is durable: the client must
     /// not see a complete answer that a crash could leave unrecorded (and so replayable).
     held_back: Option<(Option<Frame<Bytes>>, DurableWait)>,
+    /// Fires when the gate cancels the job mid-response (a drain with `cancel`, the end of
+    /// the shutdown grace period): the body ends with an error and the job is cancelled.
+    abort: Option<tokio::sync::oneshot::Receiver<Reason>>,
 }
 
 type DurableWait = Pin<Box<dyn Future<Output = ()> + Send + Sync>>;
+
+/// The gate cancelled the response mid-body.
+#[derive(Debug, thiserror::Error)]
+#[error("the gate cancelled this response: {0}")]
+pub struct Cancelled(pub Reason);
 
 /// The upstream stalled mid-body.
 #[derive(Debug, thiserror::Error)]
@@ -175,7 +183,15 @@ impl<B: Body> TrackedBody<B> {
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
             held_back: None,
+            abort: None,
         }
+    }
+
+    /// End the response early (an error to the client, a `cancel` for the job) when `abort`
+    /// fires.
+    pub fn with_abort(mut self, abort: tokio::sync::oneshot::Receiver<Reason>) -> Self {
+        self.abort = Some(abort);
+        self
     }
 
     fn finish(&mut self, ok: bool, reason: Option<Reason>) {
@@ -252,6 +268,20 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if let (Some(abort), true) = (&mut this.abort, this.guard.is_some()) {
+            match Pin::new(abort).poll(cx) {
+                Poll::Ready(Ok(reason)) => {
+                    this.abort = None;
+                    if let Some(g) = this.guard.take() {
+                        g.cancel_with(reason, u64::from(this.scanner.tokens_so_far()));
+                    }
+                    return Poll::Ready(Some(Err(Box::new(Cancelled(reason)))));
+                }
+                // The job ended by another path: nothing will fire.
+                Poll::Ready(Err(_)) => this.abort = None,
+                Poll::Pending => {}
+            }
+        }
         if let Some((_, wait)) = &mut this.held_back {
             if wait.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;

@@ -34,6 +34,33 @@ pub struct Config {
     pub log: LogConfig,
     /// The admission core's configuration.
     pub gate: GateConfig,
+    /// The admin API's listener and token (`[admin]`; off without the section).
+    pub admin: AdminConfig,
+}
+
+/// Default address of the admin API: loopback only.
+pub const DEFAULT_ADMIN_LISTEN: ([u8; 4], u16) = ([127, 0, 0, 1], 9090);
+
+/// The admin API (`[admin]`): flags, drains, reload, queue and estimator views, on a listener
+/// of its own, behind a bearer token.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AdminConfig {
+    /// Where the admin API listens; `None` (no `[admin]` section): no admin listener.
+    pub listen: Option<SocketAddr>,
+    /// File holding the bearer token (whitespace trimmed); read at start and at each reload.
+    /// Without it the token comes from `SLACKGATE_ADMIN_TOKEN`; without either, every admin
+    /// call is refused (401).
+    pub token_file: Option<PathBuf>,
+    /// Allow a non-loopback `listen` address (the admin API can roll back or drain the gate).
+    pub allow_remote: bool,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+struct AdminFile {
+    listen: Option<SocketAddr>,
+    token_file: Option<PathBuf>,
+    allow_remote: bool,
 }
 
 /// Listener and request-path settings.
@@ -71,9 +98,13 @@ pub struct ServerConfig {
     /// Longest time to receive a whole request body once its headers arrived (ms); a slower
     /// upload gets 408 `body_read_timeout`.
     pub body_read_timeout_ms: u64,
-    /// On shutdown, how long requests already in flight may take to finish before their
-    /// connections are closed anyway (ms).
+    /// On shutdown, how long queued and in-flight requests may take to finish before their
+    /// connections are closed anyway (ms). Queued work that cannot finish by then is told so
+    /// at once (`shutting_down`).
     pub shutdown_grace_ms: u64,
+    /// How often the config file is checked for changes (ms); 0 turns the watcher off
+    /// (SIGHUP and `POST /admin/reload` still reload).
+    pub config_poll_ms: u64,
 }
 
 impl Default for ServerConfig {
@@ -91,6 +122,7 @@ impl Default for ServerConfig {
             client_write_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,
+            config_poll_ms: 1_000,
         }
     }
 }
@@ -153,6 +185,10 @@ struct FileConfig {
     #[serde(default)]
     admit_always: bool,
     #[serde(default)]
+    shadow: bool,
+    #[serde(default)]
+    admin: Option<AdminFile>,
+    #[serde(default)]
     retry: RetryConfig,
     #[serde(default)]
     ledger: slackgate_core::ledger::LedgerConfig,
@@ -180,8 +216,7 @@ pub enum ConfigFileError {
 impl Config {
     /// Parse and validate a TOML document. Missing sections take their defaults.
     pub fn from_toml(text: &str) -> Result<Config, ConfigFileError> {
-        let f: FileConfig =
-            toml::from_str(text).map_err(|e| ConfigFileError::Parse(e.to_string()))?;
+        let f: FileConfig = toml::from_str(text).map_err(|e| parse_error(text, &e))?;
         let defaults = GateConfig::default();
         // A file that defines no classes gets the embedded classes *and* their default
         // class; a file that defines classes decides for itself whether unlabeled work has one.
@@ -194,13 +229,27 @@ impl Config {
             classes: f.classes.unwrap_or(defaults.classes),
             default_class,
             admit_always: f.admit_always,
+            shadow: f.shadow,
             retry: f.retry,
             ledger: f.ledger,
+        };
+        // An `[admin]` section turns the admin API on, on loopback unless it says otherwise.
+        let admin = match f.admin {
+            None => AdminConfig::default(),
+            Some(a) => AdminConfig {
+                listen: Some(
+                    a.listen
+                        .unwrap_or_else(|| SocketAddr::from(DEFAULT_ADMIN_LISTEN)),
+                ),
+                token_file: a.token_file,
+                allow_remote: a.allow_remote,
+            },
         };
         let cfg = Config {
             server: f.server,
             log: f.log,
             gate,
+            admin,
         };
         cfg.validate_shape()?;
         Ok(cfg)
@@ -250,6 +299,23 @@ impl Config {
         if self.server.body_read_timeout_ms == 0 {
             return Err(err("server.body_read_timeout_ms", "must be at least 1"));
         }
+        if let Some(a) = self.admin.listen {
+            if !a.ip().is_loopback() && !self.admin.allow_remote {
+                return Err(err(
+                    "admin.listen",
+                    &format!(
+                        "{a} is not a loopback address; the admin API can roll back and drain \
+                         the gate, so set admin.allow_remote = true to expose it beyond this host"
+                    ),
+                ));
+            }
+        }
+        if self.server.config_poll_ms > 3_600_000 {
+            return Err(err(
+                "server.config_poll_ms",
+                "must be at most 3600000 (0 turns the watcher off)",
+            ));
+        }
         if !(1..=MAX_LOG_CHANNEL_CAPACITY).contains(&self.log.channel_capacity) {
             // tokio allocates the channel's slots up front and panics on absurd capacities.
             return Err(err(
@@ -265,6 +331,20 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A TOML error as `path: message (line L, column C)`, the path found from the error's span
+/// (`classes[1].deadline_ms`), like the semantic checks' errors.
+fn parse_error(text: &str, e: &toml::de::Error) -> ConfigFileError {
+    let Some(span) = e.span() else {
+        return ConfigFileError::Parse(e.message().trim().to_string());
+    };
+    let (line, col) = crate::config_path::line_col(text, span.start);
+    let message = e.message().trim();
+    ConfigFileError::Parse(match crate::config_path::locate(text, span.start) {
+        Some(path) => format!("{path}: {message} (line {line}, column {col})"),
+        None => format!("{message} (line {line}, column {col})"),
+    })
 }
 
 fn err(path: &str, message: &str) -> ConfigError {
@@ -318,6 +398,19 @@ mod tests {
         let e = Config::from_toml("[server]\nbody_read_timeout_ms = 0\n").err();
         let msg = e.map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.contains("server.body_read_timeout_ms"), "{msg}");
+        let e = Config::from_toml(
+            "[[pools]]\nname=\"p\"\n[[classes]]\nname=\"a\"\npool=\"p\"\n[[classes]]\nname=\"b\"\npool=\"p\"\ndeadline_ms = \"soon\"\n",
+        )
+        .err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.starts_with("classes[1].deadline_ms: "), "{msg}");
+        assert!(msg.contains("line 9, column 15"), "{msg}");
+        let e = Config::from_toml("[[classes]]\nname=\"a\"\ndeadlin_ms = 5\n").err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            msg.starts_with("classes[0].deadlin_ms: unknown field"),
+            "{msg}"
+        );
         let e = Config::from_toml("this is not toml = = =").err();
         assert!(matches!(e, Some(ConfigFileError::Parse(_))));
     }

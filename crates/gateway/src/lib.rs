@@ -11,9 +11,12 @@
 
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod admission_api;
 pub mod body;
 pub mod config;
+pub mod config_path;
+pub mod control;
 pub mod ledger_store;
 pub mod metrics;
 pub mod proxy;
@@ -27,5 +30,5 @@ pub mod telemetry;
 pub mod upstream;
 
 pub use config::Config;
-pub use server::{run, Gateway};
+pub use server::{run, run_with, Gateway, GatewayOptions};
 pub use telemetry::DecisionLog;

@@ -131,7 +131,7 @@ impl Metrics {
         self.decision(class, line.action, line.reason);
         let held = line.tokens_held.unwrap_or(0) as i64;
         match line.action {
-            "admit" => self.tokens_held(class, held),
+            "admit" | "shadow_reject" => self.tokens_held(class, held),
             "complete" => {
                 self.tokens_held(class, -held);
                 self.tokens(class, line.tokens_spent.unwrap_or(0), 0);
@@ -187,15 +187,29 @@ impl Metrics {
                 snap.classes.iter().map(|c| (class_labels(c), value(c))),
             );
         }
+        // One row per class: its overflow lane and retired lanes carry no switch of their own.
+        let switches = || snap.classes.iter().filter(|c| !c.overflow && !c.retired);
         family(
             o,
             "slackgate_class_enabled",
             "gauge",
             "1 when the class admits work.",
-            snap.classes.iter().map(|c| {
+            switches().map(|c| {
                 (
                     format!("class=\"{}\"", esc(&c.name)),
                     f64::from(u8::from(c.enabled)),
+                )
+            }),
+        );
+        family(
+            o,
+            "slackgate_class_draining",
+            "gauge",
+            "1 while the class is drained through the admin API (its new work is refused).",
+            switches().map(|c| {
+                (
+                    format!("class=\"{}\"", esc(&c.name)),
+                    f64::from(u8::from(c.draining)),
                 )
             }),
         );
@@ -264,6 +278,23 @@ impl Metrics {
             "gauge",
             "1 when the admit_always rollback flag is set.",
             std::iter::once((String::new(), f64::from(u8::from(snap.admit_always)))),
+        );
+        family(
+            o,
+            "slackgate_shadow",
+            "gauge",
+            "1 in shadow mode: would-be rejections are admitted and logged as shadow_reject.",
+            std::iter::once((String::new(), f64::from(u8::from(snap.shadow)))),
+        );
+        family(
+            o,
+            "slackgate_shutting_down",
+            "gauge",
+            "1 once shutdown started: new work is refused with shutting_down.",
+            std::iter::once((
+                String::new(),
+                f64::from(u8::from(snap.closing_at_ms.is_some())),
+            )),
         );
         family(
             o,

@@ -295,10 +295,13 @@ pub async fn admitted(
 
     // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
     // this future is dropped (client gone) the guard takes the job out of the queue.
-    let (pool, queue_wait_ms) = match signal.await {
+    let (pool_name, base, queue_wait_ms, mut abort) = match signal.await {
         Ok(Signal::Go {
-            pool,
+            pool_name,
+            upstream,
             queue_wait_ms,
+            abort,
+            ..
         }) => {
             // The hold must be on disk before upstream tokens are spent on it: a crash after
             // this point leaves a hold that expires (wasted), never a spend nobody recorded.
@@ -306,21 +309,9 @@ pub async fn admitted(
             if let Err(e) = shared.durable().await {
                 shared.note_store_error(&e);
             }
-            (pool, queue_wait_ms)
+            (pool_name, upstream, queue_wait_ms, Some(abort))
         }
-        Ok(Signal::Dropped(body)) => {
-            let advice = RetryAdvice {
-                after_ms: 1000,
-                should_retry: false,
-            };
-            return response::error(
-                StatusCode::TOO_MANY_REQUESTS,
-                Reason::DeadlineUnmeetable,
-                "queued request can no longer finish by its deadline; it was not sent upstream",
-                Some(&body),
-                Some(advice),
-            );
-        }
+        Ok(Signal::Dropped(reason, body)) => return dropped(reason, &body),
         Err(_) => {
             // The sender vanished without a signal: only possible if the job was ended by
             // another path; answer rather than hang.
@@ -334,14 +325,6 @@ pub async fn admitted(
         }
     };
 
-    let Some(base) = shared.upstreams.get(pool.0) else {
-        return fail(
-            guard,
-            StatusCode::BAD_GATEWAY,
-            Reason::UpstreamUnavailable,
-            "no upstream configured for this pool",
-        );
-    };
     let uri = match base.target(parts.uri.path_and_query()) {
         Ok(u) => u,
         Err(e) => {
@@ -369,13 +352,27 @@ pub async fn admitted(
     // answer by then); without a deadline, the configured ceiling applies.
     // The decision already says whether the rollback flag admitted it: no second look at
     // the core (and its lock) on the request path.
-    let enforce = decision.reason != Reason::AdmitAlways;
+    // A request shadow mode let through is served as the rollback would serve it.
+    let enforce = decision.reason != Reason::AdmitAlways && decision.action != Action::ShadowReject;
     let limit_ms = match decision.deadline {
         Some(d) if enforce => d.saturating_sub(shared.clock.now_ms()).max(1),
         _ => shared.server.upstream_timeout_ms,
     };
-    let sent =
-        tokio::time::timeout(Duration::from_millis(limit_ms), shared.client.request(up)).await;
+    let request = tokio::time::timeout(Duration::from_millis(limit_ms), shared.client.request(up));
+    // The gate may cancel the job while it waits for the upstream's headers (a drain with
+    // `cancel`, the end of the shutdown grace period): dropping the request cancels it
+    // upstream too.
+    let sent = tokio::select! {
+        sent = request => sent,
+        why = aborted(&mut abort) => {
+            let msg = match why {
+                Reason::Drained => "the request's class was drained with cancel by an operator",
+                _ => "the gate is shutting down and its grace period ended",
+            };
+            guard.cancel_with(why, 0);
+            return response::error(StatusCode::SERVICE_UNAVAILABLE, why, msg, None, None);
+        }
+    };
     let resp = match sent {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
@@ -414,7 +411,15 @@ pub async fn admitted(
         "x-slackgate-queue-wait-ms",
         HeaderValue::from(queue_wait_ms),
     );
-    h.insert("x-slackgate-decision", HeaderValue::from_static("admit"));
+    // `admit`, or `shadow_reject` (shadow mode admitted what the gate would have rejected;
+    // the reason says why).
+    h.insert(
+        "x-slackgate-decision",
+        HeaderValue::from_static(decision.action.as_str()),
+    );
+    if let Ok(v) = HeaderValue::from_str(&pool_name) {
+        h.insert("x-slackgate-pool", v);
+    }
     h.insert(
         "x-slackgate-reason",
         HeaderValue::from_static(decision.reason.as_str()),
@@ -428,8 +433,60 @@ pub async fn admitted(
     );
     let status = rparts.status.as_u16();
     let idle = Duration::from_millis(shared.server.stream_idle_timeout_ms);
-    let tracked = TrackedBody::new(rbody, guard, sse, status, idle);
+    let mut tracked = TrackedBody::new(rbody, guard, sse, status, idle);
+    if let Some(abort) = abort {
+        tracked = tracked.with_abort(abort);
+    }
     Response::from_parts(rparts, BodyExt::boxed(tracked))
+}
+
+/// Wait for the gate to cancel a running job; never resolves if it will not (its sender is
+/// gone once the job ended by another path, and then the receiver is spent: `None`).
+async fn aborted(abort: &mut Option<tokio::sync::oneshot::Receiver<Reason>>) -> Reason {
+    if let Some(rx) = abort.as_mut() {
+        if let Ok(reason) = rx.await {
+            return reason;
+        }
+        *abort = None;
+    }
+    std::future::pending().await
+}
+
+/// The answer to a queued request the gate will not send: its deadline became unmeetable
+/// (429), its class was drained with cancel (429, no retry), or the gate is shutting down
+/// (503: another replica, or this one restarted, can take it).
+fn dropped(reason: Reason, body: &AdmissionBody) -> Response<ResBody> {
+    let (status, msg, after_ms, should_retry) = match reason {
+        Reason::ShuttingDown => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the gate is shutting down and this queued request could not finish in its grace period; it was not sent upstream",
+            1000,
+            true,
+        ),
+        Reason::Drained => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "the request's class was drained by an operator; it was not sent upstream",
+            60_000,
+            false,
+        ),
+        Reason::HoldExpired => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "the request's hold expired while it was queued; it was not sent upstream",
+            1000,
+            false,
+        ),
+        _ => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "queued request can no longer finish by its deadline; it was not sent upstream",
+            1000,
+            false,
+        ),
+    };
+    let advice = RetryAdvice {
+        after_ms,
+        should_retry,
+    };
+    response::error(status, reason, msg, Some(body), Some(advice))
 }
 
 /// End the job with `reason` and answer the client with the matching error: the one place a
@@ -517,7 +574,7 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         Ok(b) => b,
         Err(e) => return body_failure(&shared, &path, None, e),
     };
-    let Some(base) = shared.upstreams.first() else {
+    let Some(base) = shared.passthrough_upstream() else {
         return response::error(
             StatusCode::BAD_GATEWAY,
             Reason::UpstreamUnavailable,

@@ -96,6 +96,19 @@ pub fn body_read_timeout(limit_ms: u64) -> Response<ResBody> {
     )
 }
 
+/// An admin API error: the same body shape, with an admin code (`unauthorized`,
+/// `unknown_flag`, `unknown_class`, `invalid_config`, ...).
+pub fn admin_error(status: StatusCode, code: &'static str, message: &str) -> Response<ResBody> {
+    let mut r = with_code(status, code, "admin_error", message, None, None);
+    if status == StatusCode::UNAUTHORIZED {
+        r.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"slackgate-admin\""),
+        );
+    }
+    r
+}
+
 /// Build an error response with the one body shape every client can parse.
 pub fn error(
     status: StatusCode,

@@ -4,12 +4,18 @@
 //! `127.0.0.1:0` and never fight over ports. One tokio task per connection; one timer task
 //! ticks the core so queued jobs whose slack died are dropped promptly.
 //!
-//! Shutdown is graceful: the listener closes, every open connection is told to finish the
-//! response it is writing and then close, and the gate waits (up to
-//! `server.shutdown_grace_ms`) for those responses, so requests in flight complete and get
-//! their `complete` lines before the decision log is flushed.
+//! Shutdown is graceful: the listener closes, the core stops admitting (`shutting_down`) and
+//! at once tells every queued request that cannot finish within `server.shutdown_grace_ms`
+//! (its projected wait plus its own service), every open connection is told to finish the
+//! response it is writing and then close, and the gate waits up to the grace period for the
+//! queued and in-flight work that fits. Whatever still runs then is cancelled
+//! (`shutting_down`), and the decision log and the ledger are flushed.
+//!
+//! Beside the proxy listener a gateway may run the admin API on its own listener
+//! ([`crate::admin`]) and a watcher that reloads the config file when it changes.
 
 use crate::config::Config;
+use crate::control::ConfigSource;
 use crate::ledger_store::{LedgerStore, MemoryStore, SqliteOptions, SqliteStore};
 use crate::proxy;
 use crate::response::{self, ResBody};
@@ -71,9 +77,25 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
 /// A running gateway (for tests and embedding): its address and a way to stop it.
 pub struct Gateway {
     addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    helpers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What a gateway runs beside its proxy listener.
+#[derive(Default)]
+pub struct GatewayOptions {
+    /// The admin API's listener (already bound, like the proxy's).
+    pub admin: Option<TcpListener>,
+    /// The admin token from the environment (`SLACKGATE_ADMIN_TOKEN`); `admin.token_file`
+    /// wins when set. Passed in rather than read here, so tests never touch the process
+    /// environment.
+    pub env_token: Option<String>,
+    /// The config file, for reloads (`POST /admin/reload`, SIGHUP through
+    /// [`Gateway::shared`], and the watcher when `server.config_poll_ms` > 0).
+    pub source: Option<ConfigSource>,
 }
 
 impl Gateway {
@@ -89,17 +111,62 @@ impl Gateway {
         log: DecisionLog,
         store: Arc<dyn LedgerStore>,
     ) -> Result<Gateway, String> {
+        Gateway::start(listener, cfg, log, store, GatewayOptions::default())
+    }
+
+    /// Start serving with the ledger in `store`, and what `opts` asks for beside the proxy.
+    pub fn start(
+        listener: TcpListener,
+        cfg: &Config,
+        log: DecisionLog,
+        store: Arc<dyn LedgerStore>,
+        opts: GatewayOptions,
+    ) -> Result<Gateway, String> {
         cfg.validate().map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let shared = Arc::new(Shared::with_store(cfg, log, store)?);
+        shared.control.set_env_token(opts.env_token)?;
+        let watch_source = opts.source.clone();
+        shared.control.set_source(opts.source);
         let (stop, stopped) = watch::channel(false);
+        let mut helpers = Vec::new();
+        let mut admin_addr = None;
+        if let Some(admin) = opts.admin {
+            admin_addr = Some(admin.local_addr().map_err(|e| e.to_string())?);
+            helpers.push(tokio::spawn(crate::admin::serve(
+                admin,
+                Arc::clone(&shared),
+                stopped.clone(),
+            )));
+        }
+        if let (Some(source), poll) = (watch_source, cfg.server.config_poll_ms) {
+            if poll > 0 {
+                // The content in force now, read before `start` returns: a change made right
+                // after start must count as a change.
+                let seen = std::fs::read(&source.path).ok();
+                helpers.push(tokio::spawn(watch_config(
+                    Arc::clone(&shared),
+                    source,
+                    seen,
+                    Duration::from_millis(poll),
+                    stopped.clone(),
+                )));
+            }
+        }
         let task = tokio::spawn(serve(listener, Arc::clone(&shared), stopped));
         Ok(Gateway {
             addr,
+            admin_addr,
             shared,
             stop,
             task,
+            helpers,
         })
+    }
+
+    /// The admin API's address, when it runs.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin_addr
     }
 
     /// The address it listens on.
@@ -117,6 +184,9 @@ impl Gateway {
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
+        for h in self.helpers {
+            let _ = h.await;
+        }
         self.shared.log.flush().await;
         if let Err(e) = self.shared.durable().await {
             eprintln!("slackgate: ledger flush at shutdown failed: {e}");
@@ -132,11 +202,23 @@ pub async fn run(
     log: DecisionLog,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
-    let gw = Gateway::spawn_with_store(
+    run_with(listener, cfg, log, GatewayOptions::default(), shutdown).await
+}
+
+/// [`run`], with an admin listener, a config source for reloads, or both.
+pub async fn run_with(
+    listener: TcpListener,
+    cfg: &Config,
+    log: DecisionLog,
+    opts: GatewayOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), String> {
+    let gw = Gateway::start(
         listener,
         cfg,
         log,
         open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)?,
+        opts,
     )?;
     shutdown.await;
     gw.shutdown().await;
@@ -185,17 +267,63 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     }
     // Stop accepting: new connections are refused from here on.
     drop(listener);
+    // Stop admitting, and tell queued requests that cannot finish in the grace period now.
+    let grace_ms = shared.server.shutdown_grace_ms;
+    shared.begin_shutdown(grace_ms);
     // Every connection task saw the stop signal too and called `graceful_shutdown`: it ends
-    // once the response in progress is written. Wait for them, but not forever.
-    let grace = Duration::from_millis(shared.server.shutdown_grace_ms);
+    // once the response in progress is written (a queued request's included). Wait for
+    // them, but not forever.
+    let grace = Duration::from_millis(grace_ms);
     let drained =
         tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
     if drained.is_err() {
-        // Past the grace period: close what is left. Aborting drops each response body, whose
-        // guard cancels its job (and logs it); wait for that to happen before the log flush.
+        // Past the grace period: cancel what still runs (`shutting_down`), give those
+        // requests a moment to answer and log, then close whatever is left. Aborting drops
+        // each response body, whose guard cancels its job (and logs it).
+        shared.cut_off();
+        let _ = tokio::time::timeout(Duration::from_millis(500), async {
+            while conns.join_next().await.is_some() {}
+        })
+        .await;
         conns.shutdown().await;
     }
     ticker.abort();
+}
+
+/// Reload the config file whenever its content changes. It is read again by path at every
+/// poll, so a file replaced by rename (editors' save, a Kubernetes ConfigMap's `..data`
+/// symlink swap) is seen like one written in place; comparing content rather than mtimes
+/// ignores touches and catches same-second edits. A content that failed to load is not
+/// retried until it changes again. Polling needs no platform notification API and costs one
+/// small read per period.
+async fn watch_config(
+    shared: Arc<Shared>,
+    source: ConfigSource,
+    mut last: Option<Vec<u8>>,
+    period: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = interval.tick() => {}
+        }
+        // A missing file (mid-rename, or deleted) is not a change: keep the config in force.
+        let Ok(now) = tokio::fs::read(&source.path).await else {
+            continue;
+        };
+        if last.as_deref() == Some(now.as_slice()) {
+            continue;
+        }
+        last = Some(now.clone());
+        let Ok(text) = String::from_utf8(now) else {
+            shared.reload_refused_text("the config file is not UTF-8", "watcher");
+            continue;
+        };
+        let _ = shared.reload_text(&source, &text, "watcher");
+    }
 }
 
 /// Serve one client connection until it closes, or until shutdown once its response is done.

@@ -27,11 +27,19 @@ pub enum Signal {
     Go {
         /// Pool whose slot it holds.
         pool: PoolId,
+        /// That pool's name.
+        pool_name: String,
+        /// That pool's upstream (resolved under the lock: a reload cannot move it).
+        upstream: UpstreamBase,
         /// Time it waited in the queue.
         queue_wait_ms: u64,
+        /// Fires if the gate cancels the job while it runs (a drain with `cancel`, the end
+        /// of the shutdown grace period), with the reason.
+        abort: oneshot::Receiver<Reason>,
     },
-    /// It will not be sent (its deadline became unmeetable).
-    Dropped(AdmissionBody),
+    /// It will not be sent: its deadline became unmeetable, its class was drained, or the
+    /// gate is shutting down (the reason says which).
+    Dropped(Reason, AdmissionBody),
 }
 
 /// Per-job facts the core does not keep but the log needs.
@@ -57,19 +65,24 @@ pub struct JobMeta {
     pub pool: String,
 }
 
-struct Waiting {
-    meta: JobMeta,
+pub(crate) struct Waiting {
+    pub(crate) meta: JobMeta,
     tx: Option<oneshot::Sender<Signal>>,
     /// A reservation-API hold: no HTTP request waits on it; the worker calls the model itself
     /// and settles with commit/cancel (or the hold expires).
     reservation: bool,
+    /// Once dispatched: cancels the running request (see [`Signal::Go`]).
+    pub(crate) abort: Option<oneshot::Sender<Reason>>,
 }
 
 /// The core and the requests waiting on it.
 pub struct CoreState {
     /// The admission core.
     pub gate: Gate,
-    waiting: HashMap<JobId, Waiting>,
+    pub(crate) waiting: HashMap<JobId, Waiting>,
+    /// Upstream of each pool, by pool id (ids are stable across reloads; see the core's
+    /// `reconfigure`).
+    pub(crate) upstreams: Vec<Option<UpstreamBase>>,
     /// Sequence number of the last log line; every line gets the next one under this lock,
     /// so `seq` is the order in which the core decided.
     seq: u64,
@@ -77,7 +90,7 @@ pub struct CoreState {
 
 impl CoreState {
     /// Number `lines` in order, continuing the sequence.
-    fn number(&mut self, lines: &mut [LogLine]) {
+    pub(crate) fn number(&mut self, lines: &mut [LogLine]) {
         let amplification = self.gate.ledger_stats().amplification;
         for line in lines {
             self.seq += 1;
@@ -123,7 +136,7 @@ impl Default for Clock {
 
 /// Everything request handlers share.
 pub struct Shared {
-    core: Mutex<CoreState>,
+    pub(crate) core: Mutex<CoreState>,
     /// The core's clock.
     pub clock: Clock,
     /// Counters and histograms.
@@ -132,12 +145,13 @@ pub struct Shared {
     pub log: DecisionLog,
     /// Upstream HTTP client.
     pub client: UpstreamClient,
-    /// Upstream of each pool, by pool index.
-    pub upstreams: Vec<UpstreamBase>,
-    /// Server settings.
+    /// Server settings (fixed for the life of the process: a reload reports changes here as
+    /// needing a restart).
     pub server: ServerConfig,
     /// Where ledger records are persisted.
     pub store: Arc<dyn LedgerStore>,
+    /// Operator controls, reloads and shutdown (see [`crate::control`]).
+    pub control: crate::control::Control,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -194,30 +208,28 @@ impl Shared {
         gate.restore_ledger(records, clock.now_ms());
         let restored = gate.take_ledger_records();
         store.write(restored);
-        let mut upstreams = Vec::new();
         for (i, p) in cfg.gate.pools.iter().enumerate() {
             let url = p
                 .upstream
                 .as_deref()
                 .ok_or_else(|| format!("pools[{i}].upstream: missing"))?;
-            upstreams.push(
-                crate::upstream::parse_base(url)
-                    .map_err(|e| format!("pools[{i}].upstream: {e}"))?,
-            );
+            crate::upstream::parse_base(url).map_err(|e| format!("pools[{i}].upstream: {e}"))?;
         }
+        let upstreams = crate::control::pool_upstreams(&gate);
         Ok(Shared {
             core: Mutex::new(CoreState {
                 gate,
                 waiting: HashMap::new(),
+                upstreams,
                 seq: 0,
             }),
             clock,
             metrics: Metrics::default(),
             log,
             client: crate::upstream::client(),
-            upstreams,
             server: cfg.server.clone(),
             store,
+            control: crate::control::Control::new(cfg),
         })
     }
 
@@ -277,6 +289,7 @@ impl Shared {
                         meta,
                         tx: None,
                         reservation: true,
+                        abort: None,
                     },
                 );
             }
@@ -298,7 +311,10 @@ impl Shared {
             } else {
                 st.gate.cancel_key(now, key, tokens)
             };
-            if let Some(w) = job.and_then(|id| st.waiting.remove(&id).map(|w| (id, w))) {
+            // Only a job the settlement really ended loses its waiter (a refused settlement,
+            // such as a proxied request's key, leaves the request running).
+            let ended = job.filter(|id| st.gate.job_for_key(key) != Some(*id));
+            if let Some(w) = ended.and_then(|id| st.waiting.remove(&id).map(|w| (id, w))) {
                 let (id, w) = w;
                 let hold = match &r {
                     Ok(h) => Some(h),
@@ -398,6 +414,7 @@ impl Shared {
                     meta: meta.clone(),
                     tx: Some(tx),
                     reservation: false,
+                    abort: None,
                 },
             );
             Admission::Queued {
@@ -420,6 +437,16 @@ impl Shared {
     /// Let time pass in the core (drops queued jobs whose slack died).
     pub fn tick(&self) {
         self.with_core(|st, now, _| st.gate.tick(now));
+    }
+
+    /// Where requests that are not admission-controlled go: the first live pool's upstream.
+    pub fn passthrough_upstream(&self) -> Option<UpstreamBase> {
+        self.with_core(|st, _, _| {
+            (0..st.gate.pool_count())
+                .map(PoolId)
+                .filter(|p| st.gate.pool_live(*p))
+                .find_map(|p| st.upstreams.get(p.0).cloned().flatten())
+        })
     }
 
     /// A snapshot of the core for `/metrics` and `/stats`.
@@ -464,7 +491,7 @@ impl Shared {
         }
     }
 
-    fn end(&self, id: JobId, outcome: Option<Outcome>, wasted: u64) {
+    fn end(&self, id: JobId, outcome: Option<Outcome>, wasted: u64, cancel_reason: Reason) {
         self.with_core(|st, now, lines| {
             let ended = match outcome {
                 Some(o) => st.gate.on_complete(
@@ -482,7 +509,7 @@ impl Shared {
             // job (already dropped, or ended by another path) the entry is not ours to touch.
             let Some(c) = ended else { return };
             if let Some(w) = st.waiting.remove(&id) {
-                lines.push(end_line(&c, &w.meta, outcome, wasted));
+                lines.push(end_line(&c, &w.meta, outcome, wasted, cancel_reason));
             }
         });
     }
@@ -510,13 +537,20 @@ impl JobGuard {
     /// The response ended (normally or not).
     pub fn finish(mut self, outcome: Outcome) {
         self.done = true;
-        self.shared.end(self.id, Some(outcome), 0);
+        self.shared
+            .end(self.id, Some(outcome), 0, Reason::ClientCancelled);
     }
 
     /// The client went away after `wasted` tokens were generated for it.
-    pub fn cancel(mut self, wasted: u64) {
+    pub fn cancel(self, wasted: u64) {
+        self.cancel_with(Reason::ClientCancelled, wasted);
+    }
+
+    /// The gate cancelled the job (`drained`, `shutting_down`) after `wasted` tokens were
+    /// generated for it.
+    pub fn cancel_with(mut self, reason: Reason, wasted: u64) {
         self.done = true;
-        self.shared.end(self.id, None, wasted);
+        self.shared.end(self.id, None, wasted, reason);
     }
 }
 
@@ -524,13 +558,20 @@ impl Drop for JobGuard {
     fn drop(&mut self) {
         if !self.done {
             self.done = true;
-            self.shared.end(self.id, None, 0);
+            // Past the shutdown grace period the gate closes connections itself: that is
+            // not the client leaving.
+            let reason = if self.shared.control.cutting_off() {
+                Reason::ShuttingDown
+            } else {
+                Reason::ClientCancelled
+            };
+            self.shared.end(self.id, None, 0, reason);
         }
     }
 }
 
 /// Perform the core's events: wake dispatched jobs, tell dropped ones.
-fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
+pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
     while let Some(ev) = st.gate.poll(now) {
         match ev {
             Event::Dispatch {
@@ -561,22 +602,29 @@ fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                     // The worker holds the slot from now until it commits or cancels.
                     continue;
                 }
-                let sent =
-                    w.tx.take()
-                        .map(|tx| {
-                            tx.send(Signal::Go {
-                                pool,
-                                queue_wait_ms,
-                            })
-                            .is_ok()
+                let upstream = st.upstreams.get(pool.0).cloned().flatten();
+                let (abort_tx, abort) = oneshot::channel();
+                w.abort = Some(abort_tx);
+                let sent = match (w.tx.take(), upstream) {
+                    (Some(tx), Some(upstream)) => tx
+                        .send(Signal::Go {
+                            pool,
+                            pool_name: st.gate.pool_name(pool).to_string(),
+                            upstream,
+                            queue_wait_ms,
+                            abort,
                         })
-                        .unwrap_or(false);
+                        .is_ok(),
+                    // No upstream for its pool (cannot happen with a validated config):
+                    // dropping the sender answers the request with an error.
+                    _ => false,
+                };
                 if !sent {
                     // The client left between admission and dispatch: give the slot back now.
                     if let (Some(c), Some(w)) =
                         (st.gate.cancel(now, job_id), st.waiting.remove(&job_id))
                     {
-                        lines.push(end_line(&c, &w.meta, None, 0));
+                        lines.push(end_line(&c, &w.meta, None, 0, Reason::ClientCancelled));
                     }
                 }
             }
@@ -602,22 +650,25 @@ fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 line.tokens_held = Some(w.meta.tokens_held);
                 lines.push(line);
                 if let Some(tx) = w.tx.take() {
-                    let _ = tx.send(Signal::Dropped(AdmissionBody {
-                        action: Action::Drop.as_str(),
-                        reason: reason.as_str(),
-                        queue_age_ms: queue_wait_ms,
-                        deadline_slack_ms,
-                        projected_wait_ms,
-                        est_service_ms: 0,
-                        in_flight,
-                        depth,
-                        retry_hint: None,
-                        retry_after_ms: None,
-                        job_id: job_id.0,
-                        job_class: Some(w.meta.class.clone()),
-                        idempotency_key: w.meta.idempotency_key.clone(),
-                        ledger: None,
-                    }));
+                    let _ = tx.send(Signal::Dropped(
+                        reason,
+                        AdmissionBody {
+                            action: Action::Drop.as_str(),
+                            reason: reason.as_str(),
+                            queue_age_ms: queue_wait_ms,
+                            deadline_slack_ms,
+                            projected_wait_ms,
+                            est_service_ms: 0,
+                            in_flight,
+                            depth,
+                            retry_hint: None,
+                            retry_after_ms: None,
+                            job_id: job_id.0,
+                            job_class: Some(w.meta.class.clone()),
+                            idempotency_key: w.meta.idempotency_key.clone(),
+                            ledger: None,
+                        },
+                    ));
                 }
             }
         }
@@ -688,7 +739,13 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     line
 }
 
-fn end_line(c: &Completed, meta: &JobMeta, outcome: Option<Outcome>, wasted: u64) -> LogLine {
+fn end_line(
+    c: &Completed,
+    meta: &JobMeta,
+    outcome: Option<Outcome>,
+    wasted: u64,
+    cancel_reason: Reason,
+) -> LogLine {
     let (action, reason) = match outcome {
         Some(o) => (
             Action::Complete,
@@ -698,7 +755,7 @@ fn end_line(c: &Completed, meta: &JobMeta, outcome: Option<Outcome>, wasted: u64
                 Reason::UpstreamError
             }),
         ),
-        None => (Action::Cancel, Reason::ClientCancelled),
+        None => (Action::Cancel, cancel_reason),
     };
     let mut line = base_line(c.job_id, meta, action, reason);
     line.queue_age_ms = Some(c.queue_wait_ms);

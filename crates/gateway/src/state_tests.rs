@@ -76,7 +76,12 @@ fn finishing_a_job_the_core_did_not_end_keeps_its_waiter() {
     let (_first_rx, first) = queue(&s);
     let (mut second_rx, second) = queue(&s);
     // Completing a job that is still queued ends nothing in the core ...
-    s.end(second.id(), Some(Outcome::default()), 0);
+    s.end(
+        second.id(),
+        Some(Outcome::default()),
+        0,
+        Reason::ClientCancelled,
+    );
     assert_eq!(pool(&s), (1, 1));
     // ... so its waiter must still be there to hear about its dispatch.
     first.finish(Outcome {

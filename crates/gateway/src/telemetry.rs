@@ -52,7 +52,8 @@ pub struct LogLine {
     pub in_flight: Option<u32>,
     /// Queued on the pool (ahead of the job, for decisions).
     pub depth: Option<u32>,
-    /// `admit`, `reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`.
+    /// `admit`, `reject`, `shadow_reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`,
+    /// and the operator events `flag`, `reload`, `shutdown`.
     pub action: &'static str,
     /// Stable reason code.
     pub reason: &'static str,
@@ -71,6 +72,16 @@ pub struct LogLine {
     /// On `complete`, `cancel` and `drop` lines: the ledger's (spent + wasted) / spent after
     /// this settlement.
     pub amplification: Option<f64>,
+    /// On `flag` lines (an operator changed a control through the admin API): which one
+    /// (`admit_always`, `shadow`, `enabled`, `drain`, `undrain`).
+    pub flag: Option<String>,
+    /// On `flag` lines: the new value (`null`: back to the config file's value).
+    pub value: Option<serde_json::Value>,
+    /// On `flag` and `reload` lines: who asked (`x-admin-actor`, else `admin`) and from where
+    /// (`signal`, `watcher` and `startup` for reloads nobody asked for over HTTP).
+    pub actor: Option<String>,
+    /// On `reload` lines: what changed, or why the new config was refused.
+    pub message: Option<String>,
 }
 
 enum Msg {

@@ -2,7 +2,7 @@
 //! (workers that call the model themselves), hold expiry, restore after a restart, and the
 //! records the caller must persist.
 
-use super::{Event, Gate, JobId, Settle};
+use super::{Gate, JobId, Settle};
 use crate::ledger::{HoldRecord, HoldState, Ledger, LedgerStats, SettleError};
 use crate::reason::Reason;
 use crate::Millis;
@@ -126,10 +126,7 @@ impl Gate {
             if let Some(id) = self.keys.remove(&r.key) {
                 if let Some((job, pool, started)) = self.take_job(id) {
                     generated |= job.generated_key;
-                    let mut ev = self.drop_event(now, id, &job, pool, 0);
-                    if let Event::Drop { reason, .. } = &mut ev {
-                        *reason = Reason::HoldExpired;
-                    }
+                    let ev = self.drop_event(now, id, &job, pool, 0, Reason::HoldExpired);
                     self.finish(now, id, job, pool, started, Settle::AlreadyExpired);
                     self.events.push_back(ev);
                 }

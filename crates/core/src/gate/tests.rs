@@ -7,7 +7,7 @@ use crate::config::{ClassConfig, PoolConfig, PriorConfig};
 /// One pool, fixed service times per class via the class prior: the estimator is frozen and
 /// has no per-token cost, so every job costs `overhead_ms`. Classes get distinct pools when
 /// they need distinct service times, so here both classes share one cost.
-fn cfg(slots: u32, service_ms: f64) -> GateConfig {
+pub(super) fn cfg(slots: u32, service_ms: f64) -> GateConfig {
     GateConfig {
         pools: vec![PoolConfig {
             name: "free".into(),
@@ -48,14 +48,14 @@ fn cfg(slots: u32, service_ms: f64) -> GateConfig {
     }
 }
 
-fn req(g: &Gate, label: &str) -> Request {
+pub(super) fn req(g: &Gate, label: &str) -> Request {
     Request {
         class: g.classify(Some(label)),
         ..Request::default()
     }
 }
 
-fn drain(g: &mut Gate, now: Millis) -> Vec<Event> {
+pub(super) fn drain(g: &mut Gate, now: Millis) -> Vec<Event> {
     let mut out = Vec::new();
     while let Some(e) = g.poll(now) {
         out.push(e);

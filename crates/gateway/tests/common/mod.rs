@@ -7,10 +7,13 @@ use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use slackgate_gateway::{Config, DecisionLog, Gateway};
+use slackgate_gateway::control::ConfigSource;
+use slackgate_gateway::ledger_store::MemoryStore;
+use slackgate_gateway::{Config, DecisionLog, Gateway, GatewayOptions};
 use slackgate_stub::{LatencySpec, Stub, StubConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Start a stub upstream with `slots` and a latency spec like `tokens:prefill_us=0,decode_us=10000`.
@@ -58,6 +61,30 @@ impl TestGate {
 
     /// Start a gate from a config (its upstreams must be set).
     pub async fn start_cfg(cfg: Config, name: &str) -> TestGate {
+        Self::start_with(cfg, name, None, None).await
+    }
+
+    /// Start a gate with the admin API on 127.0.0.1:0 (token `token`, as if from the
+    /// environment; `None`: no token) and, optionally, a config file to reload from.
+    pub async fn start_admin(
+        toml_text: &str,
+        upstream: SocketAddr,
+        name: &str,
+        token: Option<&str>,
+    ) -> TestGate {
+        let text = toml_text.replace("{UPSTREAM}", &format!("http://{upstream}"));
+        let cfg = Config::from_toml(&text).unwrap();
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_with(cfg, name, Some((admin, token.map(str::to_string))), None).await
+    }
+
+    /// Start a gate with everything optional: an admin listener and token, a config source.
+    pub async fn start_with(
+        cfg: Config,
+        name: &str,
+        admin: Option<(tokio::net::TcpListener, Option<String>)>,
+        source: Option<ConfigSource>,
+    ) -> TestGate {
         let log_path = temp_log(name);
         let log = DecisionLog::start(
             slackgate_gateway::config::LogTarget::File(log_path.clone()),
@@ -65,7 +92,16 @@ impl TestGate {
         )
         .unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let gate = Gateway::spawn(listener, &cfg, log).unwrap();
+        let (admin, env_token) = match admin {
+            Some((l, t)) => (Some(l), t),
+            None => (None, None),
+        };
+        let opts = GatewayOptions {
+            admin,
+            env_token,
+            source,
+        };
+        let gate = Gateway::start(listener, &cfg, log, Arc::new(MemoryStore::new()), opts).unwrap();
         let addr = gate.local_addr();
         TestGate {
             gate,
@@ -76,6 +112,16 @@ impl TestGate {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// A URL on the admin listener.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.gate.admin_addr().unwrap(), path)
+    }
+
+    /// `/metrics` as text.
+    pub async fn metrics(&self) -> String {
+        String::from_utf8(get(&self.url("/metrics")).await.body.to_vec()).unwrap()
     }
 
     /// Flush the log and read every line back as JSON.
@@ -188,6 +234,36 @@ pub async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
 /// GET a URL; read the whole response.
 pub async fn get(url: &str) -> Resp {
     send(Request::get(url).body(Full::new(Bytes::new())).unwrap()).await
+}
+
+/// Any method, headers and body; read the whole response.
+pub async fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let mut b = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    send(b.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await
+}
+
+/// The admin token the tests use.
+pub const TOKEN: &str = "test-admin-token-0123456789";
+
+/// An admin call with the right token.
+pub async fn admin(gate: &TestGate, method: &str, path: &str, body: &str) -> Resp {
+    let auth = format!("Bearer {TOKEN}");
+    request(
+        method,
+        &gate.admin_url(path),
+        &[("authorization", auth.as_str()), ("x-admin-actor", "test")],
+        body,
+    )
+    .await
+}
+
+/// The value of a metric line (exact name and labels), if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// Send a request and read the whole response, timing it.

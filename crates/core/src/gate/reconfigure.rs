@@ -1,0 +1,221 @@
+//! Applying a new configuration to a live gate (hot reload) without losing work.
+//!
+//! Pools are matched by name and lanes (a class's queue on one pool) by class name and pool,
+//! so a reload keeps every queue, every slot taken, every learned estimate and every drain
+//! in place, and only changes the thresholds. Ids never move: a pool or lane the new file
+//! adds is appended, and one it removes is *retired*, not deleted. A retired lane takes no
+//! new work (its labels are gone: such requests go to the default class, or are refused as
+//! unlabeled), but its queued jobs keep their place and are dispatched as before, and its
+//! in-flight jobs end normally. A retired pool likewise keeps its slots and upstream until
+//! the work it already had is done. So a reload never drops or cuts a request; retired
+//! entries vanish from snapshots once empty. A class moved to another pool leaves its queued
+//! work where it was admitted (a retired lane there) and takes new work on the new pool.
+//!
+//! A pool's learned estimator survives the reload unless its `prior` or its `upstream`
+//! changed (a new model or new defaults mean the old figures no longer apply). A class's
+//! learned output length survives too.
+
+use super::{ClassId, ClassState, Gate, PoolId, PoolState};
+use crate::config::{ConfigError, GateConfig};
+use crate::estimator::Estimator;
+use crate::queue::ClassQueue;
+use crate::Millis;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// What a reload changed, for the decision log and the admin API's answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ReconfigureReport {
+    /// Pools the new configuration adds.
+    pub pools_added: Vec<String>,
+    /// Pools it removes (retired: their work in progress finishes).
+    pub pools_removed: Vec<String>,
+    /// Pools whose learned estimator restarts from the (changed) prior or upstream.
+    pub estimators_reset: Vec<String>,
+    /// Classes it adds.
+    pub classes_added: Vec<String>,
+    /// Classes it removes (retired: their queued and in-flight work finishes).
+    pub classes_removed: Vec<String>,
+}
+
+impl Gate {
+    /// Apply `cfg` to the live gate: validated first (an invalid one changes nothing), then
+    /// matched by name as the module docs describe. Queued and in-flight jobs are kept; the
+    /// caller should poll afterwards (more slots may dispatch work at once).
+    pub fn reconfigure(
+        &mut self,
+        now: Millis,
+        cfg: GateConfig,
+    ) -> Result<ReconfigureReport, ConfigError> {
+        cfg.validate()?;
+        self.clock(now);
+        let mut report = ReconfigureReport::default();
+
+        // Pools, by name.
+        let mut pool_ids: HashMap<&str, PoolId> = HashMap::new();
+        for pc in &cfg.pools {
+            let id = match self.pools.iter().position(|p| p.name == pc.name) {
+                Some(i) => {
+                    let p = &mut self.pools[i];
+                    if p.retired {
+                        report.pools_added.push(pc.name.clone());
+                    }
+                    if p.prior != pc.prior || p.upstream != pc.upstream {
+                        p.estimator = Estimator::new(&pc.prior);
+                        if !p.retired {
+                            report.estimators_reset.push(pc.name.clone());
+                        }
+                    }
+                    p.prior = pc.prior.clone();
+                    p.upstream = pc.upstream.clone();
+                    p.retired = false;
+                    p.slots = pc.max_in_flight;
+                    p.max_depth_factor = pc.max_depth_factor;
+                    p.max_queued = pc.max_queued;
+                    p.default_output_tokens = pc.prior.default_output_tokens;
+                    PoolId(i)
+                }
+                None => {
+                    self.pools.push(PoolState {
+                        prior: pc.prior.clone(),
+                        upstream: pc.upstream.clone(),
+                        retired: false,
+                        name: pc.name.clone(),
+                        slots: pc.max_in_flight,
+                        max_depth_factor: pc.max_depth_factor,
+                        max_queued: pc.max_queued,
+                        default_output_tokens: pc.prior.default_output_tokens,
+                        estimator: Estimator::new(&pc.prior),
+                        in_flight: BTreeMap::new(),
+                        classes: Vec::new(),
+                    });
+                    report.pools_added.push(pc.name.clone());
+                    PoolId(self.pools.len() - 1)
+                }
+            };
+            pool_ids.insert(pc.name.as_str(), id);
+        }
+        for p in &mut self.pools {
+            if !p.retired && !pool_ids.contains_key(p.name.as_str()) {
+                p.retired = true;
+                report.pools_removed.push(p.name.clone());
+            }
+        }
+
+        // Lanes, by (class name, pool). Primary lanes first, in configuration order, so a
+        // new gate's classes are ids 0..n in the order of the file.
+        let live_before: BTreeSet<String> = self.class_names().into_iter().collect();
+        let mut wanted: BTreeSet<usize> = BTreeSet::new();
+        let mut primaries = Vec::with_capacity(cfg.classes.len());
+        for c in &cfg.classes {
+            let pool = pool_ids
+                .get(c.pool.as_str())
+                .copied()
+                .ok_or_else(|| unknown_pool(&c.pool))?;
+            let id = self.lane(&c.name, pool, c.expected_output_tokens);
+            let l = &mut self.classes[id.0];
+            l.priority = c.priority;
+            l.enabled = c.enabled;
+            l.default_deadline_ms = c.deadline_ms;
+            l.max_queue_age_ms = c.max_queue_age_ms;
+            l.retry_hint = c.retry_hint.clone();
+            l.overflow = None;
+            l.overflow_of = None;
+            l.retired = false;
+            wanted.insert(id.0);
+            primaries.push(id);
+        }
+        for (c, &primary) in cfg.classes.iter().zip(&primaries) {
+            let Some(o) = &c.overflow_pool else { continue };
+            let pool = pool_ids
+                .get(o.as_str())
+                .copied()
+                .ok_or_else(|| unknown_pool(o))?;
+            let id = self.lane(&c.name, pool, None);
+            let l = &mut self.classes[id.0];
+            l.priority = c.priority;
+            l.enabled = true;
+            l.default_deadline_ms = c.deadline_ms;
+            l.max_queue_age_ms = c.max_queue_age_ms;
+            l.retry_hint = None;
+            l.overflow = None;
+            l.overflow_of = Some(primary);
+            l.retired = false;
+            // Drains are kept on the class; its overflow lane follows the class.
+            l.draining = false;
+            wanted.insert(id.0);
+            self.classes[primary.0].overflow = Some((id, c.overflow));
+        }
+        for (i, l) in self.classes.iter_mut().enumerate() {
+            if !wanted.contains(&i) {
+                l.retired = true;
+            }
+        }
+        let live_after: BTreeSet<String> = self.class_names().into_iter().collect();
+        report.classes_added = live_after.difference(&live_before).cloned().collect();
+        report.classes_removed = live_before.difference(&live_after).cloned().collect();
+
+        // Dispatch order per pool: every lane on it, retired ones included (their queued
+        // work still runs), highest priority first, ties by id.
+        for p in &mut self.pools {
+            p.classes.clear();
+        }
+        for (i, l) in self.classes.iter().enumerate() {
+            self.pools[l.pool.0].classes.push(ClassId(i));
+        }
+        let classes = &self.classes;
+        for p in &mut self.pools {
+            p.classes
+                .sort_by_key(|id| (std::cmp::Reverse(classes[id.0].priority), id.0));
+        }
+
+        // Labels, from the live classes only.
+        self.labels.clear();
+        for (c, &id) in cfg.classes.iter().zip(&primaries) {
+            for label in std::iter::once(&c.name).chain(c.aliases.iter()) {
+                self.labels.insert(label.to_ascii_lowercase(), id);
+            }
+        }
+        self.default_class = cfg
+            .default_class
+            .as_ref()
+            .and_then(|d| self.labels.get(&d.to_ascii_lowercase()).copied());
+        self.ledger.set_config(cfg.ledger.clone());
+        self.cfg = cfg;
+        Ok(report)
+    }
+
+    /// The lane of class `name` on `pool`, created if it does not exist yet.
+    fn lane(&mut self, name: &str, pool: PoolId, expected_output: Option<u32>) -> ClassId {
+        if let Some(i) = self
+            .classes
+            .iter()
+            .position(|l| l.name == name && l.pool == pool)
+        {
+            return ClassId(i);
+        }
+        self.classes.push(ClassState {
+            name: name.to_string(),
+            pool,
+            priority: 0,
+            enabled: true,
+            draining: false,
+            default_deadline_ms: None,
+            max_queue_age_ms: None,
+            queue: ClassQueue::default(),
+            expected_output: expected_output.map(f64::from),
+            retry_hint: None,
+            overflow: None,
+            overflow_of: None,
+            retired: false,
+        });
+        ClassId(self.classes.len() - 1)
+    }
+}
+
+fn unknown_pool(name: &str) -> ConfigError {
+    ConfigError {
+        path: "classes".into(),
+        message: format!("unknown pool {name:?}"),
+    }
+}

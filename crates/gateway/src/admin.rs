@@ -1,0 +1,415 @@
+//! The admin API: the seeds' rollback paths as controls an operator can flip at 02:14, on a
+//! listener of its own (loopback unless `admin.allow_remote`), behind a bearer token.
+//!
+//! | method | path | what |
+//! |---|---|---|
+//! | GET | `/admin/flags` | every flag: value in force, override, file value |
+//! | PUT/POST | `/admin/flags/admit_always` | `{"value": true \| false \| null}` (null: back to the file) |
+//! | PUT/POST | `/admin/flags/shadow` | same shape |
+//! | PUT/POST | `/admin/classes/{class}/enabled` | same shape |
+//! | GET | `/admin/drain` | drain status: per class queued / in flight, pools idle |
+//! | POST | `/admin/drain` | `{"classes": [...], "cancel": false, "unlabeled": false}` |
+//! | DELETE | `/admin/drain` | end every drain |
+//! | GET | `/admin/queues` | per class: depth, oldest age, projected wait; per pool: slots |
+//! | GET | `/admin/estimator` | per pool: learned costs, samples; per class: output length |
+//! | GET | `/admin/ledger` | the reservation ledger's totals and its store |
+//! | POST | `/admin/reload` | reload the config file now: 200 with what changed, 400 why not |
+//!
+//! Without a configured token every call is refused (401 `admin_token_unset`); a missing or
+//! wrong token is refused too (401 `unauthorized`), compared in constant time. Every change
+//! is one decision-log line (`action: "flag"` or `"reload"`) naming the actor: the
+//! `x-admin-actor` header (else `admin`) and the peer address.
+
+use crate::control::ControlError;
+use crate::response::{self, ResBody};
+use crate::state::Shared;
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde::Deserialize;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// Largest admin request body: the controls take a few hundred bytes.
+pub const MAX_ADMIN_BODY: usize = 64 * 1024;
+/// Longest time to receive an admin request's body or headers.
+const ADMIN_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most classes one drain request may name.
+const MAX_DRAIN_CLASSES: usize = 256;
+
+/// Serve the admin API on `listener` until `stop` turns true.
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            accepted = listener.accept() => {
+                let Ok((stream, peer)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                };
+                let shared = Arc::clone(&shared);
+                conns.spawn(async move {
+                    let _ = stream.set_nodelay(true);
+                    let svc = service_fn(move |req| {
+                        let shared = Arc::clone(&shared);
+                        async move {
+                            Ok::<_, std::convert::Infallible>(route(&shared, req, peer).await)
+                        }
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(ADMIN_READ_TIMEOUT)
+                        .serve_connection(TokioIo::new(stream), svc);
+                    let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
+                });
+            }
+        }
+    }
+    conns.shutdown().await;
+}
+
+fn error(status: StatusCode, code: &'static str, message: &str) -> Response<ResBody> {
+    response::admin_error(status, code, message)
+}
+
+/// A refused admin request: its status, stable code and message (built into a response in
+/// one place, [`response::admin_error`]).
+#[derive(Debug)]
+struct Refused {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl Refused {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Refused {
+        Refused {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn response(&self) -> Response<ResBody> {
+        error(self.status, self.code, &self.message)
+    }
+}
+
+/// Check the bearer token; `Err` is the 401 to answer.
+fn authorize(shared: &Shared, headers: &HeaderMap) -> Result<(), Refused> {
+    if !shared.control.has_token() {
+        return Err(Refused::new(
+            StatusCode::UNAUTHORIZED,
+            "admin_token_unset",
+            "no admin token is configured (admin.token_file or SLACKGATE_ADMIN_TOKEN): every admin call is refused",
+        ));
+    }
+    let presented = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim);
+    match presented {
+        Some(t) if shared.control.token_matches(t) => Ok(()),
+        Some(_) => Err(Refused::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "wrong admin token",
+        )),
+        None => Err(Refused::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing admin token: send Authorization: Bearer <token>",
+        )),
+    }
+}
+
+/// Who asked: `x-admin-actor` (printable, at most 64 characters; else `admin`) at the peer.
+fn actor(headers: &HeaderMap, peer: SocketAddr) -> String {
+    let name = headers
+        .get("x-admin-actor")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && v.len() <= 64 && !v.chars().any(char::is_control))
+        .unwrap_or("admin");
+    format!("{name}@{peer}")
+}
+
+/// Read a small JSON body; `Err` is the 4xx to answer.
+async fn json_body(req: Request<Incoming>) -> Result<serde_json::Value, Refused> {
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = || {
+        Refused::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("admin request bodies are at most {MAX_ADMIN_BODY} bytes"),
+        )
+    };
+    if declared.is_some_and(|n| n > MAX_ADMIN_BODY as u64) {
+        return Err(too_large());
+    }
+    let body = Limited::new(req.into_body(), MAX_ADMIN_BODY).collect();
+    let bytes: Bytes = match tokio::time::timeout(ADMIN_READ_TIMEOUT, body).await {
+        Err(_) => {
+            return Err(Refused::new(
+                StatusCode::REQUEST_TIMEOUT,
+                response::BODY_READ_TIMEOUT,
+                "the request body did not arrive in time",
+            ))
+        }
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return Err(too_large())
+        }
+        Ok(Err(e)) => {
+            return Err(Refused::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("could not read the request body: {e}"),
+            ))
+        }
+    };
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(serde_json::Value::Null);
+    }
+    serde_json::from_slice(&bytes).map_err(|e| {
+        Refused::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the body is not JSON: {e}"),
+        )
+    })
+}
+
+fn invalid(message: &str) -> Refused {
+    Refused::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+}
+
+/// `{"value": true | false | null}`.
+fn flag_value(body: &serde_json::Value) -> Result<Option<bool>, Refused> {
+    let usage = "expected {\"value\": true | false | null} (null: back to the config file's value)";
+    let Some(obj) = body.as_object() else {
+        return Err(invalid(usage));
+    };
+    if obj.len() != 1 {
+        return Err(invalid(usage));
+    }
+    match obj.get("value") {
+        Some(serde_json::Value::Bool(b)) => Ok(Some(*b)),
+        Some(serde_json::Value::Null) => Ok(None),
+        _ => Err(invalid(usage)),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {
+    #[serde(default)]
+    classes: Vec<String>,
+    #[serde(default)]
+    cancel: bool,
+    #[serde(default)]
+    unlabeled: bool,
+}
+
+fn control_error(e: ControlError) -> Response<ResBody> {
+    match e {
+        ControlError::UnknownClass(..) => {
+            error(StatusCode::NOT_FOUND, "unknown_class", &e.to_string())
+        }
+        ControlError::InvalidConfig(_) => {
+            error(StatusCode::BAD_REQUEST, "invalid_config", &e.to_string())
+        }
+        ControlError::NoConfigFile => error(StatusCode::CONFLICT, "no_config_file", &e.to_string()),
+    }
+}
+
+const FLAGS: [&str; 2] = ["admit_always", "shadow"];
+
+/// Route one admin request.
+pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<ResBody> {
+    if let Err(denied) = authorize(shared, req.headers()) {
+        shared.metrics.decision("none", "error", "unauthorized");
+        return denied.response();
+    }
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    let method = req.method().clone();
+    let who = actor(req.headers(), peer);
+    let parts: Vec<&str> = path.split('/').skip(1).collect();
+    let write = method == Method::PUT || method == Method::POST;
+    match parts.as_slice() {
+        ["admin", "flags"] if method == Method::GET => response::json(&shared.flags()),
+        ["admin", "flags", flag] if write => {
+            if !FLAGS.contains(flag) {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    "unknown_flag",
+                    &format!(
+                        "unknown flag {:?} (flags: admit_always, shadow; per class: /admin/classes/<class>/enabled; drains: /admin/drain)",
+                        truncate(flag)
+                    ),
+                );
+            }
+            let value = match json_body(req).await.and_then(|b| flag_value(&b)) {
+                Ok(v) => v,
+                Err(r) => return r.response(),
+            };
+            let view = if *flag == "admit_always" {
+                shared.set_admit_always(value, &who)
+            } else {
+                shared.set_shadow(value, &who)
+            };
+            response::json(
+                &json!({"flag": flag, "value": view.value, "override": view.override_value, "config": view.config}),
+            )
+        }
+        ["admin", "classes", class, "enabled"] if write => {
+            let class = class.to_string();
+            let value = match json_body(req).await.and_then(|b| flag_value(&b)) {
+                Ok(v) => v,
+                Err(r) => return r.response(),
+            };
+            match shared.set_class_enabled(&class, value, &who) {
+                Ok(view) => response::json(
+                    &json!({"class": class, "flag": "enabled", "value": view.value, "override": view.override_value, "config": view.config}),
+                ),
+                Err(e) => control_error(e),
+            }
+        }
+        ["admin", "drain"] if method == Method::GET => response::json(&shared.drain_status()),
+        ["admin", "drain"] if method == Method::DELETE => response::json(&shared.end_drain(&who)),
+        ["admin", "drain"] if method == Method::POST => {
+            let body = match json_body(req).await {
+                Ok(b) => b,
+                Err(r) => return r.response(),
+            };
+            let d: DrainBody = match serde_json::from_value(body) {
+                Ok(d) => d,
+                Err(e) => {
+                    return invalid(&format!(
+                        "expected {{\"classes\": [\"eval\"], \"cancel\": false, \"unlabeled\": false}}: {e}"
+                    ))
+                    .response()
+                }
+            };
+            if d.classes.is_empty() && !d.unlabeled {
+                return invalid("name at least one class to drain (or \"unlabeled\": true)")
+                    .response();
+            }
+            if d.classes.len() > MAX_DRAIN_CLASSES || d.classes.iter().any(|c| c.len() > 256) {
+                return invalid("too many or too long class names").response();
+            }
+            match shared.drain(&d.classes, d.cancel, d.unlabeled, &who) {
+                Ok(status) => response::json(&status),
+                Err(e) => control_error(e),
+            }
+        }
+        ["admin", "queues"] if method == Method::GET => response::json(&queues(shared)),
+        ["admin", "estimator"] if method == Method::GET => response::json(&estimator(shared)),
+        ["admin", "ledger"] if method == Method::GET => {
+            let (ledger, _) = shared.ledger_view();
+            response::json(&json!({"ledger": ledger, "store": shared.store.stats()}))
+        }
+        ["admin", "reload"] if method == Method::POST => match shared.reload_from_source(&who) {
+            Ok(outcome) => response::json(&outcome),
+            Err(e) => control_error(e),
+        },
+        ["admin", "flags"]
+        | ["admin", "flags", _]
+        | ["admin", "classes", _, "enabled"]
+        | ["admin", "drain"]
+        | ["admin", "queues"]
+        | ["admin", "estimator"]
+        | ["admin", "ledger"]
+        | ["admin", "reload"] => error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            &format!("{method} is not allowed on {}", truncate(&path)),
+        ),
+        _ => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            &format!("no admin route for {}", truncate(&path)),
+        ),
+    }
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(80).collect()
+}
+
+/// `GET /admin/queues`: the live queue per class and the slots per pool.
+fn queues(shared: &Shared) -> serde_json::Value {
+    let snap = shared.snapshot();
+    let classes: Vec<_> = snap
+        .classes
+        .iter()
+        .map(|c| {
+            json!({
+                "class": c.name, "pool": c.pool, "priority": c.priority,
+                "enabled": c.enabled, "draining": c.draining, "overflow": c.overflow,
+                "retired": c.retired, "depth": c.depth,
+                "oldest_queue_age_ms": c.oldest_queue_age_ms,
+                "projected_wait_ms": c.projected_wait_ms, "queued_work_ms": c.queued_work_ms,
+                "in_flight": c.in_flight,
+            })
+        })
+        .collect();
+    let pools: Vec<_> = snap
+        .pools
+        .iter()
+        .map(|p| {
+            json!({
+                "pool": p.name, "slots": p.slots, "in_flight": p.in_flight, "depth": p.depth,
+                "oldest_in_flight_age_ms": p.oldest_in_flight_age_ms,
+                "in_flight_remaining_ms": p.in_flight_remaining_ms, "retired": p.retired,
+            })
+        })
+        .collect();
+    json!({"now_ms": snap.now_ms, "classes": classes, "pools": pools})
+}
+
+/// `GET /admin/estimator`: what the gate believes a request costs, per pool and class.
+fn estimator(shared: &Shared) -> serde_json::Value {
+    let snap = shared.snapshot();
+    let pools: Vec<_> = snap
+        .pools
+        .iter()
+        .map(|p| {
+            json!({
+                "pool": p.name, "overhead_ms": p.estimator.overhead_ms,
+                "prefill_ms_per_token": p.estimator.prefill_ms_per_token,
+                "decode_ms_per_token": p.estimator.decode_ms_per_token,
+                "samples": p.estimator.samples, "learning": p.learning,
+                "warming_up": p.warming_up,
+            })
+        })
+        .collect();
+    let classes: Vec<_> = snap
+        .classes
+        .iter()
+        .filter(|c| !c.overflow)
+        .map(|c| json!({"class": c.name, "expected_output_tokens": c.expected_output_tokens}))
+        .collect();
+    json!({"pools": pools, "classes": classes})
+}
