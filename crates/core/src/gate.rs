@@ -917,8 +917,11 @@ impl Gate {
             d.should_retry = true;
             return d;
         }
+        // A caller's size hint may raise the hold but never lower it below what the class's
+        // own estimate would hold: a hint of 0 must not slip past the tenant's grant.
         let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
-            u64::from(req.prompt_tokens).saturating_add(u64::from(expected_output))
+            let own = self.expected_output(class, req.max_tokens);
+            u64::from(req.prompt_tokens).saturating_add(u64::from(expected_output.max(own)))
         });
         let tenant = req.tenant.as_deref();
         let shadow = self.cfg.shadow && !self.cfg.admit_always;

@@ -235,6 +235,8 @@ pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Conf
     cfg.server.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     cfg.server.tick_ms = scale_ms(s.tick_ms, scale);
     cfg.server.ledger = "memory".into();
+    // The drill's clients send the simulator's size estimate (unless `size_hint = false`).
+    cfg.server.trust_size_hint = true;
     cfg.log.path = "off".into();
     cfg
 }

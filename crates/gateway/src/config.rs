@@ -92,6 +92,11 @@ pub struct ServerConfig {
     /// proxy that sets it: otherwise any client could choose a fresh tenant and escape its
     /// grant.
     pub trust_tenant_header: bool,
+    /// Use a request's `X-Expected-Output-Tokens` as its output estimate. Any client can send
+    /// it, so only for clients you trust to tell the truth about their own sizes (internal
+    /// services, evals, the drill); a lie can get a long request admitted ahead of others.
+    /// It never lowers the request's token hold.
+    pub trust_size_hint: bool,
     /// A client whose connection accepts no bytes for this long (it stopped reading) is
     /// disconnected and its job cancelled (ms): a client that never reads must not pin a slot.
     pub client_write_timeout_ms: u64,
@@ -119,6 +124,7 @@ impl Default for ServerConfig {
             ledger: "slackgate-ledger.db".into(),
             ledger_synchronous: crate::ledger_store::Synchronous::default(),
             trust_tenant_header: false,
+            trust_size_hint: false,
             client_write_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,

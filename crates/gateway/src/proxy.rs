@@ -265,7 +265,9 @@ pub async fn admitted(
         first_token_deadline: hinfo.first_token_in_ms.map(|ms| now.saturating_add(ms)),
         prompt_tokens: binfo.prompt_tokens,
         max_tokens,
-        expected_output_tokens: hinfo.expected_output_tokens,
+        expected_output_tokens: hinfo
+            .expected_output_tokens
+            .filter(|_| shared.server.trust_size_hint),
         deadline_is_absolute: relative.is_none() && absolute.is_some(),
         idempotency_key: hinfo.idempotency_key.clone(),
         tenant: hinfo.tenant.clone(),

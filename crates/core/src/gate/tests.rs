@@ -604,3 +604,31 @@ fn incremental_water_fill_matches_the_direct_one() {
         }
     }
 }
+
+#[test]
+fn a_size_hint_steers_the_estimate_but_never_lowers_the_hold() {
+    let mut c = cfg(1, 100.0);
+    c.pools[0].prior.decode_ms_per_token = 10.0;
+    c.classes[0].deadline_ms = None;
+    let mut g = Gate::new(c).unwrap();
+    // Nothing learned yet: the class's own estimate is the cap, 1000 tokens: 100 + 10 000 ms.
+    let mut r = req(&g, "prod");
+    r.max_tokens = Some(1000);
+    r.prompt_tokens = 50;
+    let plain = g.offer(0, r.clone());
+    assert_eq!(plain.est_service_ms, 10_100);
+    assert_eq!(plain.tokens_held, 1_050);
+    // A hint of 20 tokens: 100 + 200 ms, but the hold stays at the class's own 1000.
+    r.expected_output_tokens = Some(20);
+    let hinted = g.offer(1, r.clone());
+    assert_eq!(hinted.est_service_ms, 300);
+    assert_eq!(hinted.tokens_held, 1_050);
+    // A hint of 0 cannot shrink the hold to the prompt alone either.
+    r.expected_output_tokens = Some(0);
+    assert_eq!(g.offer(2, r.clone()).tokens_held, 1_050);
+    // A hint above the cap is capped; above the class's estimate it raises nothing past it.
+    r.expected_output_tokens = Some(5_000);
+    let big = g.offer(3, r);
+    assert_eq!(big.est_service_ms, 10_100);
+    assert_eq!(big.tokens_held, 1_050);
+}
