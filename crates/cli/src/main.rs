@@ -162,6 +162,15 @@ fn main() -> Result<()> {
 fn check(path: &std::path::Path) -> Result<()> {
     let cfg =
         Config::from_file(path).with_context(|| format!("{} is not valid", path.display()))?;
+    // The admin token file is read at start: a missing or short one would stop `serve`.
+    if let Some(token) = &cfg.admin.token_file {
+        let text = std::fs::read_to_string(token)
+            .with_context(|| format!("admin.token_file: cannot read {}", token.display()))?;
+        let min = slackgate_gateway::control::MIN_TOKEN_LEN;
+        if text.trim().len() < min {
+            bail!("admin.token_file: the token must be at least {min} characters");
+        }
+    }
     println!(
         "{}: ok ({} pools, {} classes)",
         path.display(),
@@ -169,8 +178,13 @@ fn check(path: &std::path::Path) -> Result<()> {
         cfg.gate.classes.len()
     );
     for c in &cfg.gate.classes {
+        let overflow = c
+            .overflow_pool
+            .as_ref()
+            .map(|o| format!("  overflow {o} ({:?})", c.overflow).to_lowercase())
+            .unwrap_or_default();
         println!(
-            "  class {:<12} priority {:>4}  pool {:<10} deadline {:>8}  max_queue_age {:>8}  {}",
+            "  class {:<12} priority {:>4}  pool {:<10} deadline {:>8}  max_queue_age {:>8}  {}{overflow}",
             c.name,
             c.priority,
             c.pool,
@@ -179,6 +193,16 @@ fn check(path: &std::path::Path) -> Result<()> {
                 .map_or("none".into(), |d| format!("{d}ms")),
             if c.enabled { "enabled" } else { "DISABLED" }
         );
+    }
+    if cfg.gate.admit_always {
+        println!("  admit_always = true: the gate admits everything (rollback)");
+    }
+    if cfg.gate.shadow {
+        println!("  shadow = true: would-be rejections are admitted and logged as shadow_reject");
+    }
+    match cfg.admin.listen {
+        Some(a) => println!("  admin API on {a}"),
+        None => println!("  admin API off (no [admin] section)"),
     }
     Ok(())
 }
