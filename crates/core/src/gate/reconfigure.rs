@@ -204,6 +204,7 @@ impl Gate {
             max_queue_age_ms: None,
             queue: ClassQueue::default(),
             expected_output: expected_output.map(f64::from),
+            output_q: None,
             retry_hint: None,
             overflow: None,
             overflow_of: None,

@@ -632,3 +632,58 @@ fn a_size_hint_steers_the_estimate_but_never_lowers_the_hold() {
     assert_eq!(big.est_service_ms, 10_100);
     assert_eq!(big.tokens_held, 1_050);
 }
+
+/// Without a size from the caller, a request must fit its deadline with the 0.9 quantile of
+/// its class's outputs, not the mean: a long one would otherwise be admitted and dropped
+/// later. Its queued work still counts at the mean.
+#[test]
+fn requests_without_a_size_must_fit_an_upper_quantile_of_their_class() {
+    let mut c = cfg(1, 0.0);
+    c.pools[0].prior.decode_ms_per_token = 10.0;
+    c.pools[0].prior.learn = false;
+    c.classes[0].deadline_ms = None;
+    let mut g = Gate::new(c).unwrap();
+    // Outputs 100, 200, ..., 1000 tokens, over and over: mean 550, 0.9 quantile about 900-1000.
+    let mut t = 0u64;
+    for i in 0..400u64 {
+        let out = 100 * (1 + (i * 7) % 10) as u32;
+        let mut r = req(&g, "prod");
+        r.max_tokens = Some(2000);
+        let d = g.offer(t, r);
+        drain(&mut g, t);
+        t += u64::from(out) * 10;
+        g.on_complete(
+            t,
+            d.job_id,
+            Completion {
+                ok: true,
+                prompt_tokens: Some(0),
+                completion_tokens: Some(out),
+            },
+        );
+    }
+    let mean = g.classes[0].expected_output.unwrap();
+    let q = g.classes[0].output_q.unwrap();
+    assert!((300.0..=800.0).contains(&mean), "mean {mean}");
+    assert!((850.0..=1050.0).contains(&q), "0.9 quantile tracked as {q}");
+    // A 7 s budget on an idle slot: the mean (about 5.5 s) fits, the quantile (about 9 s)
+    // does not.
+    let mut r = req(&g, "prod");
+    r.max_tokens = Some(2000);
+    r.deadline = Some(t + 7_000);
+    let d = g.offer(t, r.clone());
+    assert_eq!(d.action, Action::Reject, "{d:?}");
+    assert_eq!(d.reason, Reason::ProjectedWaitExceedsSlack);
+    // The estimate it reports for its own service is still the mean.
+    assert!(d.est_service_ms < 7_000, "{d:?}");
+    // A caller that says its size is judged on it.
+    r.expected_output_tokens = Some(300);
+    let hinted = g.offer(t, r.clone());
+    assert_eq!(hinted.action, Action::Admit);
+    g.cancel(t, hinted.job_id);
+    drain(&mut g, t);
+    // A tight max_tokens caps the quantile too.
+    r.expected_output_tokens = None;
+    r.max_tokens = Some(500);
+    assert_eq!(g.offer(t, r).action, Action::Admit);
+}
