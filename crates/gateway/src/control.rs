@@ -86,6 +86,8 @@ pub struct Control {
     generation: AtomicU64,
     /// Past the shutdown grace period: the gate itself is closing connections.
     cutting_off: AtomicBool,
+    /// A drain started and its pools have not been reported idle yet: the ticker checks.
+    drain_pending: AtomicBool,
 }
 
 impl Control {
@@ -99,6 +101,7 @@ impl Control {
             token: Mutex::new(None),
             generation: AtomicU64::new(1),
             cutting_off: AtomicBool::new(false),
+            drain_pending: AtomicBool::new(false),
         }
     }
 
@@ -430,6 +433,7 @@ impl Shared {
                     let _ = tx.send(Reason::Drained);
                 }
             }
+            self.control.drain_pending.store(true, Ordering::Relaxed);
             let mut line = Self::event_line("flag", "drain", actor);
             line.flag = Some("drain".into());
             line.value = Some(serde_json::json!({
@@ -457,12 +461,36 @@ impl Shared {
                 .collect();
             st.gate.end_drain(&ids);
             st.gate.suspend_unlabeled(false);
+            self.control.drain_pending.store(false, Ordering::Relaxed);
             let mut line = Self::event_line("flag", "undrain", actor);
             line.flag = Some("undrain".into());
             line.value = Some(serde_json::json!({ "classes": draining }));
             lines.push(line);
             st.gate.drain_status()
         })
+    }
+
+    /// Called by the ticker: once a drain's pools are idle, say so in the decision log (one
+    /// `flag` line, reason `drain_idle`), so the operator waiting for step 4 of the drain
+    /// order sees it without polling.
+    pub(crate) fn check_drain_idle(&self) {
+        if !self.control.drain_pending.load(Ordering::Relaxed) {
+            return;
+        }
+        self.with_core(|st, _, lines| {
+            let status = st.gate.drain_status();
+            if status.classes.is_empty() || !status.idle {
+                return;
+            }
+            self.control.drain_pending.store(false, Ordering::Relaxed);
+            let mut line = Self::event_line("flag", "drain_idle", "gate");
+            line.flag = Some("drain".into());
+            line.value = Some(serde_json::json!({
+                "idle": true,
+                "classes": status.classes.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
+            }));
+            lines.push(line);
+        });
     }
 
     /// Where the drain stands.

@@ -437,6 +437,7 @@ impl Shared {
     /// Let time pass in the core (drops queued jobs whose slack died).
     pub fn tick(&self) {
         self.with_core(|st, now, _| st.gate.tick(now));
+        self.check_drain_idle();
     }
 
     /// Where requests that are not admission-controlled go: the first live pool's upstream.

@@ -402,12 +402,20 @@ async fn seed002_drain_order() {
     assert_eq!(queued.status, 429);
     assert_eq!(queued.json()["error"]["code"], "drained");
 
-    // 4. Wait until the pool is idle.
+    // 4. Wait until the pool is idle: the drain status says so, and so does the log.
     let idle = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/drain", "").await.json()["idle"] == true
     })
     .await;
     assert!(idle, "pool idle after the cancel");
+    let reported = eventually(Duration::from_secs(3), || async {
+        gate.log_lines()
+            .await
+            .iter()
+            .any(|l| l["reason"] == "drain_idle")
+    })
+    .await;
+    assert!(reported, "the gate reports the idle pool in the log");
 
     // 5. A synthetic interactive request is admitted.
     let r = post(&url, &[("x-job-class", "sync")], &chat(16)).await;
@@ -440,7 +448,9 @@ async fn seed002_drain_order() {
         .filter(|l| l["action"] == "flag")
         .map(|l| l["flag"].as_str().unwrap().to_string())
         .collect();
-    assert_eq!(events, vec!["drain", "drain", "undrain"]);
+    assert_eq!(events, vec!["drain", "drain", "drain", "undrain"]);
+    let idle = lines.iter().find(|l| l["reason"] == "drain_idle").unwrap();
+    assert_eq!(idle["value"]["classes"], serde_json::json!(["eval"]));
     assert!(lines
         .iter()
         .any(|l| l["action"] == "cancel" && l["reason"] == "drained" && l["job_class"] == "eval"));

@@ -307,3 +307,46 @@ async fn a_file_replaced_by_rename_is_reloaded_by_the_watcher() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubernetes_style_symlink_swap_is_reloaded() {
+    // A ConfigMap volume: slackgate.toml -> ..data/slackgate.toml, ..data -> ..v1; an update
+    // writes ..v2 and swaps ..data by renaming a new symlink over it.
+    use std::os::unix::fs::symlink;
+    let stub = stub(1, "fixed:1ms").await;
+    let up = stub.local_addr();
+    let dir = temp_dir("k8s");
+    std::fs::create_dir_all(dir.join("..v1")).unwrap();
+    std::fs::write(
+        dir.join("..v1/slackgate.toml"),
+        config(up, 1, 30_000, 100, ""),
+    )
+    .unwrap();
+    symlink("..v1", dir.join("..data")).unwrap();
+    symlink("..data/slackgate.toml", dir.join("slackgate.toml")).unwrap();
+    let path = dir.join("slackgate.toml");
+    let cfg = Config::from_file(&path).unwrap();
+    let admin_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gate = TestGate::start_with(
+        cfg,
+        "reload-k8s",
+        Some((admin_listener, Some(TOKEN.to_string()))),
+        Some(ConfigSource::file(path)),
+    )
+    .await;
+    std::fs::create_dir_all(dir.join("..v2")).unwrap();
+    std::fs::write(
+        dir.join("..v2/slackgate.toml"),
+        config(up, 3, 30_000, 100, ""),
+    )
+    .unwrap();
+    symlink("..v2", dir.join("..data_tmp")).unwrap();
+    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+    let swapped = eventually(Duration::from_secs(5), || async {
+        admin(&gate, "GET", "/admin/queues", "").await.json()["pools"][0]["slots"] == 3
+    })
+    .await;
+    assert!(swapped, "the swapped ConfigMap was reloaded");
+    let _ = std::fs::remove_dir_all(&dir);
+}
