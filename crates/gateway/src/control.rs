@@ -88,6 +88,9 @@ pub struct Control {
     cutting_off: AtomicBool,
     /// A drain started and its pools have not been reported idle yet: the ticker checks.
     drain_pending: AtomicBool,
+    /// Held across a flag change or a reload: each updates the overrides and then the core,
+    /// and a reload applying the overrides in between would undo a concurrent flag change.
+    serial: Mutex<()>,
 }
 
 impl Control {
@@ -102,6 +105,7 @@ impl Control {
             generation: AtomicU64::new(1),
             cutting_off: AtomicBool::new(false),
             drain_pending: AtomicBool::new(false),
+            serial: Mutex::new(()),
         }
     }
 
@@ -340,6 +344,7 @@ impl Shared {
 
     /// Set (or with `None`, return to the file's value) the `admit_always` rollback flag.
     pub fn set_admit_always(&self, value: Option<bool>, actor: &str) -> FlagView {
+        let _serial = lock(&self.control.serial);
         let config = lock(&self.control.file).gate.admit_always;
         lock(&self.control.overrides).admit_always = value;
         let effective = value.unwrap_or(config);
@@ -354,6 +359,7 @@ impl Shared {
 
     /// Set (or with `None`, return to the file's value) shadow mode.
     pub fn set_shadow(&self, value: Option<bool>, actor: &str) -> FlagView {
+        let _serial = lock(&self.control.serial);
         let config = lock(&self.control.file).gate.shadow;
         lock(&self.control.overrides).shadow = value;
         let effective = value.unwrap_or(config);
@@ -374,6 +380,7 @@ impl Shared {
         value: Option<bool>,
         actor: &str,
     ) -> Result<FlagView, ControlError> {
+        let _serial = lock(&self.control.serial);
         let config = lock(&self.control.file)
             .gate
             .classes
@@ -542,6 +549,7 @@ impl Shared {
     /// Apply a new configuration to the running gate, keeping queued and in-flight work
     /// (see the core's `reconfigure`) and the runtime overrides.
     pub fn reload(&self, cfg: Config, actor: &str) -> Result<ReloadOutcome, ControlError> {
+        let _serial = lock(&self.control.serial);
         let refuse = |why: String| {
             self.reload_refused_text(&why, actor);
             Err(ControlError::InvalidConfig(why))

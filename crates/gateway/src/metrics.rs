@@ -483,6 +483,17 @@ pub fn render_ledger(
     );
 }
 
+/// The operator controls' state, appended to a scrape: which configuration is in force.
+pub fn render_controls(o: &mut String, config_generation: u64) {
+    family(
+        o,
+        "slackgate_config_generation",
+        "gauge",
+        "Configurations loaded: 1 at start, +1 per applied reload (a refused one does not count).",
+        std::iter::once((String::new(), config_generation as f64)),
+    );
+}
+
 /// One metric family: its HELP and TYPE lines, then one sample per (labels, value).
 fn family(
     o: &mut String,

@@ -63,6 +63,7 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             let (ledger, snap) = shared.ledger_view();
             let mut body = shared.metrics.render(&snap, shared.log.counters());
             crate::metrics::render_ledger(&mut body, &ledger, &shared.store.stats());
+            crate::metrics::render_controls(&mut body, shared.control.generation());
             response::text("text/plain; version=0.0.4", body)
         }
         (&Method::GET, "/stats") => response::json(&crate::stats::stats(&shared)),

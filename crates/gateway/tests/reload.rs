@@ -140,6 +140,10 @@ async fn a_good_reload_keeps_queued_and_in_flight_work() {
     let flags = admin(&gate, "GET", "/admin/flags", "").await.json();
     assert_eq!(flags["shadow"]["value"], true, "the override survived");
     assert_eq!(flags["config_generation"], 2);
+    assert_eq!(
+        metric(&gate.metrics().await, "slackgate_config_generation"),
+        Some(2.0)
+    );
     // The new class is live.
     assert_eq!(
         post(&url, &[("x-job-class", "eval")], &chat(1))
@@ -211,6 +215,10 @@ async fn a_bad_reload_is_refused_and_the_old_config_stays() {
     // The old config is in force: one slot, the old classes, generation 1.
     let flags = admin(&gate, "GET", "/admin/flags", "").await.json();
     assert_eq!(flags["config_generation"], 1);
+    assert_eq!(
+        metric(&gate.metrics().await, "slackgate_config_generation"),
+        Some(1.0)
+    );
     assert_eq!(
         post(&url, &[("x-job-class", "batch")], &chat(1))
             .await
