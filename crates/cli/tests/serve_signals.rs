@@ -30,14 +30,27 @@ fn temp_dir(name: &str) -> PathBuf {
 struct Serve {
     child: Child,
     addr: SocketAddr,
+    admin: Option<SocketAddr>,
 }
 
 impl Serve {
     /// Start `slackgate serve --config FILE --listen 127.0.0.1:0` and wait for its address.
     fn start(config: &Path) -> Serve {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_slackgate"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        Serve::start_with(config, &[], None)
+    }
+
+    /// The same with extra arguments and an admin token in the child's environment (only
+    /// the child's: this process's environment is never touched).
+    fn start_with(config: &Path, extra: &[&str], token: Option<&str>) -> Serve {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_slackgate"));
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"])
             .arg(config)
+            .args(extra)
+            .env_remove("SLACKGATE_ADMIN_TOKEN");
+        if let Some(t) = token {
+            cmd.env("SLACKGATE_ADMIN_TOKEN", t);
+        }
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -46,24 +59,39 @@ impl Serve {
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
+            let tags = [
+                ("gate listening on http://", "gate"),
+                ("admin API on http://", "admin"),
+            ];
             for line in std::io::BufReader::new(stderr)
                 .lines()
                 .map_while(Result::ok)
             {
-                if let Some(rest) = line.split("gate listening on http://").nth(1) {
-                    let addr = rest.split_whitespace().next().unwrap_or("").to_string();
-                    let _ = tx.send(addr);
+                for (tag, what) in tags {
+                    if let Some(rest) = line.split(tag).nth(1) {
+                        let addr = rest.split_whitespace().next().unwrap_or("").to_string();
+                        let _ = tx.send((what, addr));
+                    }
                 }
             }
         });
-        let addr = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(a) => a.parse().unwrap(),
-            Err(_) => {
-                let _ = child.kill();
-                panic!("slackgate serve did not start");
+        let want_admin = extra.contains(&"--admin-listen");
+        let (mut addr, mut admin) = (None, None);
+        while addr.is_none() || (want_admin && admin.is_none()) {
+            match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(("gate", a)) => addr = Some(a.parse().unwrap()),
+                Ok((_, a)) => admin = Some(a.parse().unwrap()),
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("slackgate serve did not start");
+                }
             }
-        };
-        Serve { child, addr }
+        }
+        Serve {
+            child,
+            addr: addr.unwrap(),
+            admin,
+        }
     }
 
     fn signal(&self, sig: &str) {
@@ -455,5 +483,65 @@ fn check_names_the_field_at_fault() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("overflow paid (route)"), "{text}");
     assert!(text.contains("admin API on 127.0.0.1:9090"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_the_admin_api_with_the_token_from_the_environment() {
+    let up = stub("fixed:1ms").await;
+    let dir = temp_dir("admin");
+    let cfg = dir.join("slackgate.toml");
+    let good = config(&dir, up.local_addr(), 10, 1000);
+    std::fs::write(&cfg, &good).unwrap();
+    let token = "env-token-0123456789abcdef";
+    let mut serve = Serve::start_with(&cfg, &["--admin-listen", "127.0.0.1:0"], Some(token));
+    let admin = serve.admin.unwrap();
+    let auth = format!("Bearer {token}");
+    let (status, _) = http(admin, "GET", "/admin/flags", &[], "").await.unwrap();
+    assert_eq!(status, 401);
+    let (status, body) = http(
+        admin,
+        "GET",
+        "/admin/flags",
+        &[("authorization", &auth)],
+        "",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    // The rollback flag, flipped on the live process.
+    let (status, _) = http(
+        admin,
+        "PUT",
+        "/admin/flags/admit_always",
+        &[("authorization", &auth)],
+        r#"{"value":true}"#,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let (_, metrics) = http(serve.addr, "GET", "/metrics", &[], "").await.unwrap();
+    assert!(
+        metrics.contains("\nslackgate_admit_always 1\n"),
+        "{metrics}"
+    );
+    // A reload through the API reads the file with the command line's overrides applied
+    // again (--listen 127.0.0.1:0 stays, so [server] does not read as changed).
+    std::fs::write(&cfg, good.replace("max_in_flight = 1", "max_in_flight = 2")).unwrap();
+    let (status, body) = http(
+        admin,
+        "POST",
+        "/admin/reload",
+        &[("authorization", &auth)],
+        "",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["generation"], 2);
+    assert_eq!(v["restart_required"], serde_json::json!([]), "{v}");
+    serve.signal("TERM");
+    assert!(serve.wait(Duration::from_secs(10)).unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
