@@ -72,13 +72,26 @@ impl Gate {
             .collect()
     }
 
-    /// A class's lanes: its own and, if it has one, its overflow lane.
+    /// Every lane of a class, by its name: its own, its overflow lane, and lanes a reload
+    /// retired (the pool it moved away from still runs the work admitted there).
     fn lanes_of(&self, class: ClassId) -> Vec<ClassId> {
-        let mut lanes = vec![class];
-        if let Some((lane, _)) = self.classes.get(class.0).and_then(|c| c.overflow) {
-            lanes.push(lane);
+        let Some(name) = self.classes.get(class.0).map(|c| c.name.as_str()) else {
+            return Vec::new();
+        };
+        (0..self.classes.len())
+            .filter(|&i| self.classes[i].name == name)
+            .map(ClassId)
+            .collect()
+    }
+
+    /// Set whether a class is drained. The flag belongs to the class, not to one lane: it is
+    /// kept on each of its non-overflow lanes, so a reload that moves the class to another
+    /// pool (a new lane) or back (a retired one) finds it whatever lane it picks.
+    fn set_draining(&mut self, class: ClassId, on: bool) {
+        for lane in self.lanes_of(class) {
+            let l = &mut self.classes[lane.0];
+            l.draining = on && l.overflow_of.is_none();
         }
-        lanes
     }
 
     /// Drain classes (seed 002's rollback order): refuse their new work (`class_disabled`)
@@ -89,10 +102,10 @@ impl Gate {
         let now = self.clock(now);
         let mut in_flight = Vec::new();
         for &class in classes {
-            let Some(c) = self.classes.get_mut(class.0) else {
+            if self.classes.get(class.0).is_none() {
                 continue;
-            };
-            c.draining = true;
+            }
+            self.set_draining(class, true);
             if !cancel {
                 continue;
             }
@@ -126,9 +139,7 @@ impl Gate {
     /// End the drain of classes: they admit again (unless switched off by `enabled`).
     pub fn end_drain(&mut self, classes: &[ClassId]) {
         for &class in classes {
-            if let Some(c) = self.classes.get_mut(class.0) {
-                c.draining = false;
-            }
+            self.set_draining(class, false);
         }
     }
 
@@ -143,20 +154,26 @@ impl Gate {
     pub fn drain_status(&self) -> DrainStatus {
         let mut classes = Vec::new();
         let mut pools = std::collections::BTreeSet::new();
+        // One entry per live class, its work counted over every lane of its name (a lane a
+        // reload retired still holds work the class was admitted with).
         for (i, c) in self.classes.iter().enumerate() {
-            if !c.draining || c.overflow_of.is_some() {
+            if !c.draining || c.overflow_of.is_some() || c.retired {
                 continue;
             }
             let (mut queued, mut in_flight) = (0u32, 0u32);
             for lane in self.lanes_of(ClassId(i)) {
                 let l = &self.classes[lane.0];
-                queued += l.queue.len() as u32;
-                pools.insert(l.pool);
-                in_flight += self.pools[l.pool.0]
+                let lane_queued = l.queue.len() as u32;
+                let lane_in_flight = self.pools[l.pool.0]
                     .in_flight
                     .keys()
                     .filter(|id| self.jobs.get(id).is_some_and(|j| j.class == lane))
                     .count() as u32;
+                if !l.retired || lane_queued + lane_in_flight > 0 {
+                    pools.insert(l.pool);
+                }
+                queued += lane_queued;
+                in_flight += lane_in_flight;
             }
             classes.push(DrainClass {
                 name: c.name.clone(),

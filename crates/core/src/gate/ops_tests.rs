@@ -371,3 +371,60 @@ fn rejected_clients_get_spread_retry_afters() {
         "{afters:?}"
     );
 }
+
+#[test]
+fn a_drain_follows_its_class_to_another_pool() {
+    let mut c = cfg(1, 800.0);
+    c.pools.push(pool("paid", 1, 100.0));
+    let mut g = Gate::new(c.clone()).unwrap();
+    // A probe runs on `free` and another waits there; then the probe class is drained.
+    g.offer(0, req(&g, "probe"));
+    drain(&mut g, 0);
+    g.offer(0, req(&g, "probe"));
+    let probe = g.class_by_name("probe").unwrap();
+    g.drain(10, &[probe], false);
+    // A reload moves probe to `paid`: a new lane, still drained.
+    c.classes[1].pool = "paid".into();
+    g.reconfigure(20, c.clone()).unwrap();
+    let d = g.offer(30, req(&g, "probe"));
+    assert_eq!(
+        (d.action, d.reason),
+        (Action::Reject, Reason::ClassDisabled)
+    );
+    let st = g.drain_status();
+    assert_eq!(st.classes.len(), 1, "one entry per class: {st:?}");
+    assert_eq!(
+        (
+            st.classes[0].name.as_str(),
+            st.classes[0].queued,
+            st.classes[0].in_flight
+        ),
+        ("probe", 1, 1),
+        "the work left on the old pool is the class's: {st:?}"
+    );
+    let pools: Vec<&str> = st.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(pools, vec!["free", "paid"], "{st:?}");
+    let snap = g.snapshot(30);
+    assert!(snap
+        .classes
+        .iter()
+        .filter(|c| c.name == "probe" && !c.retired)
+        .all(|c| c.draining));
+    // Moving back to `free` reuses the old lane: still drained, once.
+    c.classes[1].pool = "free".into();
+    g.reconfigure(40, c.clone()).unwrap();
+    assert_eq!(g.offer(50, req(&g, "probe")).reason, Reason::ClassDisabled);
+    c.classes[1].pool = "paid".into();
+    g.reconfigure(60, c.clone()).unwrap();
+    // Ending the drain by the live class ends it for every lane of the class.
+    let probe = g.class_by_name("probe").unwrap();
+    g.end_drain(&[probe]);
+    assert!(g.drain_status().classes.is_empty());
+    assert!(g.offer(70, req(&g, "probe")).admitted());
+    c.classes[1].pool = "free".into();
+    g.reconfigure(80, c).unwrap();
+    assert!(
+        g.offer(90, req(&g, "probe")).admitted(),
+        "no drain comes back"
+    );
+}

@@ -105,6 +105,13 @@ impl Gate {
         // Lanes, by (class name, pool). Primary lanes first, in configuration order, so a
         // new gate's classes are ids 0..n in the order of the file.
         let live_before: BTreeSet<String> = self.class_names().into_iter().collect();
+        // Drains belong to the class, whatever pool it runs on after the reload.
+        let drained: BTreeSet<String> = self
+            .classes
+            .iter()
+            .filter(|c| c.draining && c.overflow_of.is_none() && !c.retired)
+            .map(|c| c.name.clone())
+            .collect();
         let mut wanted: BTreeSet<usize> = BTreeSet::new();
         let mut primaries = Vec::with_capacity(cfg.classes.len());
         for c in &cfg.classes {
@@ -141,8 +148,6 @@ impl Gate {
             l.overflow = None;
             l.overflow_of = Some(primary);
             l.retired = false;
-            // Drains are kept on the class; its overflow lane follows the class.
-            l.draining = false;
             wanted.insert(id.0);
             self.classes[primary.0].overflow = Some((id, c.overflow));
         }
@@ -150,6 +155,11 @@ impl Gate {
             if !wanted.contains(&i) {
                 l.retired = true;
             }
+            // A new lane for a drained class (moved to another pool) stays drained; its
+            // overflow lane follows the class; a removed class's drain ends with it.
+            l.draining = l.overflow_of.is_none()
+                && drained.contains(&l.name)
+                && live_after_has(&cfg, &l.name);
         }
         let live_after: BTreeSet<String> = self.class_names().into_iter().collect();
         report.classes_added = live_after.difference(&live_before).cloned().collect();
@@ -212,6 +222,10 @@ impl Gate {
         });
         ClassId(self.classes.len() - 1)
     }
+}
+
+fn live_after_has(cfg: &GateConfig, name: &str) -> bool {
+    cfg.classes.iter().any(|c| c.name == name)
 }
 
 fn unknown_pool(name: &str) -> ConfigError {
