@@ -140,7 +140,10 @@ impl Metrics {
                     line.turnaround_ms.unwrap_or(0),
                     line.queue_age_ms.unwrap_or(0),
                     line.ttft_ms,
-                    line.deadline_slack_ms.is_some_and(|s| s < 0),
+                    // Completed past its deadline, or cut off by the gate's timeout at the
+                    // deadline (whose slack reads 0 or -1 ms depending on timer jitter).
+                    line.deadline_slack_ms.is_some_and(|s| s < 0)
+                        || (line.reason == "upstream_timeout" && line.deadline_slack_ms.is_some()),
                 );
                 if let Some(pool) = &line.pool {
                     self.upstream_status(pool, line.status.unwrap_or(0));
@@ -554,6 +557,26 @@ mod tests {
         assert_eq!(h.counts[6], 1); // le 0.5
         assert_eq!(h.counts[10], 2); // le 8
         assert_eq!(h.count, 2);
+    }
+
+    #[test]
+    fn a_timeout_at_the_deadline_is_a_breach_whatever_the_jitter() {
+        let m = Metrics::default();
+        let line = |reason: &'static str, slack: Option<i64>| crate::telemetry::LogLine {
+            job_class: Some("interactive".into()),
+            action: "complete",
+            reason,
+            deadline_slack_ms: slack,
+            ..Default::default()
+        };
+        m.observe(&line("completed", Some(0))); // just in time: no breach
+        m.observe(&line("completed", Some(5)));
+        m.observe(&line("completed", None)); // best effort: never a breach
+        let breaches = |m: &Metrics| m.with(|i| i.slo_breaches.get("interactive").copied());
+        assert_eq!(breaches(&m), None);
+        m.observe(&line("upstream_timeout", Some(0))); // cut off at the deadline
+        m.observe(&line("completed", Some(-1))); // late
+        assert_eq!(breaches(&m), Some(2));
     }
 
     #[test]
