@@ -294,18 +294,21 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
 /// Reload the config file whenever its content changes. It is read again by path at every
 /// poll, so a file replaced by rename (editors' save, a Kubernetes ConfigMap's `..data`
 /// symlink swap) is seen like one written in place; comparing content rather than mtimes
-/// ignores touches and catches same-second edits. A content that failed to load is not
-/// retried until it changes again. Polling needs no platform notification API and costs one
-/// small read per period.
+/// ignores touches and catches same-second edits. A new content is applied only once two
+/// consecutive polls read it ([`Debounce`]): a file rewritten in place (`cat > file`) may be
+/// caught half written, and a truncated config can still be a valid one (a class short). A
+/// content that failed to load is not retried until it changes again. Polling needs no
+/// platform notification API and costs one small read per period.
 async fn watch_config(
     shared: Arc<Shared>,
     source: ConfigSource,
-    mut last: Option<Vec<u8>>,
+    last: Option<Vec<u8>>,
     period: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut interval = tokio::time::interval(period);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut debounce = Debounce::new(last);
     loop {
         tokio::select! {
             _ = stop.changed() => return,
@@ -315,15 +318,51 @@ async fn watch_config(
         let Ok(now) = tokio::fs::read(&source.path).await else {
             continue;
         };
-        if last.as_deref() == Some(now.as_slice()) {
+        let Some(now) = debounce.observe(now) else {
             continue;
-        }
-        last = Some(now.clone());
+        };
         let Ok(text) = String::from_utf8(now) else {
             shared.reload_refused_text("the config file is not UTF-8", "watcher");
             continue;
         };
         let _ = shared.reload_text(&source, &text, "watcher");
+    }
+}
+
+/// When the config watcher applies what it read: a content different from the one last
+/// applied must be read twice in a row (one poll apart) first, so a file still being
+/// written is left alone until it stops changing. Each stable content is applied once.
+#[derive(Debug, Default)]
+pub(crate) struct Debounce {
+    /// The content last applied (or in force at start).
+    applied: Option<Vec<u8>>,
+    /// A new content read once, waiting for the next poll to confirm it.
+    pending: Option<Vec<u8>>,
+}
+
+impl Debounce {
+    /// Start from the content in force.
+    pub(crate) fn new(applied: Option<Vec<u8>>) -> Debounce {
+        Debounce {
+            applied,
+            pending: None,
+        }
+    }
+
+    /// One poll's read of the file: the content to apply now, if any.
+    pub(crate) fn observe(&mut self, read: Vec<u8>) -> Option<Vec<u8>> {
+        if self.applied.as_deref() == Some(read.as_slice()) {
+            // Back to the content in force (a write caught midway, then undone): nothing to do.
+            self.pending = None;
+            return None;
+        }
+        if self.pending.as_deref() == Some(read.as_slice()) {
+            self.pending = None;
+            self.applied = Some(read.clone());
+            return Some(read);
+        }
+        self.pending = Some(read);
+        None
     }
 }
 
@@ -367,5 +406,44 @@ async fn tick_loop(shared: Arc<Shared>) {
     loop {
         interval.tick().await;
         shared.tick();
+    }
+}
+
+#[cfg(test)]
+mod debounce_tests {
+    use super::Debounce;
+
+    fn v(s: &str) -> Vec<u8> {
+        s.as_bytes().to_vec()
+    }
+
+    #[test]
+    fn a_change_applies_on_the_second_identical_read_and_only_once() {
+        let mut d = Debounce::new(Some(v("a")));
+        assert_eq!(d.observe(v("a")), None, "unchanged");
+        assert_eq!(d.observe(v("ab")), None, "first sight of a change waits");
+        assert_eq!(d.observe(v("ab")), Some(v("ab")), "stable: applied");
+        assert_eq!(d.observe(v("ab")), None, "applied once");
+    }
+
+    #[test]
+    fn a_file_caught_mid_write_is_never_applied() {
+        let mut d = Debounce::new(Some(v("old")));
+        // `cat > file`: truncated, then partly written, then complete.
+        assert_eq!(d.observe(v("")), None);
+        assert_eq!(d.observe(v("new con")), None);
+        assert_eq!(d.observe(v("new config")), None);
+        assert_eq!(d.observe(v("new config")), Some(v("new config")));
+        // A write caught midway and then undone leaves the config in force alone.
+        assert_eq!(d.observe(v("new")), None);
+        assert_eq!(d.observe(v("new config")), None);
+        assert_eq!(d.observe(v("new config")), None);
+    }
+
+    #[test]
+    fn a_gate_started_without_a_readable_file_applies_the_first_stable_one() {
+        let mut d = Debounce::new(None);
+        assert_eq!(d.observe(v("x")), None);
+        assert_eq!(d.observe(v("x")), Some(v("x")));
     }
 }

@@ -316,6 +316,59 @@ async fn a_file_replaced_by_rename_is_reloaded_by_the_watcher() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_written_in_place_is_applied_once_complete() {
+    // `cat > slackgate.toml`: the watcher may read the file half written. Cut before the
+    // batch class, it is still a valid config, one that would retire batch. The half-written
+    // file stands for a fifth of a poll period, so no two polls can both read it.
+    let stub = stub(1, "fixed:1ms").await;
+    let up = stub.local_addr();
+    let dir = temp_dir("in-place");
+    let gate = start(&dir, &config(up, 1, 30_000, 300, ""), "reload-in-place").await;
+    let full = config(up, 1, 30_000, 300, "").replace(
+        "name = \"batch\"\npriority = 10\n",
+        "name = \"batch\"\npriority = 10\nenabled = false\n",
+    );
+    let cut = full.find("[[classes]]\nname = \"batch\"").unwrap();
+    let path = dir.join("slackgate.toml");
+    for _ in 0..3 {
+        std::fs::write(&path, &full[..cut]).unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        std::fs::write(&path, &full).unwrap();
+        tokio::time::sleep(Duration::from_millis(170)).await;
+    }
+    let generation = || async {
+        admin(&gate, "GET", "/admin/flags", "").await.json()["config_generation"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(eventually(Duration::from_secs(5), || async { generation().await == 2 }).await);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let lines = gate.log_lines().await;
+    let reloads: Vec<_> = lines.iter().filter(|l| l["action"] == "reload").collect();
+    assert_eq!(
+        reloads.len(),
+        1,
+        "only the complete file is applied: {reloads:?}"
+    );
+    assert!(
+        !reloads[0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("\"batch\""),
+        "batch was never removed: {reloads:?}"
+    );
+    assert_eq!(generation().await, 2);
+    let r = post(
+        &gate.url("/v1/chat/completions"),
+        &[("x-job-class", "batch")],
+        &chat(1),
+    )
+    .await;
+    assert_eq!(r.json()["error"]["code"], "class_disabled");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[cfg(unix)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubernetes_style_symlink_swap_is_reloaded() {
