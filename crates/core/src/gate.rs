@@ -117,6 +117,10 @@ pub struct Decision {
     pub tokens_held: u64,
     /// For ledger rejections: duplicate, retry cap or budget details.
     pub ledger: Option<LedgerReject>,
+    /// Shadow mode was in force when the request was decided: like every job of shadow
+    /// mode it is held to no deadline (never dropped or cut off late), even when admitted
+    /// as it stands, since shadow-admitted work may have taken its place in the queue.
+    pub shadow: bool,
 }
 
 impl Decision {
@@ -931,6 +935,7 @@ impl Gate {
             idempotency_key: key.clone(),
             tokens_held: 0,
             ledger: None,
+            shadow: false,
         };
         let primary_pool = e.pool;
         // Shutting down: nothing new is taken on; another replica (or this one restarted)
@@ -949,6 +954,7 @@ impl Gate {
         });
         let tenant = req.tenant.as_deref();
         let shadow = self.cfg.shadow && !self.cfg.admit_always;
+        d.shadow = shadow;
         // Never spend twice: a held or done key is a duplicate even under `admit_always` or
         // in shadow mode. The retry cap and the tenant grant are thresholds, bypassed by the
         // rollback flag (and only reported in shadow mode).
@@ -1230,6 +1236,7 @@ impl Gate {
             idempotency_key: String::new(),
             tokens_held: 0,
             ledger: None,
+            shadow: self.cfg.shadow && !self.cfg.admit_always,
         }
     }
 

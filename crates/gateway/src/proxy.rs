@@ -354,8 +354,10 @@ pub async fn admitted(
     // answer by then); without a deadline, the configured ceiling applies.
     // The decision already says whether the rollback flag admitted it: no second look at
     // the core (and its lock) on the request path.
-    // A request shadow mode let through is served as the rollback would serve it.
-    let enforce = decision.reason != Reason::AdmitAlways && decision.action != Action::ShadowReject;
+    // Shadow mode enforces no deadline on any job decided under it (the dispatcher drops
+    // none late): not only the would-be rejections it let through, but also the work it
+    // admitted as it stands, which may have been pushed back in the queue by them.
+    let enforce = decision.reason != Reason::AdmitAlways && !decision.shadow;
     let limit_ms = match decision.deadline {
         Some(d) if enforce => d.saturating_sub(shared.clock.now_ms()).max(1),
         _ => shared.server.upstream_timeout_ms,

@@ -512,6 +512,37 @@ async fn shadow_mode_logs_would_be_rejections_and_serves_them() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_holds_work_it_admitted_as_it_stands_to_no_deadline() {
+    // The upstream takes 800 ms where the gate expects 305: the second request is admitted
+    // as it stands (305 ms wait + 305 ms service fit its 700 ms deadline) and is still
+    // queued when its deadline passes. Shadow mode drops nothing late, and the proxy must not
+    // cut it off either (it was answered 504 upstream_timeout after a 1 ms budget).
+    let stub = stub(1, "fixed:800ms").await;
+    let gate =
+        TestGate::start_admin(STRICT, stub.local_addr(), "admin-shadow-late", Some(TOKEN)).await;
+    admin(&gate, "PUT", "/admin/flags/shadow", r#"{"value":true}"#).await;
+    let url = gate.url("/v1/chat/completions");
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post(&url, &[("x-job-class", "interactive")], &chat(30)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = tokio::time::timeout(
+        Duration::from_secs(10),
+        post(&url, &[("x-job-class", "interactive")], &chat(30)),
+    )
+    .await
+    .expect("bounded");
+    assert_eq!(
+        second.header("x-slackgate-decision").as_deref(),
+        Some("admit")
+    );
+    assert_eq!(second.status, 200, "{:?}", second.body);
+    assert_eq!(first.await.unwrap().status, 200);
+    drop(stub);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_and_estimator_views() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(SEED002, stub.local_addr(), "admin-views", Some(TOKEN)).await;
