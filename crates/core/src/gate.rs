@@ -942,7 +942,10 @@ impl Gate {
         // can serve it, so a retry is worth it.
         if self.closing_at.is_some() {
             d.reason = Reason::ShuttingDown;
-            d.retry_after_ms = Some(self.cfg.retry.min_retry_after_ms);
+            // Jittered like every other Retry-After: a whole replica's clients are refused
+            // at once here, and must not all come back in the same instant.
+            let r = &self.cfg.retry;
+            d.retry_after_ms = Some(jitter(r.min_retry_after_ms, job_id, r.jitter_percent));
             d.should_retry = true;
             return d;
         }

@@ -560,11 +560,12 @@ fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
         other => format!("rejected: {other}"),
     };
     // A duplicate is a conflict with the key's existing hold (409, as seed 001 answers it);
-    // every other refusal is "not now" (429).
-    let status = if d.reason == Reason::RejectDuplicate {
-        StatusCode::CONFLICT
-    } else {
-        StatusCode::TOO_MANY_REQUESTS
+    // a gate shutting down is unavailable, not overloaded (503: another replica can serve
+    // it now); every other refusal is "not now" (429).
+    let status = match d.reason {
+        Reason::RejectDuplicate => StatusCode::CONFLICT,
+        Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::TOO_MANY_REQUESTS,
     };
     response::error(status, d.reason, &msg, Some(body), advice)
 }

@@ -543,6 +543,27 @@ async fn shadow_mode_holds_work_it_admitted_as_it_stands_to_no_deadline() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_work_during_shutdown_gets_503_with_a_jittered_retry_after() {
+    let stub = stub(1, "fixed:1ms").await;
+    let gate =
+        TestGate::start_admin(STRICT, stub.local_addr(), "admin-shutdown", Some(TOKEN)).await;
+    gate.gate.shared().begin_shutdown(5_000);
+    let url = gate.url("/v1/chat/completions");
+    let mut afters = std::collections::BTreeSet::new();
+    for _ in 0..10 {
+        let r = post(&url, &[("x-job-class", "interactive")], &chat(1)).await;
+        assert_eq!(r.status, 503, "{:?}", r.body);
+        assert_eq!(r.json()["error"]["code"], "shutting_down");
+        assert_eq!(r.header("x-should-retry").as_deref(), Some("true"));
+        let ms: u64 = r.header("retry-after-ms").unwrap().parse().unwrap();
+        assert!((1_000..=1_200).contains(&ms), "{ms}");
+        afters.insert(ms);
+    }
+    assert!(afters.len() >= 3, "jittered: {afters:?}");
+    drop(stub);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_and_estimator_views() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(SEED002, stub.local_addr(), "admin-views", Some(TOKEN)).await;

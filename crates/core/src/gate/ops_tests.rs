@@ -150,6 +150,16 @@ fn shutdown_keeps_work_that_fits_and_tells_the_rest_at_once() {
     let d = g.offer(100, req(&g, "prod"));
     assert_eq!(d.reason, Reason::ShuttingDown);
     assert!(d.should_retry);
+    // Its Retry-After is jittered like any other: a replica's clients must not all return at
+    // the same instant.
+    let afters: std::collections::BTreeSet<u64> = (0..20)
+        .map(|_| g.offer(100, req(&g, "prod")).retry_after_ms.unwrap())
+        .collect();
+    assert!(afters.len() >= 10, "{afters:?}");
+    assert!(
+        afters.iter().all(|a| (1_000..=1_200).contains(a)),
+        "{afters:?}"
+    );
     // The one that fits still runs when the slot frees.
     g.on_complete(800, ids[0], Completion::default()).unwrap();
     let ev = drain(&mut g, 800);
