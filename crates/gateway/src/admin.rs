@@ -232,6 +232,17 @@ struct DrainBody {
     unlabeled: bool,
 }
 
+/// `DELETE /admin/drain` with a body: end the drain of these classes only.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EndDrainBody {
+    #[serde(default)]
+    classes: Vec<String>,
+    /// Also admit unlabeled work again.
+    #[serde(default)]
+    unlabeled: bool,
+}
+
 fn control_error(e: ControlError) -> Response<ResBody> {
     match e {
         ControlError::UnknownClass(..) => {
@@ -297,7 +308,33 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
             }
         }
         ["admin", "drain"] if method == Method::GET => response::json(&shared.drain_status()),
-        ["admin", "drain"] if method == Method::DELETE => response::json(&shared.end_drain(&who)),
+        ["admin", "drain"] if method == Method::DELETE => {
+            let body = match json_body(req).await {
+                Ok(b) => b,
+                Err(r) => return r.response(),
+            };
+            // No body: every drain ends. A body names the classes whose drain ends.
+            let ended = if body.is_null() {
+                shared.end_drain(None, true, &who)
+            } else {
+                let usage = "expected no body (end every drain) or {\"classes\": [\"eval\"], \"unlabeled\": false}";
+                let d: EndDrainBody = match serde_json::from_value(body) {
+                    Ok(d) => d,
+                    Err(e) => return invalid(&format!("{usage}: {e}")).response(),
+                };
+                if d.classes.is_empty() && !d.unlabeled {
+                    return invalid(usage).response();
+                }
+                if d.classes.len() > MAX_DRAIN_CLASSES || d.classes.iter().any(|c| c.len() > 256) {
+                    return invalid("too many or too long class names").response();
+                }
+                shared.end_drain(Some(&d.classes), d.unlabeled, &who)
+            };
+            match ended {
+                Ok(status) => response::json(&status),
+                Err(e) => control_error(e),
+            }
+        }
         ["admin", "drain"] if method == Method::POST => {
             let body = match json_body(req).await {
                 Ok(b) => b,

@@ -86,8 +86,11 @@ pub struct Control {
     generation: AtomicU64,
     /// Past the shutdown grace period: the gate itself is closing connections.
     cutting_off: AtomicBool,
-    /// A drain started and its pools have not been reported idle yet: the ticker checks.
+    /// A drain started and its classes have not been reported drained yet: the ticker checks.
     drain_pending: AtomicBool,
+    /// A drain started and its pools have not been reported idle yet (they may still run
+    /// other classes' work after the drained classes have none left).
+    idle_pending: AtomicBool,
     /// Held across a flag change or a reload: each updates the overrides and then the core,
     /// and a reload applying the overrides in between would undo a concurrent flag change.
     serial: Mutex<()>,
@@ -105,6 +108,7 @@ impl Control {
             generation: AtomicU64::new(1),
             cutting_off: AtomicBool::new(false),
             drain_pending: AtomicBool::new(false),
+            idle_pending: AtomicBool::new(false),
             serial: Mutex::new(()),
         }
     }
@@ -441,6 +445,7 @@ impl Shared {
                 }
             }
             self.control.drain_pending.store(true, Ordering::Relaxed);
+            self.control.idle_pending.store(true, Ordering::Relaxed);
             let mut line = Self::event_line("flag", "drain", actor);
             line.flag = Some("drain".into());
             line.value = Some(serde_json::json!({
@@ -452,8 +457,15 @@ impl Shared {
         Ok(status)
     }
 
-    /// End every drain: the drained classes admit again, unlabeled work too.
-    pub fn end_drain(&self, actor: &str) -> DrainStatus {
+    /// End drains. `None`: every drain ends, the drained classes admit again and unlabeled
+    /// work too. `Some(classes)`: only those classes' drains end (naming one that is not
+    /// drained changes nothing), and the unlabeled suspension only with `unlabeled`.
+    pub fn end_drain(
+        &self,
+        classes: Option<&[String]>,
+        unlabeled: bool,
+        actor: &str,
+    ) -> Result<DrainStatus, ControlError> {
         self.with_core(|st, _, lines| {
             let draining: Vec<String> = st
                 .gate
@@ -462,38 +474,66 @@ impl Shared {
                 .into_iter()
                 .map(|c| c.name)
                 .collect();
-            let ids: Vec<_> = draining
+            let ending: Vec<String> = match classes {
+                None => draining,
+                Some(named) => {
+                    for name in named {
+                        if st.gate.class_by_name(name).is_none() {
+                            return Err(unknown_class(&st.gate, name));
+                        }
+                    }
+                    draining.into_iter().filter(|d| named.contains(d)).collect()
+                }
+            };
+            let ids: Vec<_> = ending
                 .iter()
                 .filter_map(|n| st.gate.class_by_name(n))
                 .collect();
             st.gate.end_drain(&ids);
-            st.gate.suspend_unlabeled(false);
-            self.control.drain_pending.store(false, Ordering::Relaxed);
+            let unlabeled = classes.is_none() || unlabeled;
+            if unlabeled {
+                st.gate.suspend_unlabeled(false);
+            }
+            if st.gate.drain_status().classes.is_empty() {
+                self.control.drain_pending.store(false, Ordering::Relaxed);
+                self.control.idle_pending.store(false, Ordering::Relaxed);
+            }
             let mut line = Self::event_line("flag", "undrain", actor);
             line.flag = Some("undrain".into());
-            line.value = Some(serde_json::json!({ "classes": draining }));
+            line.value = Some(serde_json::json!({ "classes": ending, "unlabeled": unlabeled }));
             lines.push(line);
-            st.gate.drain_status()
+            Ok(st.gate.drain_status())
         })
     }
 
-    /// Called by the ticker: once a drain's pools are idle, say so in the decision log (one
-    /// `flag` line, reason `drain_idle`), so the operator waiting for step 4 of the drain
-    /// order sees it without polling.
+    /// Called by the ticker: once the drained classes have no work left, say so in the
+    /// decision log (a `flag` line, reason `drain_idle`, `drained: true`), and once their
+    /// pools are idle too, again if that came later (`idle: true`), so the operator waiting
+    /// for step 4 of the drain order sees it without polling. Other classes may keep a
+    /// shared pool busy for long after the drained ones are done.
     pub(crate) fn check_drain_idle(&self) {
-        if !self.control.drain_pending.load(Ordering::Relaxed) {
+        let c = &self.control;
+        if !c.drain_pending.load(Ordering::Relaxed) && !c.idle_pending.load(Ordering::Relaxed) {
             return;
         }
         self.with_core(|st, _, lines| {
             let status = st.gate.drain_status();
-            if status.classes.is_empty() || !status.idle {
+            if status.classes.is_empty() || !status.drained {
                 return;
             }
-            self.control.drain_pending.store(false, Ordering::Relaxed);
+            let first = c.drain_pending.swap(false, Ordering::Relaxed);
+            let idle_now = status.idle && c.idle_pending.load(Ordering::Relaxed);
+            if idle_now {
+                c.idle_pending.store(false, Ordering::Relaxed);
+            }
+            if !first && !idle_now {
+                return;
+            }
             let mut line = Self::event_line("flag", "drain_idle", "gate");
             line.flag = Some("drain".into());
             line.value = Some(serde_json::json!({
-                "idle": true,
+                "drained": true,
+                "idle": status.idle,
                 "classes": status.classes.iter().map(|c| c.name.clone()).collect::<Vec<_>>(),
             }));
             lines.push(line);

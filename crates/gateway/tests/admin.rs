@@ -464,6 +464,99 @@ async fn seed002_drain_order() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_class_is_reported_drained_while_others_keep_the_pool_busy() {
+    let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
+    let cfg = format!("{SEED002}[[classes]]\nname = \"batch\"\npriority = 5\npool = \"free\"\n");
+    let gate = TestGate::start_admin(&cfg, stub.local_addr(), "admin-drained", Some(TOKEN)).await;
+    let url = gate.url("/v1/chat/completions");
+    // A batch job holds the only slot; eval has nothing queued or running.
+    let held = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            post(
+                &url,
+                &[("x-job-class", "batch"), ("x-stub-hold", "b")],
+                &chat(16),
+            )
+            .await
+        })
+    };
+    let busy = eventually(Duration::from_secs(3), || async {
+        admin(&gate, "GET", "/admin/queues", "").await.json()["pools"][0]["in_flight"] == 1
+    })
+    .await;
+    assert!(busy);
+    let r = admin(&gate, "POST", "/admin/drain", r#"{"classes":["eval"]}"#).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let st = admin(&gate, "GET", "/admin/drain", "").await.json();
+    assert_eq!(
+        (st["drained"].as_bool(), st["idle"].as_bool()),
+        (Some(true), Some(false)),
+        "eval is drained, the pool is not idle: {st}"
+    );
+    let drained_line = || async {
+        gate.log_lines()
+            .await
+            .into_iter()
+            .filter(|l| l["reason"] == "drain_idle")
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            !drained_line().await.is_empty()
+        })
+        .await
+    );
+    let first = &drained_line().await[0];
+    assert_eq!(first["value"]["drained"], true, "{first}");
+    assert_eq!(first["value"]["idle"], false, "{first}");
+    // Drain batch too, then end eval's drain only.
+    admin(&gate, "POST", "/admin/drain", r#"{"classes":["batch"]}"#).await;
+    let r = admin(&gate, "DELETE", "/admin/drain", r#"{"classes":["eval"]}"#).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let st = r.json();
+    assert_eq!(st["classes"][0]["name"], "batch", "{st}");
+    assert_eq!(st["classes"].as_array().unwrap().len(), 1, "{st}");
+    let flags = admin(&gate, "GET", "/admin/flags", "").await.json();
+    assert_eq!(flags["classes"]["eval"]["draining"], false, "{flags}");
+    assert_eq!(flags["classes"]["batch"]["draining"], true, "{flags}");
+    let r = post(&url, &[("x-job-class", "batch")], &chat(1)).await;
+    assert_eq!(r.json()["error"]["code"], "class_disabled");
+    // Naming an unknown class is an error; a malformed body too.
+    let r = admin(&gate, "DELETE", "/admin/drain", r#"{"classes":["nope"]}"#).await;
+    assert_eq!(r.status, 404);
+    let r = admin(&gate, "DELETE", "/admin/drain", r#"{"class":"batch"}"#).await;
+    assert_eq!(r.status, 400);
+    // The held batch ends: batch is drained and the pool idle, reported once more.
+    post(
+        &format!("http://{}/stub/release", stub.local_addr()),
+        &[],
+        r#"{"all":true}"#,
+    )
+    .await;
+    assert_eq!(held.await.unwrap().status, 200);
+    let idle = eventually(Duration::from_secs(3), || async {
+        drained_line()
+            .await
+            .last()
+            .is_some_and(|l| l["value"]["idle"] == true)
+    })
+    .await;
+    assert!(idle, "{:?}", drained_line().await);
+    // No body: every drain ends.
+    let r = admin(&gate, "DELETE", "/admin/drain", "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["classes"], serde_json::json!([]));
+    assert_eq!(
+        post(&url, &[("x-job-class", "batch")], &chat(1))
+            .await
+            .status,
+        200
+    );
+    drop(stub);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_mode_logs_would_be_rejections_and_serves_them() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(STRICT, stub.local_addr(), "admin-shadow", Some(TOKEN)).await;
