@@ -1016,12 +1016,7 @@ impl Gate {
         };
         // A capacity rejection of a class with an overflow pool in `route` mode: admit it
         // there instead if it fits there (under the same class rules).
-        let capacity = matches!(
-            verdict,
-            Err(Reason::QueueAgeExceeded
-                | Reason::QueueDepthExceeded
-                | Reason::ProjectedWaitExceedsSlack)
-        );
+        let capacity = matches!(verdict, Err(r) if r.is_capacity());
         let verdict = match c.overflow {
             Some((overflow_lane, OverflowMode::Route)) if capacity => {
                 let o = self.evaluate(now, overflow_lane, &req, expected_output);

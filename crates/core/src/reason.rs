@@ -67,6 +67,18 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// A capacity rejection: the pool could not take the request in time. Only these can be
+    /// helped by another pool (`retry_hint`, `overflow`); a switched-off class, a duplicate
+    /// or a spent grant would be refused there too.
+    pub fn is_capacity(self) -> bool {
+        matches!(
+            self,
+            Reason::QueueAgeExceeded
+                | Reason::QueueDepthExceeded
+                | Reason::ProjectedWaitExceedsSlack
+        )
+    }
+
     /// The stable code used in logs, metrics, response bodies and docs.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -395,8 +395,11 @@ impl Shared {
     ) -> Admission {
         self.with_core(|st, now, lines| {
             let d = decide(st, now, label, &mut req, &mut meta);
+            // Only a capacity rejection names somewhere else to go: another pool would refuse
+            // a switched-off class, a duplicate key or a spent grant just the same.
             let hint = d
                 .class
+                .filter(|_| d.reason.is_capacity())
                 .and_then(|c| st.gate.retry_hint(c))
                 .map(str::to_string);
             let body = admission_body(&d, &meta, hint);

@@ -557,6 +557,44 @@ async fn a_drained_class_is_reported_drained_while_others_keep_the_pool_busy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_capacity_rejections_carry_the_retry_hint() {
+    // sync has retry_hint = "dedicated_pool": a switched-off class or a duplicate key would
+    // be refused there too, so they do not send clients there.
+    let stub = stub(1, "fixed:1ms").await;
+    let gate = TestGate::start_admin(SEED002, stub.local_addr(), "admin-hint", Some(TOKEN)).await;
+    let url = gate.url("/v1/chat/completions");
+    let key = [("x-job-class", "sync"), ("idempotency-key", "hint-once")];
+    assert_eq!(post(&url, &key, &chat(1)).await.status, 200);
+    let r = post(&url, &key, &chat(1)).await;
+    assert_eq!(
+        r.json()["error"]["code"],
+        "reject_duplicate",
+        "{:?}",
+        r.body
+    );
+    assert!(
+        r.json()["admission"]["retry_hint"].is_null(),
+        "{:?}",
+        r.body
+    );
+    admin(
+        &gate,
+        "PUT",
+        "/admin/classes/sync/enabled",
+        r#"{"value":false}"#,
+    )
+    .await;
+    let r = post(&url, &[("x-job-class", "sync")], &chat(1)).await;
+    assert_eq!(r.json()["error"]["code"], "class_disabled", "{:?}", r.body);
+    assert!(
+        r.json()["admission"]["retry_hint"].is_null(),
+        "{:?}",
+        r.body
+    );
+    drop(stub);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_mode_logs_would_be_rejections_and_serves_them() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(STRICT, stub.local_addr(), "admin-shadow", Some(TOKEN)).await;
