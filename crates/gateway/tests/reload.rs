@@ -317,6 +317,57 @@ async fn a_file_replaced_by_rename_is_reloaded_by_the_watcher() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_survives_a_reload_that_moves_the_class_to_another_pool() {
+    let stub = stub(2, "fixed:1ms").await;
+    let up = stub.local_addr();
+    let dir = temp_dir("drain-move");
+    let on = |pool: &str| {
+        config(
+            up,
+            1,
+            30_000,
+            0,
+            &format!(
+                "pool = \"{pool}\"\n[[pools]]\nname = \"other\"\nmax_in_flight = 1\nupstream = \"http://{up}\"\n"
+            ),
+        )
+    };
+    let gate = start(&dir, &on("default"), "reload-drain-move").await;
+    let url = gate.url("/v1/chat/completions");
+    let r = admin(&gate, "POST", "/admin/drain", r#"{"classes":["batch"]}"#).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    std::fs::write(dir.join("slackgate.toml"), on("other")).unwrap();
+    let r = admin(&gate, "POST", "/admin/reload", "").await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    // Still drained on its new pool, seen once, by its name.
+    let r = post(&url, &[("x-job-class", "batch")], &chat(1)).await;
+    assert_eq!(r.json()["error"]["code"], "class_disabled", "{:?}", r.body);
+    let st = admin(&gate, "GET", "/admin/drain", "").await.json();
+    assert_eq!(st["classes"].as_array().unwrap().len(), 1, "{st}");
+    assert_eq!(st["classes"][0]["name"], "batch", "{st}");
+    let m = gate.metrics().await;
+    assert_eq!(
+        metric(&m, "slackgate_class_draining{class=\"batch\"}"),
+        Some(1.0)
+    );
+    let flags = admin(&gate, "GET", "/admin/flags", "").await.json();
+    assert_eq!(flags["classes"]["batch"]["draining"], true, "{flags}");
+    // Ending the drain clears it.
+    let r = admin(&gate, "DELETE", "/admin/drain", "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["classes"], serde_json::json!([]));
+    let r = post(&url, &[("x-job-class", "batch")], &chat(1)).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(r.header("x-slackgate-pool").as_deref(), Some("other"));
+    let m = gate.metrics().await;
+    assert_eq!(
+        metric(&m, "slackgate_class_draining{class=\"batch\"}"),
+        Some(0.0)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_written_in_place_is_applied_once_complete() {
     // `cat > slackgate.toml`: the watcher may read the file half written. Cut before the
     // batch class, it is still a valid config, one that would retire batch. The half-written
