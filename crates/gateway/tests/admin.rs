@@ -324,24 +324,18 @@ async fn seed002_drain_order() {
         TestGate::start_admin(SEED002, stub.local_addr(), "admin-seed002", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
     // A nightly eval occupies the slot (the stub holds it), another eval queues behind it.
-    let stuck = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            post(
-                &url,
-                &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
-                &chat(16),
-            )
-            .await
-        })
-    };
-    let queued = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            post(&url, &[("x-job-class", "eval")], &chat(16)).await
-        })
-    };
+    let stuck = spawn_post(
+        &url,
+        &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
+        chat(16),
+        Duration::ZERO,
+    );
+    let queued = spawn_post(
+        &url,
+        &[("x-job-class", "eval")],
+        chat(16),
+        Duration::from_millis(100),
+    );
     let busy = eventually(Duration::from_secs(3), || async {
         let q = admin(&gate, "GET", "/admin/queues", "").await.json();
         q["pools"][0]["in_flight"] == 1 && q["classes"][1]["depth"] == 1
@@ -470,17 +464,12 @@ async fn a_drained_class_is_reported_drained_while_others_keep_the_pool_busy() {
     let gate = TestGate::start_admin(&cfg, stub.local_addr(), "admin-drained", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
     // A batch job holds the only slot; eval has nothing queued or running.
-    let held = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            post(
-                &url,
-                &[("x-job-class", "batch"), ("x-stub-hold", "b")],
-                &chat(16),
-            )
-            .await
-        })
-    };
+    let held = spawn_post(
+        &url,
+        &[("x-job-class", "batch"), ("x-stub-hold", "b")],
+        chat(16),
+        Duration::ZERO,
+    );
     let busy = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["pools"][0]["in_flight"] == 1
     })
@@ -653,10 +642,12 @@ async fn shadow_mode_holds_work_it_admitted_as_it_stands_to_no_deadline() {
         TestGate::start_admin(STRICT, stub.local_addr(), "admin-shadow-late", Some(TOKEN)).await;
     admin(&gate, "PUT", "/admin/flags/shadow", r#"{"value":true}"#).await;
     let url = gate.url("/v1/chat/completions");
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move { post(&url, &[("x-job-class", "interactive")], &chat(30)).await }
-    });
+    let first = spawn_post(
+        &url,
+        &[("x-job-class", "interactive")],
+        chat(30),
+        Duration::ZERO,
+    );
     tokio::time::sleep(Duration::from_millis(50)).await;
     let second = tokio::time::timeout(
         Duration::from_secs(10),
@@ -699,24 +690,18 @@ async fn queue_and_estimator_views() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(SEED002, stub.local_addr(), "admin-views", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
-    let held = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            post(
-                &url,
-                &[("x-job-class", "eval"), ("x-stub-hold", "v")],
-                &chat(16),
-            )
-            .await
-        })
-    };
-    let queued = {
-        let url = url.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            post(&url, &[("x-job-class", "eval")], &chat(16)).await
-        })
-    };
+    let held = spawn_post(
+        &url,
+        &[("x-job-class", "eval"), ("x-stub-hold", "v")],
+        chat(16),
+        Duration::ZERO,
+    );
+    let queued = spawn_post(
+        &url,
+        &[("x-job-class", "eval")],
+        chat(16),
+        Duration::from_millis(50),
+    );
     let ok = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 1
     })

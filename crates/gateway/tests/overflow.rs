@@ -81,14 +81,12 @@ async fn stuck_free_pool(
     )
     .await;
     let url = gate.url("/v1/chat/completions");
-    let stuck = tokio::spawn(async move {
-        post(
-            &url,
-            &[("x-job-class", "eval"), ("x-stub-hold", "night")],
-            &chat(8),
-        )
-        .await
-    });
+    let stuck = spawn_post(
+        &url,
+        &[("x-job-class", "eval"), ("x-stub-hold", "night")],
+        chat(8),
+        Duration::ZERO,
+    );
     let busy = eventually(Duration::from_secs(3), || async {
         gate.stats().await["gate"]["pools"][0]["oldest_in_flight_age_ms"]
             .as_u64()

@@ -86,19 +86,13 @@ async fn a_good_reload_keeps_queued_and_in_flight_work() {
     let url = gate.url("/v1/chat/completions");
     // One request holds the only slot, two more queue behind it.
     let mut tasks = Vec::new();
-    for (i, hold) in [("h1", true), ("q1", false), ("q2", false)]
-        .into_iter()
-        .enumerate()
-    {
-        let url = url.clone();
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(30 * i as u64)).await;
-            let mut h = vec![("x-job-class", "batch")];
-            if hold.1 {
-                h.push(("x-stub-hold", hold.0));
-            }
-            post(&url, &h, &chat(5)).await
-        }));
+    for (i, hold) in [Some("h1"), None, None].into_iter().enumerate() {
+        let mut h = vec![("x-job-class", "batch")];
+        if let Some(hold) = hold {
+            h.push(("x-stub-hold", hold));
+        }
+        let after = Duration::from_millis(30 * i as u64);
+        tasks.push(spawn_post(&url, &h, chat(5), after));
     }
     let queued = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 2

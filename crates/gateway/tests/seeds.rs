@@ -250,15 +250,12 @@ async fn seed002_ci_test_plan() {
 
     // 2. A nightly eval occupies the only slot: an ordinary 16-token job the gate expects to
     //    take ~165 ms, but the stub holds it (a stuck reader) until released.
-    let eval_url = url.clone();
-    let stuck = tokio::spawn(async move {
-        post(
-            &eval_url,
-            &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
-            &chat(16),
-        )
-        .await
-    });
+    let stuck = spawn_post(
+        &url,
+        &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
+        chat(16),
+        Duration::ZERO,
+    );
     tokio::time::sleep(Duration::from_millis(2000)).await;
     let stats = gate.stats().await;
     let pool = &stats["gate"]["pools"][0];
@@ -308,15 +305,12 @@ async fn seed002_ci_test_plan() {
     .await;
     assert_eq!(r.status, 429, "step 4: short-deadline eval");
     assert_eq!(r.json()["error"]["code"], "projected_wait_exceeds_slack");
-    let eval2_url = url.clone();
-    let eval2 = tokio::spawn(async move {
-        post(
-            &eval2_url,
-            &[("x-job-class", "eval"), ("x-deadline-ms", "120000")],
-            &chat(5),
-        )
-        .await
-    });
+    let eval2 = spawn_post(
+        &url,
+        &[("x-job-class", "eval"), ("x-deadline-ms", "120000")],
+        chat(5),
+        Duration::ZERO,
+    );
     let admitted = eventually(Duration::from_secs(2), || async {
         gate.stats().await["gate"]["classes"][1]["depth"] == 1
     })

@@ -231,6 +231,31 @@ pub async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     send(b.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await
 }
 
+/// POST from a task of its own, `after` a pause (none when zero): a request to hold the stub
+/// with `x-stub-hold`, or one to queue behind it, while the test goes on to look at the gate.
+pub fn spawn_post(
+    url: &str,
+    headers: &[(&str, &str)],
+    body: String,
+    after: Duration,
+) -> tokio::task::JoinHandle<Resp> {
+    let url = url.to_string();
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    tokio::spawn(async move {
+        if !after.is_zero() {
+            tokio::time::sleep(after).await;
+        }
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        post(&url, &headers, &body).await
+    })
+}
+
 /// GET a URL; read the whole response.
 pub async fn get(url: &str) -> Resp {
     send(Request::get(url).body(Full::new(Bytes::new())).unwrap()).await
