@@ -261,6 +261,10 @@ pub struct ClassSnapshot {
     pub overflow: bool,
     /// Removed by a config reload: it takes no new work; what it already had runs to its end.
     pub retired: bool,
+    /// The class's default deadline (`deadline_ms`), against which its queue age is slack.
+    pub deadline_ms: Option<u64>,
+    /// The class's queue-age threshold (`max_queue_age_ms`).
+    pub max_queue_age_ms: Option<u64>,
 }
 
 /// Live view of one pool.
@@ -1641,6 +1645,8 @@ impl Gate {
                     draining: home.draining,
                     overflow: c.overflow_of.is_some(),
                     retired: c.retired,
+                    deadline_ms: home.default_deadline_ms,
+                    max_queue_age_ms: c.max_queue_age_ms,
                 }
             })
             .collect();

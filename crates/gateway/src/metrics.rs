@@ -192,6 +192,36 @@ impl Metrics {
         }
         // One row per class: its overflow lane and retired lanes carry no switch of their own.
         let switches = || snap.classes.iter().filter(|c| !c.overflow && !c.retired);
+        // The class's budget, so a dashboard can draw queue age against it (the slack left).
+        type Limit = (
+            &'static str,
+            &'static str,
+            fn(&ClassSnapshot) -> Option<u64>,
+        );
+        let limits: [Limit; 2] = [
+            (
+                "slackgate_class_deadline_seconds",
+                "The class's default deadline (deadline_ms); classes without one are absent.",
+                |c| c.deadline_ms,
+            ),
+            (
+                "slackgate_class_max_queue_age_seconds",
+                "The class's queue-age threshold (max_queue_age_ms); absent when unset.",
+                |c| c.max_queue_age_ms,
+            ),
+        ];
+        for (name, help, value) in limits {
+            family(
+                o,
+                name,
+                "gauge",
+                help,
+                switches().filter_map(|c| {
+                    let v = value(c)?;
+                    Some((format!("class=\"{}\"", esc(&c.name)), ms_to_s(v)))
+                }),
+            );
+        }
         family(
             o,
             "slackgate_class_enabled",

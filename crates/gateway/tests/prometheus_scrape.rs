@@ -77,8 +77,9 @@ enabled = false
 
 /// The type each metric the artifacts use must have. A metric new to an alert or a panel must
 /// be added here; the scrape test then proves Prometheus stores it with this type.
-const TYPES: [(&str, &str); 22] = [
+const TYPES: [(&str, &str); 23] = [
     ("slackgate_admit_always", "gauge"),
+    ("slackgate_class_deadline_seconds", "gauge"),
     ("slackgate_class_enabled", "gauge"),
     ("slackgate_decisions_total", "counter"),
     ("slackgate_estimator_decode_seconds_per_token", "gauge"),
@@ -209,6 +210,7 @@ fn dashboard_is_importable_and_covers_the_paging_signals() {
     for needed in [
         "slackgate_queue_oldest_age_seconds",
         "slackgate_projected_wait_seconds",
+        "slackgate_class_deadline_seconds",
         "sum by (action, reason) (rate(slackgate_decisions_total",
         "slackgate_in_flight)",
         "slackgate_slots",
@@ -288,6 +290,11 @@ async fn real_prometheus_scrapes_the_gate() {
             7.0,
         ),
         (rejects, 3.0),
+        // The class's deadline_ms = 30000, exported so a panel can draw slack.
+        (
+            r#"slackgate_class_deadline_seconds{class="interactive"}"#,
+            30.0,
+        ),
         (
             r#"slackgate_decisions_total{class="probe",action="reject",reason="class_disabled"}"#,
             1.0,
