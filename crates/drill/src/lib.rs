@@ -28,7 +28,7 @@ use slackgate_gateway::{Config, DecisionLog, Gateway};
 use slackgate_sim::engine::{self, RequestResult, RunResult};
 use slackgate_sim::policies::slackgate::gate_config as sim_gate_config;
 use slackgate_sim::report::Report;
-use slackgate_sim::scenario::{Process, Scenario, ScenarioError};
+use slackgate_sim::scenario::{Scenario, ScenarioError};
 use slackgate_sim::{bound, build_policy, workload, SimError};
 use slackgate_stub::{LatencySpec, Stub, StubConfig};
 use std::collections::HashMap;
@@ -241,17 +241,6 @@ pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Conf
     cfg
 }
 
-/// The scenario's window: a replayed trace ends with its last arrival (as in `simulate`).
-fn windowed(s: &Scenario, arrivals: &[workload::Arrival]) -> Scenario {
-    let mut w = s.clone();
-    if s.arrivals.process == Process::Trace {
-        if let Some(last) = arrivals.last() {
-            w.duration_s = w.duration_s.min((last.at_ms + 1) as f64 / 1000.0);
-        }
-    }
-    w
-}
-
 /// Refuse what the drill cannot reproduce live, rather than report a different experiment.
 fn check_supported(s: &Scenario) -> Result<(), DrillError> {
     if s.upstream.concurrency_slowdown > 0.0 {
@@ -281,7 +270,7 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     }
     check_supported(s)?;
     let arrivals = workload::generate(s)?;
-    let s = windowed(s, &arrivals);
+    let s = slackgate_sim::windowed(s, &arrivals);
     let external = matches!(opts.target, Target::External { .. });
     let key_prefix = format!(
         "drill-{:x}-{}",
@@ -400,7 +389,9 @@ async fn run_mode(
         }
     };
     let http = client::http_client();
-    let external_stub = started.is_none() && sampler::clear_stub_requests(&http, &upstream).await;
+    // The upstream's per-request accounting, read over HTTP whether the drill started the stub
+    // or not; an upstream that is not a stub has none.
+    let accounted = started.is_some() || sampler::clear_stub_requests(&http, &upstream).await;
     let counters = Arc::new(progress::Counters::default());
     let run = Arc::new(client::Run {
         scenario: s.clone(),
@@ -457,23 +448,11 @@ async fn run_mode(
     }
     // Upstream time per request, from the stub's own accounting, once the cancellations of
     // the last clients have reached it.
-    let records = match &started {
-        Some(st) => {
-            let deadline = tokio::time::Instant::now() + SETTLE;
-            while tokio::time::Instant::now() < deadline {
-                let stats = st.stub.stats();
-                if stats.in_flight == 0 && stats.queued == 0 {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            Some(st.stub.requests())
-        }
-        None if external_stub => {
-            sampler::wait_stub_idle(&http, &upstream, SETTLE).await;
-            sampler::stub_requests(&http, &upstream).await
-        }
-        None => None,
+    let records = if accounted {
+        sampler::wait_stub_idle(&http, &upstream, SETTLE).await;
+        sampler::stub_requests(&http, &upstream).await
+    } else {
+        None
     };
     let busy: HashMap<String, u64> = records
         .iter()

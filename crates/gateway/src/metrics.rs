@@ -143,7 +143,8 @@ impl Metrics {
                     // Completed past its deadline, or cut off by the gate's timeout at the
                     // deadline (whose slack reads 0 or -1 ms depending on timer jitter).
                     line.deadline_slack_ms.is_some_and(|s| s < 0)
-                        || (line.reason == "upstream_timeout" && line.deadline_slack_ms.is_some()),
+                        || (line.reason == slackgate_core::Reason::UpstreamTimeout.as_str()
+                            && line.deadline_slack_ms.is_some()),
                 );
                 if let Some(pool) = &line.pool {
                     self.upstream_status(pool, line.status.unwrap_or(0));

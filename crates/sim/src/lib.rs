@@ -117,6 +117,19 @@ pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimErro
     })
 }
 
+/// The scenario over the window its requests span: a replayed trace ends when its last request
+/// arrives, so rates and the offered load are over that window, not over the scenario's cap.
+/// The simulator and the drill report over the same window.
+pub fn windowed(s: &Scenario, arrivals: &[workload::Arrival]) -> Scenario {
+    let mut w = s.clone();
+    if s.arrivals.process == scenario::Process::Trace {
+        if let Some(last) = arrivals.last() {
+            w.duration_s = w.duration_s.min((last.at_ms + 1) as f64 / 1000.0);
+        }
+    }
+    w
+}
+
 /// Run every named policy over the scenario (plus the clairvoyant reference for false
 /// rejections, reported only if named) and summarise.
 pub fn simulate(
@@ -134,14 +147,7 @@ pub fn simulate_with(
     with_reference: bool,
 ) -> Result<(report::Report, Vec<engine::RunResult>), SimError> {
     let arrivals = workload::generate(s)?;
-    // A replayed trace ends when its last request arrives: rates and the offered load are
-    // over that window, not over the scenario's cap.
-    let mut window = s.clone();
-    if s.arrivals.process == scenario::Process::Trace {
-        if let Some(last) = arrivals.last() {
-            window.duration_s = window.duration_s.min((last.at_ms + 1) as f64 / 1000.0);
-        }
-    }
+    let window = windowed(s, &arrivals);
     let s = &window;
     // Every name is checked before anything runs.
     let mut policies = names
