@@ -153,6 +153,14 @@ pub struct ClassConfig {
     /// What a capacity rejection does with the overflow pool: name it in `retry_hint`
     /// (`hint`, the default) or admit the request there when it fits (`route`).
     pub overflow: OverflowMode,
+    /// Displacement, off by default (admission is then a promise). When set, a request of
+    /// this class that would be rejected for `projected_wait_exceeds_slack` is admitted in
+    /// place of the longest queued request of the class that is longer than it, was admitted
+    /// at most this many ms ago and whose removal makes the newcomer fit; that request is
+    /// refused with `displaced` before any upstream work. One for one, so the count of queued
+    /// work never falls, and the capacity freed goes to more requests later: under overload
+    /// this serves more requests on time, at the price of refusing some already admitted.
+    pub displace_within_ms: Option<u64>,
 }
 
 /// How a class uses its overflow pool.
@@ -181,6 +189,7 @@ impl Default for ClassConfig {
             expected_output_tokens: None,
             overflow_pool: None,
             overflow: OverflowMode::Hint,
+            displace_within_ms: None,
         }
     }
 }
@@ -345,6 +354,7 @@ impl GateConfig {
             for (name, v) in [
                 ("deadline_ms", c.deadline_ms),
                 ("max_queue_age_ms", c.max_queue_age_ms),
+                ("displace_within_ms", c.displace_within_ms),
             ] {
                 if let Some(v) = v {
                     if v == 0 || v > MAX_CONFIG_MS {

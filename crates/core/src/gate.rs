@@ -121,6 +121,10 @@ pub struct Decision {
     /// mode it is held to no deadline (never dropped or cut off late), even when admitted
     /// as it stands, since shadow-admitted work may have taken its place in the queue.
     pub shadow: bool,
+    /// An admission by displacement (`displace_within_ms`): the queued job refused to make
+    /// room for this one. Its `Drop` (reason `displaced`) is the next event [`Gate::poll`]
+    /// yields.
+    pub displaced: Option<JobId>,
 }
 
 impl Decision {
@@ -424,6 +428,9 @@ struct ClassState {
     overflow_of: Option<ClassId>,
     /// Removed by a reload: no new work; its queued and in-flight jobs run to their end.
     retired: bool,
+    /// Configured `displace_within_ms` (primary lanes only): how recently admitted a queued
+    /// job must be for a shorter newcomer to take its place.
+    displace_within_ms: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -940,6 +947,7 @@ impl Gate {
             tokens_held: 0,
             ledger: None,
             shadow: false,
+            displaced: None,
         };
         let primary_pool = e.pool;
         // Shutting down: nothing new is taken on; another replica (or this one restarted)
@@ -1045,6 +1053,25 @@ impl Gate {
             }
             _ => verdict,
         };
+        // Displacement: a request that does not fit may take the place of a longer one of its
+        // class admitted moments ago (see `displacement_victim`). The victim is only removed
+        // once this request's hold is placed below. Shadow mode enforces nothing, so it
+        // displaces nothing either.
+        let mut victim = None;
+        let verdict = match verdict {
+            Err(Reason::ProjectedWaitExceedsSlack) if !shadow => {
+                match self.displacement_victim(now, lane, &e) {
+                    Some((id, wait)) => {
+                        victim = Some(id);
+                        e.wait = wait;
+                        d.projected_wait_ms = wait;
+                        Ok(Reason::WithinSlack)
+                    }
+                    None => verdict,
+                }
+            }
+            v => v,
+        };
         let verdict = match verdict {
             Err(r) if shadow && r != Reason::ClassDisabled && !e.hard_cap => {
                 shadowed = shadowed.or(Some(r));
@@ -1104,6 +1131,10 @@ impl Gate {
                         return d;
                     }
                 }
+                if let Some(id) = victim {
+                    self.displace(now, id);
+                    d.displaced = Some(id);
+                }
                 self.keys.insert(key.clone(), job_id);
                 let seq = job_id.0;
                 let job = Job {
@@ -1160,6 +1191,52 @@ impl Gate {
             }
         }
         d
+    }
+
+    /// The queued job a newcomer of `lane` that does not fit may displace: the longest one
+    /// of the lane that is longer than the newcomer, was admitted within the lane's
+    /// `displace_within_ms`, is not protected (warm-up, reservation), and without which the
+    /// newcomer's projected wait fits its slack. Moore and Hodgson's rule for the most jobs on
+    /// time (drop the longest) restricted to one-for-one swaps of recent admissions, so the
+    /// queue never holds fewer jobs and a displaced client hears it soon after it arrived.
+    /// With the newcomer's wait without it. O(jobs admitted within the window + slots).
+    fn displacement_victim(&self, now: Millis, lane: ClassId, e: &Eval) -> Option<(JobId, u64)> {
+        let c = &self.classes[lane.0];
+        let window = c.displace_within_ms?;
+        let slack = e.slack_ms?;
+        let mut best: Option<(u64, JobId)> = None;
+        for id in c.queue.enqueued_since(now.saturating_sub(window)) {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            if job.protected || job.reservation || job.est.service_ms <= e.est.service_ms {
+                continue;
+            }
+            // Ties go to the most recent admission: its client has waited least.
+            if best.is_none_or(|(longest, _)| job.est.service_ms >= longest) {
+                best = Some((job.est.service_ms, id));
+            }
+        }
+        let (longest, id) = best?;
+        let (work, count, _) = self.ahead(e.pool, c.priority);
+        let wait = self.projected_wait(
+            e.pool,
+            now,
+            work.saturating_sub(longest),
+            count.saturating_sub(1),
+        );
+        (i128::from(wait) <= i128::from(slack)).then_some((id, wait))
+    }
+
+    /// Refuse a queued job to make room for another: release its hold (nothing was spent)
+    /// and tell its client (`displaced`).
+    fn displace(&mut self, now: Millis, id: JobId) {
+        if let Some(job) = self.jobs.remove(&id) {
+            self.unqueue(id, &job);
+            self.settle_hold(now, &job, Settle::Cancel(0));
+            let ev = self.drop_event(now, id, &job, job.pool, 0, Reason::Displaced);
+            self.events.push_back(ev);
+        }
     }
 
     /// Seed 000's depth rule: every slot busy and more than `factor x slots` queued ahead.
@@ -1239,6 +1316,7 @@ impl Gate {
             tokens_held: 0,
             ledger: None,
             shadow: self.cfg.shadow && !self.cfg.admit_always,
+            displaced: None,
         }
     }
 

@@ -56,6 +56,11 @@ impl ClassQueue {
         self.by_age.first().map(|(t, _)| *t)
     }
 
+    /// Jobs enqueued at or after `since`, oldest first. Sequence numbers are job ids.
+    pub(crate) fn enqueued_since(&self, since: Millis) -> impl Iterator<Item = JobId> + '_ {
+        self.by_age.range((since, 0)..).map(|&(_, seq)| JobId(seq))
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.order.len()
     }

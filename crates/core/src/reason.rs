@@ -64,6 +64,9 @@ pub enum Reason {
     /// The class's own pool could not take the request in time, so it was admitted on the
     /// class's overflow pool (`overflow = "route"`).
     OverflowRouted,
+    /// A queued request was refused to make room for a shorter one of its class that would
+    /// otherwise have been rejected (`displace_within_ms`); it was never sent upstream.
+    Displaced,
 }
 
 impl Reason {
@@ -108,11 +111,12 @@ impl Reason {
             Reason::ShuttingDown => "shutting_down",
             Reason::Drained => "drained",
             Reason::OverflowRouted => "overflow_routed",
+            Reason::Displaced => "displaced",
         }
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 26] = [
+    pub const ALL: [Reason; 27] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -139,6 +143,7 @@ impl Reason {
         Reason::ShuttingDown,
         Reason::Drained,
         Reason::OverflowRouted,
+        Reason::Displaced,
     ];
 }
 

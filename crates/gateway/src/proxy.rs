@@ -473,6 +473,12 @@ fn dropped(reason: Reason, body: &AdmissionBody) -> Response<ResBody> {
             60_000,
             false,
         ),
+        Reason::Displaced => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "a shorter request of the same class took this queued request's place (displace_within_ms); it was not sent upstream",
+            1000,
+            false,
+        ),
         Reason::HoldExpired => (
             StatusCode::TOO_MANY_REQUESTS,
             "the request's hold expired while it was queued; it was not sent upstream",

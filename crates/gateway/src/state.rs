@@ -732,6 +732,7 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     line.in_flight = Some(d.in_flight);
     line.depth = Some(d.depth);
     line.tokens_held = Some(meta.tokens_held);
+    line.displaced_job_id = d.displaced.map(|id| id.0);
     if !d.admitted() {
         // The status the client is answered: a duplicate is a conflict, the rest "not now".
         line.status = Some(if d.reason == Reason::RejectDuplicate {

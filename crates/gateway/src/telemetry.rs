@@ -69,6 +69,8 @@ pub struct LogLine {
     pub path: Option<String>,
     /// Attempt number (`X-Attempt` / `x-stainless-retry-count`).
     pub attempt: Option<u32>,
+    /// On an `admit` line: the queued job refused (`displaced`) to make room for this one.
+    pub displaced_job_id: Option<u64>,
     /// On `complete`, `cancel` and `drop` lines: the ledger's (spent + wasted) / spent after
     /// this settlement.
     pub amplification: Option<f64>,

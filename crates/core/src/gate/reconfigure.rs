@@ -125,6 +125,7 @@ impl Gate {
             l.enabled = c.enabled;
             l.default_deadline_ms = c.deadline_ms;
             l.max_queue_age_ms = c.max_queue_age_ms;
+            l.displace_within_ms = c.displace_within_ms;
             l.retry_hint = c.retry_hint.clone();
             l.overflow = None;
             l.overflow_of = None;
@@ -144,6 +145,7 @@ impl Gate {
             l.enabled = true;
             l.default_deadline_ms = c.deadline_ms;
             l.max_queue_age_ms = c.max_queue_age_ms;
+            l.displace_within_ms = None;
             l.retry_hint = None;
             l.overflow = None;
             l.overflow_of = Some(primary);
@@ -219,6 +221,7 @@ impl Gate {
             overflow: None,
             overflow_of: None,
             retired: false,
+            displace_within_ms: None,
         });
         ClassId(self.classes.len() - 1)
     }

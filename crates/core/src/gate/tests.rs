@@ -687,3 +687,121 @@ fn requests_without_a_size_must_fit_an_upper_quantile_of_their_class() {
     r.max_tokens = Some(500);
     assert_eq!(g.offer(t, r).action, Action::Admit);
 }
+
+/// One slot costing 1 ms per output token and nothing else (frozen estimator), one class
+/// `prod` with a 4000 ms deadline and the given displacement window: a request's estimate is
+/// exactly its size hint, so every wait below is a sum of hints.
+fn displacing(window: Option<u64>) -> Gate {
+    let mut c = cfg(1, 0.0);
+    c.pools[0].prior.decode_ms_per_token = 1.0;
+    c.classes[0].displace_within_ms = window;
+    Gate::new(c).unwrap()
+}
+
+fn sized(g: &Gate, tokens: u32, key: &str) -> Request {
+    Request {
+        expected_output_tokens: Some(tokens),
+        idempotency_key: Some(key.into()),
+        ..req(g, "prod")
+    }
+}
+
+#[test]
+fn displacement_swaps_a_longer_recent_admission_for_a_shorter_newcomer() {
+    let mut g = displacing(Some(1000));
+    // A (1000 ms) takes the slot at 0 and runs to 1000.
+    let a = g.offer(0, sized(&g, 1000, "a"));
+    assert_eq!(a.action, Action::Admit);
+    assert!(matches!(drain(&mut g, 0)[..], [Event::Dispatch { .. }]));
+    // B (2500 ms): waits for A, 1000 <= slack 4000 - 2500 = 1500: admitted.
+    let b = g.offer(0, sized(&g, 2500, "b"));
+    assert_eq!((b.action, b.projected_wait_ms), (Action::Admit, 1000));
+    // C (1500 ms) at 600: wait 400 (A's rest) + 2500 (B) = 2900 > slack 4000 - 1500 = 2500.
+    // Without B the wait is 400: C takes B's place, and B (admitted 600 ms ago, within the
+    // 1000 ms window, and longer than C) is refused with `displaced`.
+    let c = g.offer(600, sized(&g, 1500, "c"));
+    assert_eq!(
+        (c.action, c.reason, c.projected_wait_ms, c.displaced),
+        (Action::Admit, Reason::WithinSlack, 400, Some(b.job_id))
+    );
+    match &drain(&mut g, 600)[..] {
+        [Event::Drop {
+            job_id,
+            reason,
+            queue_wait_ms,
+            ..
+        }] => {
+            assert_eq!(
+                (*job_id, *reason, *queue_wait_ms),
+                (b.job_id, Reason::Displaced, 600)
+            );
+        }
+        other => panic!("expected B's drop, got {other:?}"),
+    }
+    // B's hold is released, not spent: its key can be tried again.
+    assert_eq!(
+        g.ledger().get("b").map(|h| h.state),
+        Some(crate::HoldState::Cancelled)
+    );
+    assert_eq!(g.live_jobs(), 2, "A in flight, C queued");
+    // When A ends, C goes next.
+    g.on_complete(1000, a.job_id, Completion::default());
+    match &drain(&mut g, 1000)[..] {
+        [Event::Dispatch { job_id, .. }] => assert_eq!(*job_id, c.job_id),
+        other => panic!("expected C's dispatch, got {other:?}"),
+    }
+}
+
+#[test]
+fn displacement_respects_window_size_protection_and_is_off_by_default() {
+    // The same three requests as above, in four variants where C must be rejected.
+    let run = |window: Option<u64>, b_tokens: u32, c_tokens: u32, b_reservation: bool| {
+        let mut g = displacing(window);
+        g.offer(0, sized(&g, 1000, "a"));
+        drain(&mut g, 0);
+        let mut b = sized(&g, b_tokens, "b");
+        b.reservation = b_reservation;
+        assert_eq!(g.offer(0, b).action, Action::Admit);
+        drain(&mut g, 0);
+        let c = g.offer(600, sized(&g, c_tokens, "c"));
+        let events = drain(&mut g, 600);
+        (c.action, c.reason, c.displaced, events.len(), g.live_jobs())
+    };
+    let rejected = (
+        Action::Reject,
+        Reason::ProjectedWaitExceedsSlack,
+        None,
+        0,
+        2,
+    );
+    // Off (the default): admission is a promise.
+    assert_eq!(run(None, 2500, 1500, false), rejected);
+    // B was admitted 600 ms ago, outside a 500 ms window.
+    assert_eq!(run(Some(500), 2500, 1500, false), rejected);
+    // B 1400, C 2500: C waits 400 + 1400 = 1800 > slack 1500, but B is not longer than C.
+    assert_eq!(run(Some(1000), 1400, 2500, false), rejected);
+    // A reservation's worker may already be told to go: never displaced.
+    assert_eq!(run(Some(1000), 2500, 1500, true), rejected);
+    // C fits as it is (B 1600, C 1200: wait 400 + 1600 = 2000 <= slack 2800): nothing is
+    // displaced.
+    let (action, reason, displaced, events, live) = run(Some(1000), 1600, 1200, false);
+    assert_eq!(
+        (action, reason, displaced, events, live),
+        (Action::Admit, Reason::WithinSlack, None, 0, 3)
+    );
+}
+
+#[test]
+fn displacement_never_helps_when_the_newcomer_cannot_fit_even_alone() {
+    // A (100 ms) runs, B (3000 ms) is queued behind it. C (3950 ms) at 10 has slack 50, less
+    // than A's remaining 90 ms even with B gone: taking B's place would not save C, and C is
+    // longer than B anyway. Nothing is displaced.
+    let mut g = displacing(Some(1000));
+    g.offer(0, sized(&g, 100, "a"));
+    drain(&mut g, 0);
+    let b = g.offer(0, sized(&g, 3000, "b"));
+    assert_eq!(b.action, Action::Admit);
+    let c = g.offer(10, sized(&g, 3950, "c"));
+    assert_eq!((c.action, c.displaced), (Action::Reject, None));
+    assert!(drain(&mut g, 10).is_empty());
+}
