@@ -112,7 +112,9 @@ pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimErro
         )),
         "slackgate" => Box::new(Slackgate::new(s)?),
         "admit-always" => Box::new(Slackgate::admit_always(s)?),
+        "slackgate-displace" => Box::new(Slackgate::displacing(s)?),
         "clairvoyant" => Box::new(Clairvoyant::new(slots)),
+        "clairvoyant-firm" => Box::new(Clairvoyant::firm(slots)),
         other => return Err(SimError::UnknownPolicy(other.to_string())),
     })
 }

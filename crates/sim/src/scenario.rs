@@ -272,6 +272,10 @@ pub struct ClassSpec {
     /// slackgate's per-class queue-age threshold.
     #[serde(default)]
     pub max_queue_age_ms: Option<u64>,
+    /// slackgate's per-class displacement window (`displace_within_ms`; off when unset).
+    /// `slackgate-displace` uses the class deadline when this is unset.
+    #[serde(default)]
+    pub displace_within_ms: Option<u64>,
     /// Prompt length.
     #[serde(default = "default_prompt")]
     pub prompt_tokens: Dist,
@@ -469,8 +473,12 @@ pub const ALL_POLICIES: &[&str] = &[
 ];
 
 /// Policies run only when named: `admit-always` is slackgate's core with its rollback flag
-/// set (the drill's "gate off"), there to compare with a live drill.
-pub const EXTRA_POLICIES: &[&str] = &["admit-always"];
+/// set (the drill's "gate off"), there to compare with a live drill; `slackgate-displace` is
+/// slackgate with displacement on for every class with a deadline (window: the class's
+/// `displace_within_ms`, else its deadline); `clairvoyant-firm` is the clairvoyant reference
+/// without revocation: it never drops what it admitted, the fair bar for a gate whose
+/// admission is a promise.
+pub const EXTRA_POLICIES: &[&str] = &["admit-always", "slackgate-displace", "clairvoyant-firm"];
 
 /// Every policy name `--policy` and `policies` accept.
 pub fn known_policies() -> Vec<&'static str> {
@@ -595,6 +603,14 @@ impl Scenario {
             }
             if c.deadline_ms == Some(0) || c.deadline_ms.is_some_and(|d| d > 86_400_000) {
                 return Err((at("deadline_ms"), "must be between 1 and 86400000".into()));
+            }
+            if c.displace_within_ms == Some(0)
+                || c.displace_within_ms.is_some_and(|d| d > 86_400_000)
+            {
+                return Err((
+                    at("displace_within_ms"),
+                    "must be between 1 and 86400000".into(),
+                ));
             }
             if let Err((f, m)) = c.prompt_tokens.validate() {
                 return Err((at(&format!("prompt_tokens.{f}")), m));

@@ -9,6 +9,11 @@
 //! one must end by its deadline. When that fails, it drops the longest job among those up to
 //! and including the first late one (Moore-Hodgson's rule; jobs after the first late one start
 //! no earlier by removing it, so dropping them could never help) and tries again.
+//!
+//! `clairvoyant-firm` is the same reference without revocation: a newcomer that would make
+//! the schedule infeasible is refused and nothing admitted is ever dropped for it. That is
+//! the bar for a gate whose admission is a promise (slackgate's default): the gap between the
+//! two is what revoking admissions buys (`slackgate-displace`).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -41,6 +46,8 @@ pub struct Clairvoyant {
     in_flight: BTreeMap<u64, u64>,
     /// Queued jobs found infeasible, to be reported as drops at the next `next()`.
     pending_drops: Vec<u64>,
+    /// May drop admitted jobs for a newcomer (`clairvoyant`) or not (`clairvoyant-firm`).
+    revoke: bool,
 }
 
 impl Clairvoyant {
@@ -52,6 +59,15 @@ impl Clairvoyant {
             keys: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             pending_drops: Vec::new(),
+            revoke: true,
+        }
+    }
+
+    /// The reference without revocation (`clairvoyant-firm`).
+    pub fn firm(slots: u32) -> Self {
+        Clairvoyant {
+            revoke: false,
+            ..Clairvoyant::new(slots)
         }
     }
 
@@ -117,7 +133,11 @@ impl Clairvoyant {
 
 impl Policy for Clairvoyant {
     fn name(&self) -> &str {
-        "clairvoyant"
+        if self.revoke {
+            "clairvoyant"
+        } else {
+            "clairvoyant-firm"
+        }
     }
 
     fn offer(&mut self, now: u64, job: &Job, _in_flight: u32) -> Verdict {
@@ -131,6 +151,19 @@ impl Policy for Clairvoyant {
             },
         );
         self.keys.insert(job.id, key);
+        if !self.revoke {
+            // Firm: the newcomer is refused if the schedule with it is infeasible. (If it was
+            // already infeasible without it, a slow upstream made it so; `tick` repairs that.)
+            if self.first_late(now).is_some() {
+                self.queue.remove(&key);
+                self.keys.remove(&job.id);
+                return Verdict::Reject {
+                    reason: CLAIRVOYANT_INFEASIBLE,
+                    retry_after_ms: None,
+                };
+            }
+            return Verdict::Admit;
+        }
         let mut rejected = false;
         for id in self.repair(now) {
             if id == job.id {

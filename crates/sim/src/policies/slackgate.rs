@@ -54,6 +54,7 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             priority: c.priority,
             deadline_ms: c.deadline_ms,
             max_queue_age_ms: c.max_queue_age_ms,
+            displace_within_ms: c.displace_within_ms,
             pool: "upstream".into(),
             ..ClassConfig::default()
         })
@@ -79,6 +80,19 @@ impl Slackgate {
         let mut cfg = gate_config(s);
         cfg.admit_always = true;
         Slackgate::with_config(s, cfg)
+    }
+
+    /// The gate with displacement on (`slackgate-displace`): every class with a deadline may
+    /// swap a longer queued request admitted within its `displace_within_ms` (default: its
+    /// deadline) for a shorter newcomer that does not fit otherwise.
+    pub fn displacing(s: &Scenario) -> Result<Slackgate, ConfigError> {
+        let mut cfg = gate_config(s);
+        for (c, spec) in cfg.classes.iter_mut().zip(&s.classes) {
+            c.displace_within_ms = spec.displace_within_ms.or(spec.deadline_ms);
+        }
+        let mut g = Slackgate::with_config(s, cfg)?;
+        g.name = "slackgate-displace";
+        Ok(g)
     }
 
     /// A gate with an explicit configuration (tests, tuning).
