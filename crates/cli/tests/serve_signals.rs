@@ -450,6 +450,10 @@ fn check_names_the_field_at_fault() {
             "[[classes]]\nname = \"a\"\noverflow_pool = \"paid\"\n",
             "classes[0].overflow_pool",
         ),
+        (
+            "[[classes]]\nname = \"a\"\ndisplace_within_ms = 0\n",
+            "classes[0].displace_within_ms",
+        ),
         ("[admin]\nlisten = \"0.0.0.0:9090\"\n", "admin.listen"),
         (
             "[admin]\ntoken_file = \"/nonexistent/token\"\n",
