@@ -193,3 +193,93 @@ fn faults_slow_fail_cut_and_hang_their_requests() {
     let t = &rep.policies[0].total;
     assert_eq!((t.on_time, t.failed, t.abandoned), (1, 2, 1));
 }
+
+/// One slot at 100 ms per output token, one class with a 2500 ms deadline, replayed from a
+/// five-row trace: a 1000 ms request at 0, a 1400 ms one at 0 (listed second), then three
+/// 1000 ms ones at 1, 2 and 3 ms. Written to a fresh directory: traces are read from files.
+fn long_among_short() -> Scenario {
+    let dir = std::env::temp_dir().join(format!(
+        "slackgate-by-hand-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("t.csv"),
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n\
+         2023-01-01 00:00:00.000,0,10\n\
+         2023-01-01 00:00:00.000,0,14\n\
+         2023-01-01 00:00:00.001,0,10\n\
+         2023-01-01 00:00:00.002,0,10\n\
+         2023-01-01 00:00:00.003,0,10\n",
+    )
+    .unwrap();
+    let text = r#"
+name = "long-among-short"
+duration_s = 10
+tick_ms = 10
+[upstream]
+slots = 1
+overhead_ms = 0
+prefill_ms_per_token = 0
+decode_ms_per_token = 100
+[arrivals]
+process = "trace"
+[trace]
+path = "t.csv"
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 2500
+"#;
+    Scenario::parse("long-among-short.toml", text, &dir).unwrap()
+}
+
+#[test]
+fn displacement_and_revocation_trade_a_long_admission_for_a_short_newcomer() {
+    use Outcome::*;
+    let s = long_among_short();
+    // slackgate (admission is a promise): the first runs 0-1000; the long one waits 1000 <=
+    // its slack 2500 - 1400 = 1100 and is admitted (it ends at 2400, on time). The third
+    // (at 1 ms) would wait 999 + 1400 = 2399 > its slack 1500: refused, as are the rest.
+    assert_eq!(
+        outcomes(&s, "slackgate"),
+        vec![OnTime, OnTime, Rejected, Rejected, Rejected]
+    );
+    // The clairvoyant without revocation decides the same: it never drops what it admitted.
+    assert_eq!(
+        outcomes(&s, "clairvoyant-firm"),
+        vec![OnTime, OnTime, Rejected, Rejected, Rejected]
+    );
+    // With displacement (window: the 2500 ms deadline) the third takes the long one's place:
+    // without it, its wait is 999 <= 1500. The long one is told `displaced` at 1 ms. The
+    // fourth (wait 998 + 1000 > 1500) finds nothing longer than itself to displace.
+    assert_eq!(
+        outcomes(&s, "slackgate-displace"),
+        vec![OnTime, Dropped, OnTime, Rejected, Rejected]
+    );
+    // The revoking clairvoyant drops the longest job of the late prefix: the same schedule.
+    assert_eq!(
+        outcomes(&s, "clairvoyant"),
+        vec![OnTime, Dropped, OnTime, Rejected, Rejected]
+    );
+    let (rep, runs) =
+        slackgate_sim::simulate(&s, &["slackgate".into(), "slackgate-displace".into()]).unwrap();
+    let displaced = &runs[1].requests[1];
+    assert_eq!(
+        (displaced.reason, displaced.answered_at_ms),
+        ("displaced", 1)
+    );
+    // Against the revoking reference, slackgate's refusal of the third is a false rejection
+    // (1 of its 3 refusals); the displacing gate has none, but one admitted request of its
+    // three was not served: admitted SLO attainment 2/3.
+    let ours = &rep.policies[0].total;
+    let displacing = &rep.policies[1].total;
+    assert_eq!((ours.false_rejections, ours.rejected), (1, 3));
+    assert_eq!(ours.admitted_slo_attainment, 1.0);
+    assert_eq!((displacing.false_rejections, displacing.dropped), (0, 1));
+    assert!((displacing.admitted_slo_attainment - 2.0 / 3.0).abs() < 1e-9);
+}

@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use proptest::prelude::*;
-use slackgate_sim::scenario::{Scenario, ALL_POLICIES};
+use slackgate_sim::scenario::{known_policies, Scenario, ALL_POLICIES};
 use std::path::{Path, PathBuf};
 
 fn scenarios_dir() -> PathBuf {
@@ -12,6 +12,11 @@ fn scenarios_dir() -> PathBuf {
 
 fn all() -> Vec<String> {
     ALL_POLICIES.iter().map(|s| s.to_string()).collect()
+}
+
+/// The default policies and those run only when named.
+fn everything() -> Vec<String> {
+    known_policies().iter().map(|s| s.to_string()).collect()
 }
 
 #[test]
@@ -46,8 +51,8 @@ fn every_seed_scenario_runs_under_every_policy() {
         "seed-003-probe-burst.toml",
     ] {
         let s = Scenario::load(&scenarios_dir().join(name)).unwrap();
-        let (rep, runs) = slackgate_sim::simulate(&s, &all()).unwrap();
-        assert_eq!(runs.len(), ALL_POLICIES.len());
+        let (rep, runs) = slackgate_sim::simulate(&s, &everything()).unwrap();
+        assert_eq!(runs.len(), known_policies().len());
         for p in &rep.policies {
             assert_eq!(p.protocol_errors, 0, "{name} {}", p.policy);
             let t = &p.total;
@@ -123,7 +128,7 @@ proptest! {
         retry in prop::sample::select(vec!["none", "once", "storm"]),
     ) {
         let s = tiny(slots, rate, deadline, lo, lo + span, seed, retry);
-        let (rep, _) = slackgate_sim::simulate(&s, &all()).unwrap();
+        let (rep, _) = slackgate_sim::simulate(&s, &everything()).unwrap();
         for p in &rep.policies {
             prop_assert_eq!(p.protocol_errors, 0);
             prop_assert!(p.total.on_time_work_s <= rep.bound_work_s + 1e-6,
@@ -187,5 +192,90 @@ fn slackgate_beats_the_baselines_on_seed000_and_the_trace_at_2x() {
                 );
             }
         }
+    }
+}
+
+/// Why the issue's "false rejections at most 2%" cannot hold together with "99.9% of admitted
+/// interactive requests on time", measured on the same two workloads at noise 0:
+///
+/// - A false rejection is a request refused that the clairvoyant reference served on time,
+///   and that reference *revokes* admissions (drops a queued long job for a short newcomer).
+///   Every request it served on time is, for the gate, on time, refused, or something else
+///   (late, abandoned, failed), so false rejections >= its on-time count - the gate's on-time
+///   count - the gate's other outcomes. A gate that keeps its admissions cannot close that gap:
+///   even the clairvoyant without revocation serves fewer than slackgate does.
+/// - With displacement (`slackgate-displace`), false rejections fall to a few percent and
+///   more requests are on time, but the displaced requests were admitted and not served.
+#[test]
+fn false_rejections_are_bounded_by_what_revocation_buys() {
+    let names: Vec<String> = [
+        "slackgate",
+        "slackgate-displace",
+        "clairvoyant-firm",
+        "clairvoyant",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for file in ["seed-000-burst.toml", "trace-azure-code.toml"] {
+        let s = Scenario::load(&scenarios_dir().join(file)).unwrap();
+        let (rep, _) = slackgate_sim::simulate(&s, &names).unwrap();
+        let get = |name: &str| {
+            &rep.policies
+                .iter()
+                .find(|p| p.policy == name)
+                .unwrap()
+                .total
+        };
+        let (ours, displacing, firm, reference) = (
+            get("slackgate"),
+            get("slackgate-displace"),
+            get("clairvoyant-firm"),
+            get("clairvoyant"),
+        );
+        // slackgate keeps every admission and serves at least as many on time as a
+        // clairvoyant that keeps every admission.
+        assert!(
+            ours.on_time >= firm.on_time,
+            "{file}: {} < {}",
+            ours.on_time,
+            firm.on_time
+        );
+        // The lower bound on false rejections. On the trace it alone is over 2% of refusals;
+        // on seed 000 it is 4 of 202, so 2% would need slackgate to refuse nothing else the
+        // reference served: to make the same choices as a scheduler that knows the future.
+        let others = ours.late + ours.abandoned + ours.failed;
+        let floor = reference.on_time.saturating_sub(ours.on_time + others);
+        assert!(ours.false_rejections >= floor, "{file}");
+        let refused = (ours.rejected + ours.dropped) as f64;
+        if file.starts_with("trace") {
+            assert!(
+                floor as f64 / refused > 0.02,
+                "{file}: floor {floor} of {refused}"
+            );
+        }
+        // Knowing every true size is not enough without revocation either.
+        assert!(
+            firm.false_rejection_share > 0.02,
+            "{file}: {}",
+            firm.false_rejection_share
+        );
+        // Displacement buys on-time requests and agreement with the reference, and costs
+        // admitted requests that are not served.
+        assert!(displacing.on_time > ours.on_time, "{file}");
+        assert!(
+            displacing.false_rejection_share < ours.false_rejection_share,
+            "{file}: {} vs {}",
+            displacing.false_rejection_share,
+            ours.false_rejection_share
+        );
+        assert!(
+            displacing.dropped > 0 && displacing.admitted_slo_attainment < 0.95,
+            "{file}"
+        );
+        assert_eq!(
+            displacing.wasted_work_s, 0.0,
+            "{file}: displaced work never ran"
+        );
     }
 }

@@ -257,6 +257,24 @@ mod tests {
     }
 
     #[test]
+    fn firm_refuses_the_newcomer_instead_of_dropping_an_admitted_job() {
+        let mut p = Clairvoyant::firm(1);
+        assert_eq!(p.name(), "clairvoyant-firm");
+        assert_eq!(p.offer(0, &job(1, 0, Some(15), 10), 0), Verdict::Admit);
+        assert_eq!(p.offer(0, &job(2, 0, Some(15), 4), 0), Verdict::Admit);
+        // 1, 2, 3 would end at 10, 14, 18 > 15: the revoking reference drops job 1; the firm
+        // one keeps its word and refuses job 3.
+        assert_eq!(p.offer(0, &job(3, 0, Some(15), 4), 0), infeasible());
+        let mut out = Vec::new();
+        p.next(0, 1, &mut out);
+        assert_eq!(out, vec![Action::Dispatch(1)]);
+        p.on_complete(10, 1, 10, 128);
+        let mut out = Vec::new();
+        p.next(10, 1, &mut out);
+        assert_eq!(out, vec![Action::Dispatch(2)]);
+    }
+
+    #[test]
     fn rejects_the_new_job_when_it_is_the_longest() {
         let mut p = Clairvoyant::new(1);
         assert_eq!(p.offer(0, &job(1, 0, Some(15), 4), 0), Verdict::Admit);
@@ -343,6 +361,7 @@ mod tests {
     fn bookkeeping_stays_consistent() {
         for seed in 0..3 {
             check_bookkeeping(&mut Clairvoyant::new(4), 4, seed);
+            check_bookkeeping(&mut Clairvoyant::firm(4), 4, seed);
         }
     }
 }
