@@ -183,8 +183,12 @@ fn check(path: &std::path::Path) -> Result<()> {
             .as_ref()
             .map(|o| format!("  overflow {o} ({:?})", c.overflow).to_lowercase())
             .unwrap_or_default();
+        let displace = c
+            .displace_within_ms
+            .map(|w| format!("  displaces queued work admitted within {w}ms"))
+            .unwrap_or_default();
         println!(
-            "  class {:<12} priority {:>4}  pool {:<10} deadline {:>8}  max_queue_age {:>8}  {}{overflow}",
+            "  class {:<12} priority {:>4}  pool {:<10} deadline {:>8}  max_queue_age {:>8}  {}{overflow}{displace}",
             c.name,
             c.priority,
             c.pool,

@@ -475,7 +475,7 @@ fn check_names_the_field_at_fault() {
     let good = dir.join("good.toml");
     std::fs::write(
         &good,
-        "shadow = true\n[admin]\n[[pools]]\nname = \"free\"\n[[pools]]\nname = \"paid\"\n[[classes]]\nname = \"a\"\npool = \"free\"\noverflow_pool = \"paid\"\noverflow = \"route\"\n",
+        "shadow = true\n[admin]\n[[pools]]\nname = \"free\"\n[[pools]]\nname = \"paid\"\n[[classes]]\nname = \"a\"\npool = \"free\"\noverflow_pool = \"paid\"\noverflow = \"route\"\ndisplace_within_ms = 1500\n",
     )
     .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_slackgate"))
@@ -486,6 +486,10 @@ fn check_names_the_field_at_fault() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("overflow paid (route)"), "{text}");
+    assert!(
+        text.contains("displaces queued work admitted within 1500ms"),
+        "{text}"
+    );
     assert!(text.contains("admin API on 127.0.0.1:9090"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
