@@ -122,8 +122,8 @@ pub struct Decision {
     /// as it stands, since shadow-admitted work may have taken its place in the queue.
     pub shadow: bool,
     /// An admission by displacement (`displace_within_ms`): the queued job refused to make
-    /// room for this one. Its `Drop` (reason `displaced`) is the next event [`Gate::poll`]
-    /// yields.
+    /// room for this one. [`Gate::poll`] yields its `Drop` (reason `displaced`) before any
+    /// dispatch. In shadow mode: the job that would have been displaced (nothing is done).
     pub displaced: Option<JobId>,
 }
 
@@ -177,6 +177,11 @@ pub enum Event {
         in_flight: u32,
         /// Still queued on the pool.
         depth: u32,
+        /// When a retry could succeed, for drops whose client may try again (`displaced`);
+        /// `None`: the caller's default for the reason.
+        retry_after_ms: Option<u64>,
+        /// Whether a retry can succeed soon (`x-should-retry`), with `retry_after_ms`.
+        should_retry: bool,
     },
 }
 
@@ -342,6 +347,8 @@ struct Job {
     generated_key: bool,
     /// Placed through the reservation API.
     reservation: bool,
+    /// The client fixed its deadline in absolute time: a retry cannot get more slack.
+    deadline_is_absolute: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -639,6 +646,9 @@ struct Eval {
     count_ahead: u32,
     queue_age_ms: u64,
     slack_ms: Option<i64>,
+    /// The service time the request's own deadline check used (an upper quantile of its
+    /// class's outputs when it gave no size): what it would cost if admitted.
+    own_service_ms: u64,
     in_flight: u32,
     verdict: Result<Reason, Reason>,
     /// The verdict is the pool's hard `max_queued` cap: enforced even in shadow mode.
@@ -895,6 +905,7 @@ impl Gate {
             count_ahead,
             queue_age_ms,
             slack_ms,
+            own_service_ms: own.service_ms,
             in_flight,
             verdict,
             hard_cap,
@@ -1055,16 +1066,23 @@ impl Gate {
         };
         // Displacement: a request that does not fit may take the place of a longer one of its
         // class admitted moments ago (see `displacement_victim`). The victim is only removed
-        // once this request's hold is placed below. Shadow mode enforces nothing, so it
-        // displaces nothing either.
+        // once this request is queued below. Shadow mode only names the job it would have
+        // displaced.
         let mut victim = None;
+        let refused_wait = (e.wait, e.count_ahead);
         let verdict = match verdict {
-            Err(Reason::ProjectedWaitExceedsSlack) if !shadow => {
+            Err(Reason::ProjectedWaitExceedsSlack) => {
                 match self.displacement_victim(now, lane, &e) {
+                    Some((id, _)) if shadow => {
+                        d.displaced = Some(id);
+                        verdict
+                    }
                     Some((id, wait)) => {
                         victim = Some(id);
                         e.wait = wait;
+                        e.count_ahead = e.count_ahead.saturating_sub(1);
                         d.projected_wait_ms = wait;
+                        d.depth = e.count_ahead;
                         Ok(Reason::WithinSlack)
                     }
                     None => verdict,
@@ -1124,16 +1142,13 @@ impl Gate {
                     }
                     Err(rej) => {
                         // check() just passed; only a duplicate can remain, and that was
-                        // handled above. Refuse rather than hold twice.
+                        // handled above. Refuse rather than hold twice (and displace nothing).
                         d.action = Action::Reject;
                         d.reason = Reason::RejectDuplicate;
                         d.ledger = Some(rej);
+                        (d.projected_wait_ms, d.depth) = refused_wait;
                         return d;
                     }
-                }
-                if let Some(id) = victim {
-                    self.displace(now, id);
-                    d.displaced = Some(id);
                 }
                 self.keys.insert(key.clone(), job_id);
                 let seq = job_id.0;
@@ -1155,12 +1170,21 @@ impl Gate {
                     key: key.clone(),
                     generated_key: req.idempotency_key.is_none(),
                     reservation: req.reservation,
+                    deadline_is_absolute: req.deadline_is_absolute,
                 };
                 let key = job.key();
-                self.classes[lane.0]
-                    .queue
-                    .push(key, now, job_id, e.est.service_ms);
+                let l = &mut self.classes[lane.0];
+                let displaceable =
+                    l.displace_within_ms.is_some() && !job.protected && !job.reservation;
+                l.queue
+                    .push(key, now, job_id, e.est.service_ms, displaceable);
                 self.jobs.insert(job_id, job);
+                // The displaced job's client hears it after this one is queued, so its
+                // Retry-After counts this one's work.
+                if let Some(id) = victim {
+                    self.displace(now, id);
+                    d.displaced = Some(id);
+                }
             }
             Err(reason) => {
                 d.reason = reason;
@@ -1199,26 +1223,26 @@ impl Gate {
     /// newcomer's projected wait fits its slack. Moore and Hodgson's rule for the most jobs on
     /// time (drop the longest) restricted to one-for-one swaps of recent admissions, so the
     /// queue never holds fewer jobs and a displaced client hears it soon after it arrived.
-    /// With the newcomer's wait without it. O(jobs admitted within the window + slots).
-    fn displacement_victim(&self, now: Millis, lane: ClassId, e: &Eval) -> Option<(JobId, u64)> {
-        let c = &self.classes[lane.0];
-        let window = c.displace_within_ms?;
+    /// With the newcomer's wait without it. O(log queued + slots), amortised: jobs leave the
+    /// window in arrival order and are pruned once.
+    fn displacement_victim(
+        &mut self,
+        now: Millis,
+        lane: ClassId,
+        e: &Eval,
+    ) -> Option<(JobId, u64)> {
+        let window = self.classes[lane.0].displace_within_ms?;
         let slack = e.slack_ms?;
-        let mut best: Option<(u64, JobId)> = None;
-        for id in c.queue.enqueued_since(now.saturating_sub(window)) {
-            let Some(job) = self.jobs.get(&id) else {
-                continue;
-            };
-            if job.protected || job.reservation || job.est.service_ms <= e.est.service_ms {
-                continue;
-            }
-            // Ties go to the most recent admission: its client has waited least.
-            if best.is_none_or(|(longest, _)| job.est.service_ms >= longest) {
-                best = Some((job.est.service_ms, id));
-            }
+        let c = &mut self.classes[lane.0];
+        c.queue.prune_displaceable(now.saturating_sub(window));
+        let (longest, id) = c.queue.longest_recent()?;
+        // "Longer" by the measure the newcomer's own check used (for a sizeless request, an
+        // upper quantile of its class), so a swap never trades a job for a likely longer one.
+        if longest <= e.own_service_ms {
+            return None;
         }
-        let (longest, id) = best?;
-        let (work, count, _) = self.ahead(e.pool, c.priority);
+        let priority = c.priority;
+        let (work, count, _) = self.ahead(e.pool, priority);
         let wait = self.projected_wait(
             e.pool,
             now,
@@ -1229,14 +1253,40 @@ impl Gate {
     }
 
     /// Refuse a queued job to make room for another: release its hold (nothing was spent)
-    /// and tell its client (`displaced`).
+    /// and tell its client (`displaced`) when a retry could fit: a retry has its whole
+    /// relative deadline again (not so an absolute one), and would wait behind what is
+    /// queued now.
     fn displace(&mut self, now: Millis, id: JobId) {
-        if let Some(job) = self.jobs.remove(&id) {
-            self.unqueue(id, &job);
-            self.settle_hold(now, &job, Settle::Cancel(0));
-            let ev = self.drop_event(now, id, &job, job.pool, 0, Reason::Displaced);
-            self.events.push_back(ev);
+        let Some(job) = self.jobs.remove(&id) else {
+            return;
+        };
+        self.unqueue(id, &job);
+        self.settle_hold(now, &job, Settle::Cancel(0));
+        let priority = self.classes[job.class.0].priority;
+        let (work, count, _) = self.ahead(job.pool, priority);
+        let wait = self.projected_wait(job.pool, now, work, count);
+        let budget = job
+            .deadline
+            .map(|d| signed_diff(d, job.arrived_at).saturating_sub(job.est.service_ms as i64));
+        let (after, useful) = self.retry_after(
+            id,
+            Reason::ProjectedWaitExceedsSlack,
+            wait,
+            budget,
+            count,
+            job.pool,
+        );
+        let mut ev = self.drop_event(now, id, &job, job.pool, 0, Reason::Displaced);
+        if let Event::Drop {
+            retry_after_ms,
+            should_retry,
+            ..
+        } = &mut ev
+        {
+            *retry_after_ms = Some(after);
+            *should_retry = useful && !job.deadline_is_absolute;
         }
+        self.events.push_back(ev);
     }
 
     /// Seed 000's depth rule: every slot busy and more than `factor x slots` queued ahead.
@@ -1432,6 +1482,8 @@ impl Gate {
             projected_wait_ms: wait,
             in_flight: self.pools[pool.0].in_flight.len() as u32,
             depth: self.pool_depth(pool),
+            retry_after_ms: None,
+            should_retry: false,
         }
     }
 
