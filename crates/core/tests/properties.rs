@@ -52,6 +52,7 @@ struct ClassSpec {
     max_queue_age_ms: Option<u64>,
     expected_output_tokens: Option<u32>,
     enabled: bool,
+    displace: Option<u64>,
 }
 
 #[derive(Clone, Debug)]
@@ -162,9 +163,11 @@ fn class_spec() -> impl Strategy<Value = ClassSpec> {
         prop::option::weighted(0.3, 1u64..10_000),
         prop::option::of(0u32..600),
         prop::bool::weighted(0.9),
+        prop::option::weighted(0.8, 1u64..60_000),
     )
         .prop_map(
-            |(priority, pool, deadline_ms, max_queue_age_ms, out, enabled)| ClassSpec {
+            |(priority, pool, deadline_ms, max_queue_age_ms, out, enabled, displace)| ClassSpec {
+                displace,
                 priority,
                 pool,
                 deadline_ms,
@@ -293,6 +296,7 @@ fn config(spec: &Spec) -> GateConfig {
                 enabled: c.enabled,
                 pool: format!("p{}", c.pool),
                 expected_output_tokens: c.expected_output_tokens,
+                displace_within_ms: c.displace,
                 ..ClassConfig::default()
             })
             .collect(),
@@ -337,6 +341,7 @@ struct Harness {
     /// Everything observable, in order, for the determinism check.
     trace: Vec<String>,
     max_id: u64,
+    last_displaced: Option<JobId>,
 }
 
 type Check = Result<(), TestCaseError>;
@@ -353,6 +358,7 @@ impl Harness {
             enabled: spec.classes.iter().map(|c| c.enabled).collect(),
             trace: Vec::new(),
             max_id: 0,
+            last_displaced: None,
         }
     }
 
@@ -458,6 +464,24 @@ impl Harness {
         let class = req.class;
         let d = self.gate.offer(self.now, req.clone());
         self.trace.push(format!("{d:?}"));
+        prop_assert!(self.last_displaced.is_none());
+        // A displacement names a queued job of the same class; it is dropped (`displaced`)
+        // before anything else happens, except in shadow mode, where it is only named.
+        if let Some(v) = d.displaced.filter(|_| d.action != Action::ShadowReject) {
+            prop_assert_eq!(d.action, Action::Admit);
+            let vj = self
+                .jobs
+                .get(&v)
+                .cloned()
+                .ok_or_else(|| TestCaseError::fail("unknown victim"))?;
+            prop_assert_eq!(vj.life, Life::Queued, "victim not queued");
+            prop_assert_eq!(
+                Some(vj.class),
+                d.class.map(|c| c.0),
+                "victim of another class"
+            );
+            self.last_displaced = Some(v);
+        }
         prop_assert!(d.job_id.0 > self.max_id, "job ids are never reused: {d:?}");
         self.max_id = d.job_id.0;
         prop_assert_eq!(d.class, class);
@@ -641,6 +665,23 @@ impl Harness {
                     prop_assert_eq!(pool.0, job.pool);
                     self.end(id);
                 }
+                Event::Drop {
+                    reason: Reason::Displaced,
+                    pool,
+                    class,
+                    ..
+                } => {
+                    prop_assert_eq!(
+                        Some(id),
+                        self.last_displaced.take(),
+                        "unannounced displacement {:?}",
+                        ev
+                    );
+                    prop_assert_eq!(pool.0, job.pool);
+                    prop_assert_eq!(class.0, job.class);
+                    prop_assert!(!self.spec.admit_always);
+                    self.end(id);
+                }
                 Event::Drop { reason, pool, .. } => {
                     prop_assert_eq!(reason, Reason::DeadlineUnmeetable);
                     prop_assert_eq!(pool.0, job.pool);
@@ -658,6 +699,11 @@ impl Harness {
         let snap = self.gate.snapshot(self.now);
         let live = self.jobs.values().filter(|j| j.life != Life::Ended).count();
         prop_assert_eq!(self.gate.live_jobs(), live);
+        prop_assert_eq!(
+            self.gate.ledger_stats().held as usize,
+            live,
+            "holds vs live jobs"
+        );
         for (i, p) in snap.pools.iter().enumerate() {
             prop_assert!(p.in_flight <= p.slots, "pool {i}: {p:?}");
             prop_assert_eq!(p.in_flight as usize, self.in_flight_on(i));
@@ -799,6 +845,7 @@ fn huge_times_do_not_overflow() {
                 max_queue_age_ms: Some(1_000),
                 expected_output_tokens: None,
                 enabled: true,
+                displace: None,
             },
             ClassSpec {
                 priority: 0,
@@ -807,6 +854,7 @@ fn huge_times_do_not_overflow() {
                 max_queue_age_ms: None,
                 expected_output_tokens: None,
                 enabled: true,
+                displace: None,
             },
         ],
         default_class: Some(1),

@@ -805,3 +805,128 @@ fn displacement_never_helps_when_the_newcomer_cannot_fit_even_alone() {
     assert_eq!((c.action, c.displaced), (Action::Reject, None));
     assert!(drain(&mut g, 10).is_empty());
 }
+
+/// A runs 0-1000 on the only slot, B (2500 ms, key "b") is queued behind it: the start of
+/// every case below. A newcomer at 600 ms then waits 400 + 2500 = 2900 ms, or 400 without B.
+fn a_running_b_queued(window: Option<u64>) -> (Gate, Decision) {
+    let mut g = displacing(window);
+    g.offer(0, sized(&g, 1000, "a"));
+    drain(&mut g, 0);
+    let b = g.offer(0, sized(&g, 2500, "b"));
+    assert_eq!(b.action, Action::Admit);
+    (g, b)
+}
+
+#[test]
+fn displacement_only_when_the_newcomer_then_fits() {
+    // C (100 ms) with an explicit deadline, at 600 ms: it waits 2900 ms behind A and B, or
+    // 400 ms behind A alone. B (longer, in the window) is displaced only when 400 ms fits.
+    // Due at 450: slack -250, nothing can save it; B stays.
+    let (mut g, b) = a_running_b_queued(Some(1000));
+    let mut c = sized(&g, 100, "c");
+    c.deadline = Some(450);
+    let d = g.offer(600, c);
+    assert_eq!((d.action, d.displaced), (Action::Reject, None));
+    assert!(drain(&mut g, 600).is_empty());
+    // Due at 1000: slack 300 < 400 even without B: B stays.
+    let mut c = sized(&g, 100, "c2");
+    c.deadline = Some(1000);
+    assert_eq!(g.offer(600, c).displaced, None);
+    // Due at 1200: slack 500 >= 400 without B: B goes.
+    let mut c = sized(&g, 100, "c3");
+    c.deadline = Some(1200);
+    let d = g.offer(600, c);
+    assert_eq!((d.action, d.displaced), (Action::Admit, Some(b.job_id)));
+}
+
+#[test]
+fn the_window_is_inclusive_and_measured_from_admission() {
+    // B was admitted at 0; C (1500 ms) arrives at 600: displaces with a 600 ms window, not
+    // with 599.
+    for (window, displaced) in [(600, true), (599, false)] {
+        let (mut g, b) = a_running_b_queued(Some(window));
+        let d = g.offer(600, sized(&g, 1500, "c"));
+        assert_eq!(d.displaced == Some(b.job_id), displaced, "window {window}");
+    }
+}
+
+#[test]
+fn the_displaced_client_is_told_when_a_retry_could_fit() {
+    let (mut g, b) = a_running_b_queued(Some(1000));
+    let c = g.offer(600, sized(&g, 1500, "c"));
+    assert_eq!(c.displaced, Some(b.job_id));
+    match &drain(&mut g, 600)[..] {
+        [Event::Drop {
+            retry_after_ms: Some(after),
+            should_retry,
+            ..
+        }] => {
+            // A retry of B (2500 ms, relative deadline 4000: slack 1500) would wait 400 (A)
+            // + 1500 (C) = 1900: it fits once 400 ms of that has drained, floored at the
+            // 1000 ms minimum, plus up to 20% jitter.
+            assert!((1000..=1200).contains(after), "{after}");
+            assert!(*should_retry);
+        }
+        other => panic!("expected B's drop, got {other:?}"),
+    }
+    // An absolute deadline (X-Deadline) cannot get more slack by retrying.
+    let mut g = displacing(Some(1000));
+    g.offer(0, sized(&g, 1000, "a"));
+    drain(&mut g, 0);
+    let mut b = sized(&g, 2500, "b");
+    (b.deadline, b.deadline_is_absolute) = (Some(4000), true);
+    let b = g.offer(0, b);
+    assert_eq!(g.offer(600, sized(&g, 1500, "c")).displaced, Some(b.job_id));
+    assert!(matches!(
+        drain(&mut g, 600)[..],
+        [Event::Drop {
+            should_retry: false,
+            ..
+        }]
+    ));
+}
+
+#[test]
+fn shadow_names_the_would_be_victim_and_rollback_drain_and_reload_displace_nothing() {
+    // Shadow: C is admitted as shadow_reject naming B; B stays queued, nothing is dropped.
+    let (mut g, b) = a_running_b_queued(Some(1000));
+    g.set_shadow(true);
+    let d = g.offer(600, sized(&g, 1500, "c"));
+    assert_eq!(
+        (d.action, d.reason, d.displaced),
+        (
+            Action::ShadowReject,
+            Reason::ProjectedWaitExceedsSlack,
+            Some(b.job_id)
+        )
+    );
+    assert!(drain(&mut g, 600).is_empty());
+    assert_eq!(g.live_jobs(), 3);
+    // Rollback flag: everything is admitted as it is; nothing is displaced.
+    let (mut g, _) = a_running_b_queued(Some(1000));
+    g.set_admit_always(true);
+    let d = g.offer(600, sized(&g, 1500, "c"));
+    assert_eq!((d.reason, d.displaced), (Reason::AdmitAlways, None));
+    assert!(drain(&mut g, 600).is_empty());
+    // A drained (disabled) class refuses before any displacement.
+    let (mut g, _) = a_running_b_queued(Some(1000));
+    g.set_class_enabled(ClassId(0), false);
+    let d = g.offer(600, sized(&g, 1500, "c"));
+    assert_eq!((d.reason, d.displaced), (Reason::ClassDisabled, None));
+    // A reload that turns the window off: B is no longer displaceable.
+    let (mut g, _) = a_running_b_queued(Some(1000));
+    let mut off = g.config().clone();
+    off.classes[0].displace_within_ms = None;
+    g.reconfigure(300, off).unwrap();
+    let d = g.offer(600, sized(&g, 1500, "c"));
+    assert_eq!((d.action, d.displaced), (Action::Reject, None));
+    // Turned on by a reload, it applies to work admitted from then on.
+    let mut g = displacing(None);
+    g.offer(0, sized(&g, 1000, "a"));
+    drain(&mut g, 0);
+    g.offer(0, sized(&g, 2500, "b"));
+    let mut on = g.config().clone();
+    on.classes[0].displace_within_ms = Some(1000);
+    g.reconfigure(300, on).unwrap();
+    assert_eq!(g.offer(600, sized(&g, 1500, "c")).displaced, None);
+}
