@@ -313,7 +313,7 @@ pub async fn admitted(
             }
             (pool_name, upstream, queue_wait_ms, Some(abort))
         }
-        Ok(Signal::Dropped(reason, body)) => return dropped(reason, &body),
+        Ok(Signal::Dropped(reason, body, advice)) => return dropped(reason, &body, advice),
         Err(_) => {
             // The sender vanished without a signal: only possible if the job was ended by
             // another path; answer rather than hang.
@@ -459,7 +459,7 @@ async fn aborted(abort: &mut Option<tokio::sync::oneshot::Receiver<Reason>>) -> 
 /// The answer to a queued request the gate will not send: its deadline became unmeetable
 /// (429), its class was drained with cancel (429, no retry), or the gate is shutting down
 /// (503: another replica, or this one restarted, can take it).
-fn dropped(reason: Reason, body: &AdmissionBody) -> Response<ResBody> {
+fn dropped(reason: Reason, body: &AdmissionBody, core: Option<RetryAdvice>) -> Response<ResBody> {
     let (status, msg, after_ms, should_retry) = match reason {
         Reason::ShuttingDown => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -492,10 +492,12 @@ fn dropped(reason: Reason, body: &AdmissionBody) -> Response<ResBody> {
             false,
         ),
     };
-    let advice = RetryAdvice {
+    // The core's advice when it gave one (a displaced job: when a retry would be admitted,
+    // and whether its deadline leaves room for one); otherwise the default for the reason.
+    let advice = core.unwrap_or(RetryAdvice {
         after_ms,
         should_retry,
-    };
+    });
     response::error(status, reason, msg, Some(body), Some(advice))
 }
 

@@ -9,7 +9,7 @@
 use crate::config::{Config, ServerConfig};
 use crate::ledger_store::{LedgerStore, MemoryStore};
 use crate::metrics::Metrics;
-use crate::response::AdmissionBody;
+use crate::response::{AdmissionBody, RetryAdvice};
 use crate::telemetry::{epoch_ms, DecisionLog, LogLine};
 use crate::upstream::{UpstreamBase, UpstreamClient};
 use slackgate_core::{
@@ -37,9 +37,11 @@ pub enum Signal {
         /// of the shutdown grace period), with the reason.
         abort: oneshot::Receiver<Reason>,
     },
-    /// It will not be sent: its deadline became unmeetable, its class was drained, or the
-    /// gate is shutting down (the reason says which).
-    Dropped(Reason, AdmissionBody),
+    /// It will not be sent: its deadline became unmeetable, its class was drained, it was
+    /// displaced, or the gate is shutting down (the reason says which). The advice is the
+    /// core's when it gave one (a `displaced` drop: when a retry could be admitted); `None`
+    /// leaves the gateway's default for the reason.
+    Dropped(Reason, AdmissionBody, Option<RetryAdvice>),
 }
 
 /// Per-job facts the core does not keep but the log needs.
@@ -640,6 +642,8 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 projected_wait_ms,
                 in_flight,
                 depth,
+                retry_after_ms,
+                should_retry,
                 ..
             } => {
                 let Some(mut w) = st.waiting.remove(&job_id) else {
@@ -654,6 +658,10 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 line.tokens_held = Some(w.meta.tokens_held);
                 lines.push(line);
                 if let Some(tx) = w.tx.take() {
+                    let advice = retry_after_ms.map(|after_ms| RetryAdvice {
+                        after_ms,
+                        should_retry,
+                    });
                     let _ = tx.send(Signal::Dropped(
                         reason,
                         AdmissionBody {
@@ -666,12 +674,13 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                             in_flight,
                             depth,
                             retry_hint: None,
-                            retry_after_ms: None,
+                            retry_after_ms,
                             job_id: job_id.0,
                             job_class: Some(w.meta.class.clone()),
                             idempotency_key: w.meta.idempotency_key.clone(),
                             ledger: None,
                         },
+                        advice,
                     ));
                 }
             }

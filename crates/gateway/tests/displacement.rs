@@ -2,7 +2,8 @@
 //! refused for `projected_wait_exceeds_slack` takes the place of a longer one admitted moments
 //! before; the longer one's client hears `displaced` (429) and it never reaches the upstream.
 //! Off, the same traffic refuses the newcomer and serves the queued request, as admission
-//! promised. And a zero window is refused when the config is loaded.
+//! promised. In shadow mode nothing is displaced: the newcomer is a `shadow_reject` naming
+//! the job it would have displaced. And a zero window is refused when the config is loaded.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -22,9 +23,15 @@ use std::time::Duration;
 /// 12 s: behind A and B its wait is at least 13 s, never fits; behind A alone it fits while
 /// A's remainder is under 12 s. The window (10 s) is far more than the gap between B and C.
 fn config(window: Option<u64>) -> String {
+    config_with(window, false)
+}
+
+/// [`config`], in shadow mode when `shadow`.
+fn config_with(window: Option<u64>, shadow: bool) -> String {
     let displace = window.map_or(String::new(), |w| format!("displace_within_ms = {w}"));
     format!(
         r#"
+        shadow = {shadow}
         [server]
         trust_size_hint = true
         [[pools]]
@@ -108,8 +115,22 @@ async fn a_running_b_queued(
     tokio::task::JoinHandle<Resp>,
     u64,
 ) {
+    a_running_b_queued_in(&config(window), name).await
+}
+
+/// [`a_running_b_queued`] under a config of the caller's.
+async fn a_running_b_queued_in(
+    toml_text: &str,
+    name: &str,
+) -> (
+    slackgate_stub::Stub,
+    TestGate,
+    tokio::task::JoinHandle<Resp>,
+    tokio::task::JoinHandle<Resp>,
+    u64,
+) {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
-    let gate = TestGate::start(&config(window), stub.local_addr(), name).await;
+    let gate = TestGate::start(toml_text, stub.local_addr(), name).await;
     let url = gate.url("/v1/chat/completions");
     let mut ha = headers("a", "100");
     ha.push(("x-stub-hold", "a".into()));
@@ -154,7 +175,23 @@ async fn displacement_refuses_the_longer_queued_request_and_serves_the_shorter()
     assert_eq!(body["admission"]["action"], "drop", "{body}");
     assert_eq!(body["admission"]["reason"], "displaced", "{body}");
     assert_eq!(body["admission"]["job_id"], b_id, "{body}");
-    assert!(b.header("retry-after").is_some(), "{:?}", b.headers);
+    // Its retry advice is the core's: when a retry would fit behind what is queued now (A's
+    // remainder and C, about 9 s, against B's 7 s of slack: some 2 s, jittered), in the
+    // body and in the headers, rounded up to whole seconds as for rejections. Its deadline
+    // was relative (the class's), so a retry gets it whole again: worth retrying.
+    let after_ms = body["admission"]["retry_after_ms"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no retry_after_ms in {body}"));
+    assert!(after_ms >= 1000, "{body}");
+    let secs = after_ms.div_ceil(1000).max(1).to_string();
+    assert_eq!(b.header("retry-after"), Some(secs), "{:?}", b.headers);
+    assert_eq!(
+        b.header("retry-after-ms"),
+        Some(after_ms.to_string()),
+        "{:?}",
+        b.headers
+    );
+    assert_eq!(b.header("x-should-retry").as_deref(), Some("true"));
 
     // C was admitted, but runs only after A: it is still waiting while A is held.
     let admitted = eventually(PATIENCE, || async {
@@ -165,6 +202,26 @@ async fn displacement_refuses_the_longer_queued_request_and_serves_the_shorter()
     assert!(
         !c.is_finished(),
         "C cannot be served while A holds the slot"
+    );
+    // B's hold was released with its drop: the ledger holds A's and C's tokens, not B's,
+    // and so does the per-class gauge the decision log feeds.
+    let lines = gate.log_lines().await;
+    let held = |key: &str| {
+        line(&lines, key, "admit").unwrap()["tokens_held"]
+            .as_u64()
+            .unwrap()
+    };
+    let (a_held, b_held, c_held) = (held("a"), held("b"), held("c"));
+    assert!(b_held > 0, "B held tokens while queued");
+    let m = gate.metrics().await;
+    assert_eq!(metric(&m, "slackgate_ledger_holds"), Some(2.0), "A and C");
+    assert_eq!(
+        metric(&m, "slackgate_ledger_tokens_held"),
+        Some((a_held + c_held) as f64)
+    );
+    assert_eq!(
+        metric(&m, "slackgate_tokens_held{class=\"interactive\"}"),
+        Some((a_held + c_held) as f64)
     );
     release_a(stub.local_addr()).await;
     let a = finish(a, "A").await;
@@ -211,6 +268,46 @@ async fn displacement_refuses_the_longer_queued_request_and_serves_the_shorter()
         ),
         Some(1.0)
     );
+    // Everything settled: nothing is held.
+    assert_eq!(metric(&m, "slackgate_ledger_tokens_held"), Some(0.0));
+    assert_eq!(
+        metric(&m, "slackgate_tokens_held{class=\"interactive\"}"),
+        Some(0.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_names_the_job_it_would_displace_and_displaces_nothing() {
+    let (stub, gate, a, b, b_id) =
+        a_running_b_queued_in(&config_with(Some(10_000), true), "displace-shadow").await;
+    let url = gate.url("/v1/chat/completions");
+    let c = send(&url, &headers("c", "800"));
+    let logged = eventually(PATIENCE, || async {
+        line(&gate.log_lines().await, "c", "shadow_reject").is_some()
+    })
+    .await;
+    assert!(logged, "C was admitted as a shadow_reject");
+    let lines = gate.log_lines().await;
+    let c_line = line(&lines, "c", "shadow_reject").unwrap();
+    assert_eq!(c_line["reason"], "projected_wait_exceeds_slack", "{c_line}");
+    assert_eq!(c_line["displaced_job_id"], b_id, "{c_line}");
+    assert!(!b.is_finished(), "B stays queued behind A");
+
+    release_a(stub.local_addr()).await;
+    assert_eq!(finish(a, "A").await.status, 200);
+    let b = finish(b, "B").await;
+    assert_eq!(b.status, 200, "{:?}", b.body);
+    assert_eq!(job_id(&b.headers), b_id);
+    let c = finish(c, "C").await;
+    assert_eq!(c.status, 200, "{:?}", c.body);
+    assert_eq!(upstream_ids(stub.local_addr()).await, ["a", "b", "c"]);
+
+    let lines = gate.log_lines().await;
+    assert!(
+        lines.iter().all(|l| l["reason"] != "displaced"),
+        "nothing is displaced in shadow mode"
+    );
+    assert!(line(&lines, "b", "drop").is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
