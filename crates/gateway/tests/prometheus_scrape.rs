@@ -223,6 +223,23 @@ fn dashboard_is_importable_and_covers_the_paging_signals() {
     ] {
         assert!(all.contains(needed), "no panel queries {needed}");
     }
+    // The rejection-rate panel draws what the rejection-rate alerts judge (displaced drops
+    // count as refusals in both): the alert's ratio, with the panel's class filter.
+    let squash = |s: &str| s.split_whitespace().collect::<String>();
+    let panel = dashboard_queries(&d)
+        .into_iter()
+        .find(|q| q.origin.contains("Rejection rate per class"))
+        .expect("a rejection-rate panel");
+    let panel = squash(&panel.expr.replace("class=~\"$class\",", ""));
+    let alert = alert_queries()
+        .into_iter()
+        .find(|q| q.origin == "alert SlackgateRejectionRateHigh")
+        .expect("the SlackgateRejectionRateHigh alert");
+    assert!(
+        squash(&alert.expr).contains(&panel),
+        "the panel's query {panel} is not the alert's ratio {}",
+        alert.expr
+    );
 }
 
 #[tokio::test]
