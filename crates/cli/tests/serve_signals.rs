@@ -491,6 +491,56 @@ fn check_names_the_field_at_fault() {
         "{text}"
     );
     assert!(text.contains("admin API on 127.0.0.1:9090"), "{text}");
+    // Displacement without trusted size hints: a warning, not an error.
+    assert!(
+        text.contains("warning: displacement (a) without server.trust_size_hint"),
+        "{text}"
+    );
+    assert!(text.contains("30+ points of admitted SLO"), "{text}");
+    assert!(!text.contains("under-declares"), "{text}");
+    // With them: the other risk, a client under-declaring its size.
+    let trusted = dir.join("trusted.toml");
+    let good_text = std::fs::read_to_string(&good).unwrap();
+    std::fs::write(
+        &trusted,
+        good_text.replace(
+            "shadow = true\n",
+            "shadow = true\n[server]\ntrust_size_hint = true\n",
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .args(["check", "--config"])
+        .arg(&trusted)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("warning: displacement (a) with server.trust_size_hint = true"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "under-declares X-Expected-Output-Tokens can displace other tenants' queued work"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("30+ points"), "{text}");
+    // No window, no warning.
+    std::fs::write(
+        &trusted,
+        good_text.replace("displace_within_ms = 1500\n", ""),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .args(["check", "--config"])
+        .arg(&trusted)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(!text.contains("warning"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
