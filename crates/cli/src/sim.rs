@@ -28,6 +28,10 @@ pub struct SimArgs {
     /// Do not tell slackgate each request's (noisy) size: it uses the class's learned mean.
     #[arg(long)]
     pub no_hint: bool,
+    /// Set slackgate's `displace_within_ms` to this on every class with a deadline
+    /// (displacement on, for the `slackgate` and `slackgate-displace` rows alike).
+    #[arg(long, value_name = "MS")]
+    pub displace_within: Option<u64>,
     /// Skip the clairvoyant reference run (false rejections are not counted).
     #[arg(long)]
     pub no_reference: bool,
@@ -47,6 +51,11 @@ pub fn run(a: SimArgs) -> Result<()> {
     }
     if a.no_hint {
         s.size_hint = false;
+    }
+    if let Some(window) = a.displace_within {
+        for c in s.classes.iter_mut().filter(|c| c.deadline_ms.is_some()) {
+            c.displace_within_ms = Some(window);
+        }
     }
     if let Some(load) = a.load {
         match s.trace.as_mut() {

@@ -476,8 +476,8 @@ pub const ALL_POLICIES: &[&str] = &[
 /// set (the drill's "gate off"), there to compare with a live drill; `slackgate-displace` is
 /// slackgate with displacement on for every class with a deadline (window: the class's
 /// `displace_within_ms`, else its deadline); `clairvoyant-firm` is the clairvoyant reference
-/// without revocation: it never drops what it admitted, the fair bar for a gate whose
-/// admission is a promise.
+/// without revocation: it never drops what it admitted (a greedy reference for gates whose
+/// admission is a promise, not an upper bound).
 pub const EXTRA_POLICIES: &[&str] = &["admit-always", "slackgate-displace", "clairvoyant-firm"];
 
 /// Every policy name `--policy` and `policies` accept.

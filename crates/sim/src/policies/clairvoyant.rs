@@ -11,9 +11,10 @@
 //! no earlier by removing it, so dropping them could never help) and tries again.
 //!
 //! `clairvoyant-firm` is the same reference without revocation: a newcomer that would make
-//! the schedule infeasible is refused and nothing admitted is ever dropped for it. That is
-//! the bar for a gate whose admission is a promise (slackgate's default): the gap between the
-//! two is what revoking admissions buys (`slackgate-displace`).
+//! the schedule late is refused and nothing admitted is ever dropped for it. It is a greedy
+//! reference for gates whose admission is a promise (slackgate's default), not an upper bound
+//! on them; the gap between the two references is what revoking admissions buys
+//! (`slackgate-displace`).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
@@ -142,6 +143,13 @@ impl Policy for Clairvoyant {
 
     fn offer(&mut self, now: u64, job: &Job, _in_flight: u32) -> Verdict {
         let key = Self::key(job);
+        // Firm: what the schedule looked like without the newcomer (late only if a slow
+        // upstream made it so; `tick` repairs that).
+        let before = if self.revoke {
+            None
+        } else {
+            self.first_late(now)
+        };
         self.queue.insert(
             key,
             Queued {
@@ -152,9 +160,10 @@ impl Policy for Clairvoyant {
         );
         self.keys.insert(job.id, key);
         if !self.revoke {
-            // Firm: the newcomer is refused if the schedule with it is infeasible. (If it was
-            // already infeasible without it, a slow upstream made it so; `tick` repairs that.)
-            if self.first_late(now).is_some() {
+            // Firm: the newcomer is refused if it makes the schedule late where it was not
+            // (or earlier than it already was).
+            let after = self.first_late(now);
+            if after.is_some() && after != before {
                 self.queue.remove(&key);
                 self.keys.remove(&job.id);
                 return Verdict::Reject {
