@@ -4,6 +4,14 @@
 //!
 //! - `offer_reject`: an interactive request with a 5 s deadline, rejected on
 //!   `projected_wait_exceeds_slack` (the queue ahead holds hours of work).
+//! - `offer_displace`: displacement (`displace_within_ms`) on, 10k jobs of one class queued
+//!   within its window (the window is the class's deadline). `displaced`: a shorter request
+//!   that does not fit is admitted in place of the longest queued one (the victim's hold is
+//!   released and its `Drop` queued); timed in batches of 1000 offers, the newcomer cancelled
+//!   and a job like the victim queued again outside the timing so the queue stays put.
+//!   `no_longer_victim`: a request as long as every queued job is refused (nothing is longer).
+//!   `victim_does_not_fit`: a shorter request that would not fit even without the longest
+//!   queued job is refused (the most expensive refusal: the wait is projected twice).
 //! - `offer_admit`: a best-effort batch request, admitted and queued. Timed in batches of
 //!   1000 offers; the batch is cancelled outside the timing so the queue depth stays put.
 //! - `offer_admit_cancel`: the same admission plus the cancel that removes it again.
@@ -126,6 +134,120 @@ fn offer_reject(c: &mut Criterion) {
         });
         assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
     }
+    group.finish();
+}
+
+/// The displacement class's deadline and window: long enough that every queued job fits.
+const DISPLACE_WINDOW_MS: u64 = 86_400_000;
+/// Output tokens of the queued jobs (1100 ms, as everywhere here) and of a shorter newcomer
+/// (200 ms + 500 x 0.2 ms + 30 x 20 ms = 900 ms), given as trusted size hints.
+const LONG_TOKENS: u32 = 40;
+const SHORT_TOKENS: u32 = 30;
+
+/// One pool of 8 busy slots and one class with displacement on, `depth` jobs of it queued
+/// at `T0` (all within the window).
+fn displacing(depth: usize) -> Gate {
+    let mut cfg = config();
+    cfg.classes = vec![ClassConfig {
+        name: "interactive".into(),
+        priority: 100,
+        deadline_ms: Some(DISPLACE_WINDOW_MS),
+        displace_within_ms: Some(DISPLACE_WINDOW_MS),
+        pool: "gpu".into(),
+        ..ClassConfig::default()
+    }];
+    let mut gate = Gate::new(cfg).expect("valid config");
+    for _ in 0..depth + SLOTS as usize {
+        let d = offer(&mut gate, T0, sized(None, LONG_TOKENS));
+        assert!(d.admitted() && d.displaced.is_none(), "{d:?}");
+        while gate.poll(T0).is_some() {}
+    }
+    assert_eq!(gate.live_jobs(), depth + SLOTS as usize);
+    gate
+}
+
+/// A request of the displacement class with a size hint and, optionally, its own deadline.
+fn sized(deadline: Option<Millis>, tokens: u32) -> Request {
+    Request {
+        expected_output_tokens: Some(tokens),
+        ..request(INTERACTIVE, deadline)
+    }
+}
+
+fn offer_displace(c: &mut Criterion) {
+    const BATCH_SIZE: u64 = 1_000;
+    const DEPTH: usize = 10_000;
+    let mut group = c.benchmark_group("decision/offer_displace");
+    let mut gate = displacing(DEPTH);
+    // A deadline the short newcomer misses behind the whole queue (its wait) but meets once
+    // one long job (1100 ms of work over 8 slots, 137 ms of wait) is taken out: half way.
+    // Each displacement trades 1100 ms of queued work for 900 ms, so the k-th newcomer of a
+    // batch waits k x 200 / 8 = 25 ms less than the first, and its deadline moves with it.
+    let probe = offer(&mut gate, T0, sized(Some(T0), SHORT_TOKENS));
+    assert!(!probe.admitted() && probe.displaced.is_none(), "{probe:?}");
+    let (wait, short_ms) = (probe.projected_wait_ms, probe.est_service_ms);
+    let half_a_job = 1_100 / (2 * u64::from(SLOTS));
+    let step = (1_100 - short_ms) / u64::from(SLOTS);
+    let newcomer = |k: u64| {
+        let deadline = T0 + wait - k * step + short_ms - half_a_job;
+        sized(Some(deadline), SHORT_TOKENS)
+    };
+    let fits_without_one = newcomer(0).deadline;
+    let mut requests: Vec<Request> = (0..BATCH_SIZE).map(newcomer).collect();
+    let mut decided = Vec::with_capacity(BATCH_SIZE as usize);
+    group.bench_function(format!("displaced/queued={DEPTH}"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(BATCH_SIZE) as usize;
+                // The bench measures wall time; only the core itself is clock-free.
+                #[allow(clippy::disallowed_methods)]
+                let start = Instant::now();
+                for req in requests.drain(..n) {
+                    decided.push(offer(&mut gate, T0, black_box(req)));
+                }
+                total += start.elapsed();
+                // Put the queue back: the newcomers out, as many long jobs in.
+                while gate.poll(T0).is_some() {}
+                for d in decided.drain(..) {
+                    assert!(d.displaced.is_some(), "not a displacement: {d:?}");
+                    gate.cancel(T0, d.job_id).expect("admitted");
+                    let again = offer(&mut gate, T0, sized(None, LONG_TOKENS));
+                    assert!(again.admitted() && again.displaced.is_none(), "{again:?}");
+                }
+                requests = (0..BATCH_SIZE).map(newcomer).collect();
+                left -= n as u64;
+            }
+            total
+        })
+    });
+    assert_eq!(gate.live_jobs(), DEPTH + SLOTS as usize);
+
+    group.bench_function(format!("no_longer_victim/queued={DEPTH}"), |b| {
+        b.iter(|| {
+            black_box(offer(
+                &mut gate,
+                T0,
+                black_box(sized(fits_without_one, LONG_TOKENS)),
+            ))
+        })
+    });
+    let d = offer(&mut gate, T0, sized(fits_without_one, LONG_TOKENS));
+    assert!(!d.admitted() && d.displaced.is_none(), "{d:?}");
+
+    group.bench_function(format!("victim_does_not_fit/queued={DEPTH}"), |b| {
+        b.iter(|| {
+            black_box(offer(
+                &mut gate,
+                T0,
+                black_box(sized(Some(T0), SHORT_TOKENS)),
+            ))
+        })
+    });
+    let d = offer(&mut gate, T0, sized(Some(T0), SHORT_TOKENS));
+    assert!(!d.admitted() && d.displaced.is_none(), "{d:?}");
+    assert_eq!(gate.live_jobs(), DEPTH + SLOTS as usize);
     group.finish();
 }
 
@@ -259,6 +381,6 @@ fn quick() -> Criterion {
 criterion_group! {
     name = benches;
     config = quick();
-    targets = offer_reject, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick
+    targets = offer_reject, offer_displace, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick
 }
 criterion_main!(benches);
