@@ -103,32 +103,23 @@ async fn upstream_ids(stub: SocketAddr) -> Vec<String> {
         .collect()
 }
 
-/// Start the stub and the gate, park A in the slot (held by the stub until released) and
-/// queue B behind it; returns B's job id once its admission is logged.
-async fn a_running_b_queued(
-    window: Option<u64>,
-    name: &str,
-) -> (
+/// The stub, the gate, A's and B's pending answers, and B's job id.
+type Parked = (
     slackgate_stub::Stub,
     TestGate,
     tokio::task::JoinHandle<Resp>,
     tokio::task::JoinHandle<Resp>,
     u64,
-) {
+);
+
+/// Start the stub and the gate, park A in the slot (held by the stub until released) and
+/// queue B behind it; returns B's job id once its admission is logged.
+async fn a_running_b_queued(window: Option<u64>, name: &str) -> Parked {
     a_running_b_queued_in(&config(window), name).await
 }
 
 /// [`a_running_b_queued`] under a config of the caller's.
-async fn a_running_b_queued_in(
-    toml_text: &str,
-    name: &str,
-) -> (
-    slackgate_stub::Stub,
-    TestGate,
-    tokio::task::JoinHandle<Resp>,
-    tokio::task::JoinHandle<Resp>,
-    u64,
-) {
+async fn a_running_b_queued_in(toml_text: &str, name: &str) -> Parked {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
     let gate = TestGate::start(toml_text, stub.local_addr(), name).await;
     let url = gate.url("/v1/chat/completions");
