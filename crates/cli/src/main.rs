@@ -214,7 +214,7 @@ fn check(path: &std::path::Path) -> Result<()> {
             );
         } else {
             println!(
-                "  warning: displacement ({classes}) without server.trust_size_hint: sizes are judged by class means and quantiles, not trusted hints, so it cannot tell which queued request is long; in simulation (BENCHMARKS.md, --no-hint) it bought no on-time work (-5% to +0.6%) and cost admitted SLO (1 to 5 points)"
+                "  warning: displacement ({classes}) without server.trust_size_hint: sizes are judged by class means and quantiles, not trusted hints, so it cannot tell which queued request is long; simulate with --no-hint before relying on it (BENCHMARKS.md, \"False rejections: what revoking an admission buys\")"
             );
         }
     }

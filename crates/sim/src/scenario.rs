@@ -601,16 +601,13 @@ impl Scenario {
             if !nonneg(c.share) {
                 return Err((at("share"), "must be a non-negative number".into()));
             }
-            if c.deadline_ms == Some(0) || c.deadline_ms.is_some_and(|d| d > 86_400_000) {
-                return Err((at("deadline_ms"), "must be between 1 and 86400000".into()));
-            }
-            if c.displace_within_ms == Some(0)
-                || c.displace_within_ms.is_some_and(|d| d > 86_400_000)
-            {
-                return Err((
-                    at("displace_within_ms"),
-                    "must be between 1 and 86400000".into(),
-                ));
+            for (field, ms) in [
+                ("deadline_ms", c.deadline_ms),
+                ("displace_within_ms", c.displace_within_ms),
+            ] {
+                if ms.is_some_and(|d| d == 0 || d > 86_400_000) {
+                    return Err((at(field), "must be between 1 and 86400000".into()));
+                }
             }
             if let Err((f, m)) = c.prompt_tokens.validate() {
                 return Err((at(&format!("prompt_tokens.{f}")), m));
