@@ -95,7 +95,10 @@ impl Default for PoolConfig {
     }
 }
 
-/// The estimator's priors: `service = overhead + prompt x prefill + output x decode`.
+/// The estimator's priors (see [`crate::estimator`]): a request alone on the server takes
+/// `overhead + prefill x P + decode x O + decode_ms_per_1k_context x O x (P + O/2) / 1000`, and
+/// each other request in flight beside it adds `batch_slowdown` times that. `slackgate
+/// calibrate` measures all of them on a real server.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct PriorConfig {
@@ -103,8 +106,17 @@ pub struct PriorConfig {
     pub overhead_ms: f64,
     /// Cost of each prompt token, in milliseconds.
     pub prefill_ms_per_token: f64,
-    /// Cost of each generated token, in milliseconds.
+    /// Cost of each generated token with a short context, in milliseconds.
     pub decode_ms_per_token: f64,
+    /// Extra cost of each generated token per 1000 tokens of context (prompt and output so
+    /// far), in milliseconds: attention reads the whole context at every step.
+    pub decode_ms_per_1k_context: f64,
+    /// How much each other request in flight adds to a request's time, as a fraction of its
+    /// time alone: 0 for a server that batches perfectly, 1 for one that only time-shares.
+    pub batch_slowdown: f64,
+    /// Characters of prompt text per token, until the upstream's `usage.prompt_tokens` teach
+    /// the real ratio of its tokenizer.
+    pub chars_per_token: f64,
     /// Output length assumed when a request names no `max_tokens` and nothing was learned yet.
     pub default_output_tokens: u32,
     /// Whether the estimator learns from completions (false pins the priors, for drills).
@@ -117,6 +129,9 @@ impl Default for PriorConfig {
             overhead_ms: 200.0,
             prefill_ms_per_token: 0.2,
             decode_ms_per_token: 20.0,
+            decode_ms_per_1k_context: 0.0,
+            batch_slowdown: 0.5,
+            chars_per_token: 4.0,
             default_output_tokens: 256,
             learn: true,
         }
@@ -161,6 +176,11 @@ pub struct ClassConfig {
     /// work never falls, and the capacity freed goes to more requests later: under overload
     /// this serves more requests on time, at the price of refusing some already admitted.
     pub displace_within_ms: Option<u64>,
+    /// Never lock in: when a request of this class is refused only because its own estimate
+    /// exceeds its deadline while a slot is free, and recent completions of the class do not
+    /// confirm that estimate, one such request per this many ms (and at most one in flight)
+    /// is admitted as a `probe` to measure it. 0 turns probing off.
+    pub probe_interval_ms: u64,
 }
 
 /// How a class uses its overflow pool.
@@ -190,6 +210,7 @@ impl Default for ClassConfig {
             overflow_pool: None,
             overflow: OverflowMode::Hint,
             displace_within_ms: None,
+            probe_interval_ms: 10_000,
         }
     }
 }
@@ -289,6 +310,10 @@ impl GateConfig {
                 ("prior.overhead_ms", pr.overhead_ms),
                 ("prior.prefill_ms_per_token", pr.prefill_ms_per_token),
                 ("prior.decode_ms_per_token", pr.decode_ms_per_token),
+                (
+                    "prior.decode_ms_per_1k_context",
+                    pr.decode_ms_per_1k_context,
+                ),
             ] {
                 if !(v.is_finite() && (0.0..=MAX_CONFIG_MS as f64).contains(&v)) {
                     return Err(ConfigError::new(
@@ -296,6 +321,18 @@ impl GateConfig {
                         "must be a finite number of milliseconds >= 0",
                     ));
                 }
+            }
+            if !(pr.batch_slowdown.is_finite() && (0.0..=10.0).contains(&pr.batch_slowdown)) {
+                return Err(ConfigError::new(
+                    at("prior.batch_slowdown"),
+                    "must be a number between 0 and 10",
+                ));
+            }
+            if !(pr.chars_per_token.is_finite() && (0.25..=64.0).contains(&pr.chars_per_token)) {
+                return Err(ConfigError::new(
+                    at("prior.chars_per_token"),
+                    "must be a number between 0.25 and 64",
+                ));
             }
         }
         let mut labels = std::collections::BTreeMap::new();

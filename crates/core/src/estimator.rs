@@ -1,30 +1,90 @@
-//! Online service-time estimator, one per pool.
+//! Online service-time estimator, one per pool: a constrained, batching-aware cost model.
 //!
-//! The model is the one every LLM server obeys to first order:
-//! `service_ms = overhead + prompt_tokens x prefill + output_tokens x decode`. It starts from
-//! configured priors and learns the three coefficients from completed requests with recursive
-//! least squares (RLS) and a forgetting factor, so it tracks an upstream that slows down
-//! (bigger batch, thermal throttling) instead of averaging it away. RLS is exact for a linear
-//! model, costs a fixed 3x3 update per completion, and is deterministic.
+//! Real model servers batch continuously: a request's time depends on its prompt `P` and output
+//! `O`, on its context length (attention reads every earlier token, so each output token costs
+//! more the longer the context) and on how many requests share the server while it runs. The
+//! model is
 //!
-//! Features are scaled (prompt per 1000 tokens, output per 100 tokens) so the covariance stays
-//! well conditioned in `f64`.
+//! ```text
+//! alone(P, O)   = overhead + prefill x P + decode x O + context x O x (P + O/2) / 1000
+//! service(P,O,k) = alone(P, O) + (k - 1) x shared(P, O)
+//! ```
+//!
+//! where `k` is the mean number of requests in flight on the pool while the request ran and
+//! `shared` has the same four terms with coefficients of its own (on a server that batches
+//! perfectly they are 0; on one that only time-shares they equal `alone`'s). That is eight
+//! non-negative coefficients, linear in the features, so the fit is a least-squares problem:
+//!
+//! - **The total is fitted, with the constraint inside the fit.** Each completion adds its
+//!   features and its observed time to exponentially forgotten normal equations; the
+//!   coefficients are the non-negative least-squares solution of those equations (an active-set
+//!   solve of an 8x8 problem), never an unconstrained fit clipped per term afterwards: clipping a
+//!   negative coefficient to zero destroys a fit that was right at the observed shapes.
+//! - **Shrunk towards the priors.** A ridge term pulls every coefficient towards its configured
+//!   prior with 0.3% of the weight the data carry about it. Where the data identify a coefficient
+//!   (several request shapes) the data win at once; where they cannot (real traffic comes in a
+//!   few shapes, which leave some directions of the eight unobserved) the prior holds that
+//!   direction, so predictions for an unseen shape stay near the prior's instead of swinging.
+//! - **Relative error, robust to outliers.** Each completion is weighted by one over its
+//!   prediction squared, so a 200 ms request counts as much as a 12 s one (what matters is the
+//!   relative error), and by a Huber weight: a completion more than [`HUBER`] (50%) away from its
+//!   prediction pulls no harder than one at 50%. A request stuck on its slot for 90 s then moves
+//!   the estimate by about a percent; a real, lasting slowdown pulls every completion the same
+//!   way and is followed within tens of completions.
+//! - **It reports its own error**: see [`ErrorTracker`], kept per class by the gate.
+//!
+//! Features are scaled (prompt per 1000 tokens, output per 100) and the solve runs on
+//! coefficients divided by their prior scale, so every number in it is of order one.
 
 use crate::config::PriorConfig;
 use serde::Serialize;
 
+/// Coefficients of one term set (`alone` or `shared`).
+const TERMS: usize = 4;
+/// All coefficients: `alone` then `shared`.
+const DIM: usize = 2 * TERMS;
 const PROMPT_SCALE: f64 = 1000.0;
 const OUTPUT_SCALE: f64 = 100.0;
-/// Forgetting factor: the estimate's memory is about 1 / (1 - LAMBDA) = 200 completions.
-const LAMBDA: f64 = 0.995;
-/// Bound on the covariance trace; without it, forgetting with repetitive inputs winds it up.
-const MAX_TRACE: f64 = 1e9;
+/// The context term's feature is `O x (P + O/2)` per this: output per 100 x context per 1000.
+const CONTEXT_SCALE: f64 = OUTPUT_SCALE * 1000.0;
+/// Forgetting per completion: the data's memory is about 1 / (1 - LAMBDA) = 100 completions,
+/// so the fit follows a server that slows down (a bigger batch, a throttled GPU).
+const LAMBDA: f64 = 0.99;
+/// Weight of the prior on each coefficient, relative to the information the data carry about
+/// that coefficient alone (the diagonal of the normal equations): too little to argue with
+/// data, enough to hold the directions the data leave open (few request shapes).
+const PRIOR_WEIGHT: f64 = 0.003;
+/// ... and at least this, in the solve's units, so a coefficient the data never saw (the
+/// batching terms while nothing ran concurrently) stays exactly at its prior.
+const PRIOR_FLOOR: f64 = 1e-6;
+/// Relative error beyond which a completion's pull stops growing (Huber's threshold), at
+/// least; see [`HUBER_SPREAD`].
+const HUBER: f64 = 0.5;
+/// The threshold is also at least this many times the median relative error of the last
+/// [`RESIDUALS`] completions: one stalled request stands out and is bounded, while a lasting
+/// change (every completion 10x off) raises the threshold within a few completions and is
+/// then learned at full weight.
+const HUBER_SPREAD: f64 = 3.0;
+/// Recent relative residuals kept for the threshold and for change detection.
+const RESIDUALS: usize = 15;
+/// When the median signed residual of the recent completions is beyond this, the server has
+/// changed (every completion is off the same way, not one stalled request) ...
+const CHANGE: f64 = 0.3;
+/// ... and old data is forgotten this much faster per completion until the fit catches up.
+const CHANGE_LAMBDA: f64 = 0.8;
+/// Observations beyond these are not physical (a day of service, ten million tokens): skipped.
+const MAX_SERVICE_MS: f64 = 86_400_000.0;
+const MAX_TOKENS: u32 = 10_000_000;
 /// Service time never estimated below this (an estimate of zero would admit anything).
 const MIN_SERVICE_MS: f64 = 1.0;
-/// How far from the prediction one observation may pull, as a multiple of the prediction.
-const OUTLIER_CLIP: f64 = 2.0;
 /// Completions before a learning estimator's figures are trusted to reject on an idle pool.
 const WARMUP_SAMPLES: u64 = 5;
+/// Smallest prior scale per coefficient (in scaled units: ms, ms per 1000 prompt tokens, ms per
+/// 100 output tokens, ms per 100 output tokens per 1000 context): a prior of zero must still let
+/// the data move its coefficient.
+const MIN_SCALE: [f64; DIM] = [50.0, 100.0, 500.0, 1000.0, 50.0, 100.0, 500.0, 1000.0];
+/// The request shape at which [`EstimatorSnapshot::batch_slowdown`] is read off.
+const REFERENCE_SHAPE: (u32, u32) = (500, 100);
 
 /// A service-time estimate for one request.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -35,139 +95,196 @@ pub struct Estimate {
     pub first_token_ms: u64,
 }
 
-/// The learned coefficients, for `/stats`, metrics and the admin view.
+/// The learned model in operator units, for `/stats`, metrics and the admin view.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct EstimatorSnapshot {
-    /// Fixed cost per request (ms).
+    /// Fixed cost per request, alone on the server (ms).
     pub overhead_ms: f64,
-    /// Cost per prompt token (ms).
+    /// Cost per prompt token, alone (ms).
     pub prefill_ms_per_token: f64,
-    /// Cost per output token (ms).
+    /// Cost per output token with a short context, alone (ms).
     pub decode_ms_per_token: f64,
+    /// Extra cost per output token per 1000 tokens of context, alone (ms).
+    pub decode_ms_per_1k_context: f64,
+    /// How much each other request in flight adds to a request's time, as a fraction of its
+    /// time alone, read at a 500-token prompt and 100 output tokens (0: perfect batching,
+    /// 1: plain time sharing).
+    pub batch_slowdown: f64,
     /// Completions learned from.
     pub samples: u64,
 }
 
-/// Recursive-least-squares estimator of `overhead + prompt x prefill + output x decode`.
+/// Batching-aware non-negative least-squares estimator; see the module docs.
 #[derive(Clone, Debug)]
 pub struct Estimator {
-    theta: [f64; 3],
-    p: [[f64; 3]; 3],
+    /// Current coefficients, scaled (see [`Estimator::features`]).
+    theta: [f64; DIM],
+    /// The priors, scaled.
+    prior: [f64; DIM],
+    /// Per coefficient: the prior's magnitude (or its floor), the unit the solve works in.
+    scale: [f64; DIM],
+    /// Forgotten normal equations of the weighted data: sum of w z z^T and of w z y.
+    gram: [[f64; DIM]; DIM],
+    moment: [f64; DIM],
+    /// Signed relative residuals `(actual - predicted) / predicted` of the last completions
+    /// (ring).
+    residuals: [f64; RESIDUALS],
     samples: u64,
     learn: bool,
 }
 
 impl Estimator {
-    /// An estimator that starts at the priors, with an uncertainty of about 100% of each.
+    /// An estimator that starts at the priors.
     pub fn new(prior: &PriorConfig) -> Self {
-        let theta = [
+        let alone = [
             prior.overhead_ms,
             prior.prefill_ms_per_token * PROMPT_SCALE,
             prior.decode_ms_per_token * OUTPUT_SCALE,
+            prior.decode_ms_per_1k_context * OUTPUT_SCALE,
         ];
-        let mut p = [[0.0; 3]; 3];
-        for i in 0..3 {
-            // Prior variance: the square of the prior itself (or of 100 ms when the prior is
-            // zero), so a handful of completions outweigh a wrong guess.
-            let s = theta[i].abs().max(100.0);
-            p[i][i] = s * s;
+        let mut p = [0.0; DIM];
+        for i in 0..TERMS {
+            let a = finite_nonneg(alone[i]);
+            p[i] = a;
+            p[TERMS + i] = a * finite_nonneg(prior.batch_slowdown);
+        }
+        let mut scale = [0.0; DIM];
+        for i in 0..DIM {
+            scale[i] = p[i].max(MIN_SCALE[i]);
         }
         Estimator {
-            theta,
-            p,
+            theta: p,
+            prior: p,
+            scale,
+            gram: [[0.0; DIM]; DIM],
+            moment: [0.0; DIM],
+            residuals: [0.0; RESIDUALS],
             samples: 0,
             learn: prior.learn,
         }
     }
 
-    fn features(prompt_tokens: u32, output_tokens: u32) -> [f64; 3] {
-        [
+    /// Scaled features of a request: its four `alone` terms, then the same times `k - 1`.
+    fn features(prompt_tokens: u32, output_tokens: u32, concurrency: f64) -> [f64; DIM] {
+        let p = f64::from(prompt_tokens);
+        let o = f64::from(output_tokens);
+        let extra = if concurrency.is_finite() {
+            (concurrency - 1.0).max(0.0)
+        } else {
+            0.0
+        };
+        let base = [
             1.0,
-            f64::from(prompt_tokens) / PROMPT_SCALE,
-            f64::from(output_tokens) / OUTPUT_SCALE,
-        ]
+            p / PROMPT_SCALE,
+            o / OUTPUT_SCALE,
+            o * (p + o / 2.0) / CONTEXT_SCALE,
+        ];
+        let mut z = [0.0; DIM];
+        for i in 0..TERMS {
+            z[i] = base[i];
+            z[TERMS + i] = base[i] * extra;
+        }
+        z
     }
 
-    /// Expected service of a request with this prompt and expected output.
-    pub fn estimate(&self, prompt_tokens: u32, output_tokens: u32) -> Estimate {
-        let x = Self::features(prompt_tokens, output_tokens);
-        // Negative coefficients can appear transiently while learning; a cost is never below 0.
-        let overhead = self.theta[0].max(0.0);
-        let prefill = self.theta[1].max(0.0) * x[1];
-        let decode = self.theta[2].max(0.0) * x[2];
-        let total = (overhead + prefill + decode).max(MIN_SERVICE_MS);
-        let first = (overhead + prefill).max(MIN_SERVICE_MS).min(total);
+    fn predict(&self, z: &[f64; DIM]) -> f64 {
+        dot(&self.theta, z)
+    }
+
+    /// Expected service of a request with this prompt and expected output, run while
+    /// `concurrency` requests (itself included) share the server.
+    pub fn estimate(&self, prompt_tokens: u32, output_tokens: u32, concurrency: f64) -> Estimate {
+        let total = self
+            .predict(&Self::features(prompt_tokens, output_tokens, concurrency))
+            .max(MIN_SERVICE_MS);
+        // The first token comes after the prompt and one decode step.
+        let first = self
+            .predict(&Self::features(
+                prompt_tokens,
+                output_tokens.min(1),
+                concurrency,
+            ))
+            .max(MIN_SERVICE_MS)
+            .min(total);
         Estimate {
             service_ms: to_ms(total),
             first_token_ms: to_ms(first),
         }
     }
 
-    /// Learn from one completed request: its observed service time and real token counts.
-    pub fn observe(&mut self, prompt_tokens: u32, output_tokens: u32, service_ms: u64) {
+    /// Learn from one completed request: its real token counts, the mean number of requests in
+    /// flight while it ran (itself included) and its observed service time.
+    pub fn observe(
+        &mut self,
+        prompt_tokens: u32,
+        output_tokens: u32,
+        concurrency: f64,
+        service_ms: u64,
+    ) {
         if !self.learn {
             return;
         }
-        let x = Self::features(prompt_tokens, output_tokens);
-        let y = service_ms as f64;
-        let mut px = [0.0; 3];
-        for (i, row) in self.p.iter().enumerate() {
-            px[i] = row.iter().zip(x.iter()).map(|(a, b)| a * b).sum();
+        let z = Self::features(prompt_tokens, output_tokens, concurrency);
+        let y = (service_ms as f64).max(MIN_SERVICE_MS);
+        let pred = self.predict(&z).max(MIN_SERVICE_MS);
+        let physical = y <= MAX_SERVICE_MS
+            && prompt_tokens <= MAX_TOKENS
+            && output_tokens <= MAX_TOKENS
+            && concurrency.is_finite()
+            && concurrency <= 1e6;
+        if !(physical && pred.is_finite() && z.iter().all(|v| v.is_finite())) {
+            return; // a degenerate observation is skipped rather than poisoning the fit
         }
-        let denom = LAMBDA + x.iter().zip(px.iter()).map(|(a, b)| a * b).sum::<f64>();
-        if !(denom.is_finite() && denom > 0.0) {
-            return;
-        }
-        let k = [px[0] / denom, px[1] / denom, px[2] / denom];
-        let pred: f64 = self.theta.iter().zip(x.iter()).map(|(a, b)| a * b).sum();
-        // One outlier (a job stuck on its slot for minutes, seed 002's eval) must not drag
-        // every later estimate up with it: an observation counts as at most OUTLIER_CLIP
-        // times the prediction away from it. A real, lasting slowdown still gets through: each
-        // completion moves the estimate by the gain times at most that much, so a fresh
-        // estimator follows within a few completions and a long-settled one within a few
-        // dozen (measured by the review: x4 after 1,000 warm samples, 3.7 s of 8.1 s after 41
-        // completions with the clip, 4.0 s without; the same after 400).
-        let reach = OUTLIER_CLIP * pred.max(MIN_SERVICE_MS);
-        let err = (y - pred).clamp(-reach, reach);
-        let mut next = self.theta;
-        for i in 0..3 {
-            next[i] += k[i] * err;
-        }
-        // P = (P - k (P x)^T) / lambda; P is symmetric so x^T P = (P x)^T.
-        let mut np = self.p;
-        for i in 0..3 {
-            for j in 0..3 {
-                np[i][j] = (self.p[i][j] - k[i] * px[j]) / LAMBDA;
+        // Relative error (1 / pred^2) with Huber's bound on the pull of an outlier, the bound
+        // set by how far off completions have recently been.
+        let signed = (y - pred) / pred;
+        let r = signed.abs();
+        let seen = (self.samples as usize).min(RESIDUALS);
+        let mut abs: Vec<f64> = self.residuals[..seen].iter().map(|v| v.abs()).collect();
+        let mut sgn: Vec<f64> = self.residuals[..seen].to_vec();
+        abs.sort_by(f64::total_cmp);
+        sgn.sort_by(f64::total_cmp);
+        let median = |v: &[f64]| if v.is_empty() { 0.0 } else { v[v.len() / 2] };
+        let threshold = HUBER.max(HUBER_SPREAD * median(&abs));
+        let huber = if r > threshold { threshold / r } else { 1.0 };
+        // A lasting change: most recent completions off the same way. Forget faster so the
+        // fit follows in tens of completions instead of the data's full memory.
+        let lambda = if seen == RESIDUALS && median(&sgn).abs() > CHANGE {
+            CHANGE_LAMBDA
+        } else {
+            LAMBDA
+        };
+        self.residuals[(self.samples as usize) % RESIDUALS] = signed;
+        let w = huber / (pred * pred);
+        // Work in prior-scaled units (u = theta / scale): every entry of order one.
+        let zs: [f64; DIM] = std::array::from_fn(|i| z[i] * self.scale[i]);
+        for i in 0..DIM {
+            for j in 0..DIM {
+                self.gram[i][j] = lambda * self.gram[i][j] + w * zs[i] * zs[j];
             }
+            self.moment[i] = lambda * self.moment[i] + w * zs[i] * y;
         }
-        // Rounding makes P drift from symmetric, and after a few thousand near-exact samples
-        // it can lose positive definiteness, after which the gain has the wrong sign and the
-        // estimate runs away (seen replaying a real trace in the simulator). Keep it
-        // symmetric, and restart the covariance around the current estimate if it breaks.
-        for (i, j) in [(0, 1), (0, 2), (1, 2)] {
-            let v = 0.5 * (np[i][j] + np[j][i]);
-            np[i][j] = v;
-            np[j][i] = v;
-        }
-        let trace = np[0][0] + np[1][1] + np[2][2];
-        if !next.iter().all(|v| v.is_finite()) || !trace.is_finite() {
-            return; // a degenerate update is skipped rather than poisoning the estimate
-        }
-        if !positive_definite(&np) {
-            self.p = fresh_covariance(&self.theta);
-            return;
-        }
-        if trace > MAX_TRACE {
-            let s = MAX_TRACE / trace;
-            for row in np.iter_mut() {
-                for v in row.iter_mut() {
-                    *v *= s;
-                }
-            }
-        }
-        self.theta = next;
-        self.p = np;
         self.samples += 1;
+        self.refit();
+    }
+
+    /// Solve the ridge-regularised non-negative least squares for the coefficients.
+    fn refit(&mut self) {
+        let mut m = self.gram;
+        let mut q = self.moment;
+        let u0: [f64; DIM] = std::array::from_fn(|i| self.prior[i] / self.scale[i]);
+        for i in 0..DIM {
+            let ridge = PRIOR_WEIGHT * self.gram[i][i] + PRIOR_FLOOR;
+            m[i][i] += ridge;
+            q[i] += ridge * u0[i];
+        }
+        let start: [f64; DIM] = std::array::from_fn(|i| self.theta[i] / self.scale[i]);
+        if let Some(u) = nonneg_quadratic_min(&m, &q, &start) {
+            let next: [f64; DIM] = std::array::from_fn(|i| u[i] * self.scale[i]);
+            if next.iter().all(|v| v.is_finite() && *v >= 0.0) {
+                self.theta = next;
+            }
+        }
     }
 
     /// True while a learning estimator has seen fewer than a handful of completions: its
@@ -176,35 +293,227 @@ impl Estimator {
         self.learn && self.samples < WARMUP_SAMPLES
     }
 
-    /// The current coefficients in operator units.
+    /// Whether it learns from completions (`prior.learn`); a frozen estimator's figures are
+    /// the operator's.
+    pub fn learns(&self) -> bool {
+        self.learn
+    }
+
+    /// Completions learned from.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// The current model in operator units.
     pub fn snapshot(&self) -> EstimatorSnapshot {
+        let t = &self.theta;
+        let (p, o) = REFERENCE_SHAPE;
+        let z = Self::features(p, o, 2.0);
+        let alone: f64 = (0..TERMS).map(|i| t[i] * z[i]).sum();
+        let shared: f64 = (0..TERMS).map(|i| t[TERMS + i] * z[TERMS + i]).sum();
         EstimatorSnapshot {
-            overhead_ms: self.theta[0].max(0.0),
-            prefill_ms_per_token: self.theta[1].max(0.0) / PROMPT_SCALE,
-            decode_ms_per_token: self.theta[2].max(0.0) / OUTPUT_SCALE,
+            overhead_ms: t[0],
+            prefill_ms_per_token: t[1] / PROMPT_SCALE,
+            decode_ms_per_token: t[2] / OUTPUT_SCALE,
+            decode_ms_per_1k_context: t[3] / OUTPUT_SCALE,
+            batch_slowdown: if alone > 0.0 { shared / alone } else { 0.0 },
             samples: self.samples,
         }
     }
 }
 
-/// Sylvester's criterion for a symmetric 3x3 matrix (with a little margin for rounding).
-fn positive_definite(p: &[[f64; 3]; 3]) -> bool {
-    let m1 = p[0][0];
-    let m2 = p[0][0] * p[1][1] - p[0][1] * p[1][0];
-    let det = p[0][0] * (p[1][1] * p[2][2] - p[1][2] * p[2][1])
-        - p[0][1] * (p[1][0] * p[2][2] - p[1][2] * p[2][0])
-        + p[0][2] * (p[1][0] * p[2][1] - p[1][1] * p[2][0]);
-    m1 > 1e-12 && m2 > 1e-12 && det > 1e-12 && p.iter().all(|r| r.iter().all(|v| v.is_finite()))
+/// Recent relative errors of a class's estimates against what its requests really took: the
+/// estimator's own report of how far to trust it (median and p90 of |predicted - actual| /
+/// actual over the last [`ErrorTracker::WINDOW`] completions, and the median signed error).
+#[derive(Clone, Debug, Default)]
+pub struct ErrorTracker {
+    /// Signed relative errors, (predicted - actual) / actual, oldest overwritten first.
+    ring: Vec<f64>,
+    next: usize,
 }
 
-/// A covariance that lets the next completions correct the current estimate by about 10%.
-fn fresh_covariance(theta: &[f64; 3]) -> [[f64; 3]; 3] {
-    let mut p = [[0.0; 3]; 3];
-    for i in 0..3 {
-        let s = (theta[i].abs() * 0.1).max(10.0);
-        p[i][i] = s * s;
+/// A summary of an [`ErrorTracker`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ErrorSummary {
+    /// Completions in the window.
+    pub samples: u32,
+    /// Median of |predicted - actual| / actual.
+    pub median: f64,
+    /// 90th percentile of |predicted - actual| / actual.
+    pub p90: f64,
+    /// Median of (predicted - actual) / actual: above 0 the estimates run long.
+    pub bias: f64,
+}
+
+impl ErrorTracker {
+    /// Completions remembered.
+    pub const WINDOW: usize = 64;
+
+    /// Record one completion: what was predicted for it and what it took.
+    pub fn record(&mut self, predicted_ms: u64, actual_ms: u64) {
+        let actual = (actual_ms as f64).max(MIN_SERVICE_MS);
+        let e = (predicted_ms as f64 - actual) / actual;
+        if !e.is_finite() {
+            return;
+        }
+        if self.ring.len() < Self::WINDOW {
+            self.ring.push(e);
+        } else {
+            self.ring[self.next] = e;
+        }
+        self.next = (self.next + 1) % Self::WINDOW;
     }
-    p
+
+    /// The largest |relative error| among the last `n` completions (0 when empty).
+    pub fn recent_max(&self, n: usize) -> f64 {
+        let len = self.ring.len();
+        (1..=n.min(len))
+            .map(|back| self.ring[(self.next + Self::WINDOW - back) % Self::WINDOW % len.max(1)])
+            .map(f64::abs)
+            .fold(0.0, f64::max)
+    }
+
+    /// The window's figures (all zero when empty).
+    pub fn summary(&self) -> ErrorSummary {
+        if self.ring.is_empty() {
+            return ErrorSummary::default();
+        }
+        let mut abs: Vec<f64> = self.ring.iter().map(|e| e.abs()).collect();
+        let mut signed = self.ring.clone();
+        abs.sort_by(f64::total_cmp);
+        signed.sort_by(f64::total_cmp);
+        ErrorSummary {
+            samples: self.ring.len() as u32,
+            median: quantile(&abs, 0.5),
+            p90: quantile(&abs, 0.9),
+            bias: quantile(&signed, 0.5),
+        }
+    }
+}
+
+/// Nearest-rank quantile of sorted values.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn dot(a: &[f64; DIM], b: &[f64; DIM]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn finite_nonneg(v: f64) -> f64 {
+    if v.is_finite() {
+        v.max(0.0)
+    } else {
+        0.0
+    }
+}
+
+/// Minimise `u^T M u / 2 - q^T u` subject to `u >= 0`, for a symmetric positive definite `M`
+/// (the ridge makes it so): Lawson and Hanson's active-set method, warm-started from `start`.
+/// Deterministic and bounded; `None` if a linear solve fails.
+fn nonneg_quadratic_min(
+    m: &[[f64; DIM]; DIM],
+    q: &[f64; DIM],
+    start: &[f64; DIM],
+) -> Option<[f64; DIM]> {
+    const TOL: f64 = 1e-10;
+    let mut x: [f64; DIM] = std::array::from_fn(|i| start[i].max(0.0));
+    let mut free: [bool; DIM] = std::array::from_fn(|i| x[i] > 0.0);
+    for _ in 0..4 * DIM {
+        // Inner loop: the minimiser over the free set, stepping back to stay feasible.
+        for _ in 0..=DIM {
+            let z = solve_free(m, q, &free)?;
+            if (0..DIM).all(|i| !free[i] || z[i] > TOL) {
+                x = z;
+                break;
+            }
+            // Move from x towards z until the first free coefficient reaches zero.
+            let mut alpha = 1.0f64;
+            for i in 0..DIM {
+                if free[i] && z[i] <= TOL {
+                    let d = x[i] - z[i];
+                    if d > 0.0 {
+                        alpha = alpha.min(x[i] / d);
+                    }
+                }
+            }
+            for i in 0..DIM {
+                x[i] += alpha * (z[i] - x[i]);
+                if free[i] && x[i] <= TOL {
+                    free[i] = false;
+                    x[i] = 0.0;
+                }
+            }
+        }
+        // Optimal when no constrained coefficient would lower the objective by growing.
+        let mut best: Option<(usize, f64)> = None;
+        for i in 0..DIM {
+            if free[i] {
+                continue;
+            }
+            let g: f64 = (0..DIM).map(|j| m[i][j] * x[j]).sum::<f64>() - q[i];
+            let better = match best {
+                Some((_, b)) => g < b,
+                None => true,
+            };
+            if g < -TOL && better {
+                best = Some((i, g));
+            }
+        }
+        match best {
+            Some((i, _)) => free[i] = true,
+            None => return Some(x),
+        }
+    }
+    Some(x)
+}
+
+/// Solve `M_FF x_F = q_F` on the free set `F` (zeros elsewhere) by Gaussian elimination with
+/// partial pivoting.
+fn solve_free(m: &[[f64; DIM]; DIM], q: &[f64; DIM], free: &[bool; DIM]) -> Option<[f64; DIM]> {
+    let idx: Vec<usize> = (0..DIM).filter(|&i| free[i]).collect();
+    let n = idx.len();
+    let mut out = [0.0; DIM];
+    if n == 0 {
+        return Some(out);
+    }
+    let mut a = vec![vec![0.0; n + 1]; n];
+    for (r, &i) in idx.iter().enumerate() {
+        for (c, &j) in idx.iter().enumerate() {
+            a[r][c] = m[i][j];
+        }
+        a[r][n] = q[i];
+    }
+    for col in 0..n {
+        let pivot = (col..n).max_by(|&x, &y| a[x][col].abs().total_cmp(&a[y][col].abs()))?;
+        if a[pivot][col].abs() < 1e-300 {
+            return None;
+        }
+        a.swap(col, pivot);
+        let (top, rest) = a.split_at_mut(col + 1);
+        let pivot_row = &top[col];
+        for row in rest.iter_mut() {
+            let f = row[col] / pivot_row[col];
+            if f != 0.0 {
+                for (v, p) in row[col..].iter_mut().zip(&pivot_row[col..]) {
+                    *v -= f * p;
+                }
+            }
+        }
+    }
+    let mut sol = vec![0.0; n];
+    for r in (0..n).rev() {
+        let s: f64 = (r + 1..n).map(|c| a[r][c] * sol[c]).sum();
+        sol[r] = (a[r][n] - s) / a[r][r];
+    }
+    for (r, &i) in idx.iter().enumerate() {
+        out[i] = sol[r];
+    }
+    out.iter().all(|v| v.is_finite()).then_some(out)
 }
 
 fn to_ms(v: f64) -> u64 {
@@ -216,173 +525,5 @@ fn to_ms(v: f64) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A tiny deterministic PRNG so the test needs no dependency.
-    struct XorShift(u64);
-    impl XorShift {
-        fn next(&mut self) -> u64 {
-            let mut x = self.0;
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            self.0 = x;
-            x
-        }
-        fn range(&mut self, lo: u32, hi: u32) -> u32 {
-            lo + (self.next() % u64::from(hi - lo + 1)) as u32
-        }
-        fn unit(&mut self) -> f64 {
-            (self.next() >> 11) as f64 / (1u64 << 53) as f64
-        }
-    }
-
-    fn true_ms(p: u32, o: u32) -> f64 {
-        // A "real" endpoint quite unlike the priors: 350 ms overhead, 0.05 ms/prompt token,
-        // 12 ms/output token.
-        350.0 + f64::from(p) * 0.05 + f64::from(o) * 12.0
-    }
-
-    #[test]
-    fn converges_to_a_known_model_within_ten_percent() {
-        let prior = PriorConfig {
-            overhead_ms: 1000.0,
-            prefill_ms_per_token: 1.0,
-            decode_ms_per_token: 40.0,
-            ..PriorConfig::default()
-        };
-        let mut est = Estimator::new(&prior);
-        let mut rng = XorShift(42);
-        for _ in 0..300 {
-            let p = rng.range(10, 8000);
-            let o = rng.range(1, 600);
-            // +-5% multiplicative noise, as real latencies have.
-            let noise = 0.95 + 0.1 * rng.unit();
-            est.observe(p, o, (true_ms(p, o) * noise) as u64);
-        }
-        for (p, o) in [(100, 10), (4000, 50), (50, 500), (8000, 300), (1, 1)] {
-            let got = est.estimate(p, o).service_ms as f64;
-            let want = true_ms(p, o);
-            let err = (got - want).abs() / want;
-            assert!(err < 0.10, "p={p} o={o}: got {got}, want {want}, err {err}");
-        }
-        let s = est.snapshot();
-        assert!((s.decode_ms_per_token - 12.0).abs() < 1.2, "{s:?}");
-        assert_eq!(s.samples, 300);
-    }
-
-    #[test]
-    fn tracks_an_upstream_that_slows_down() {
-        let mut est = Estimator::new(&PriorConfig::default());
-        let mut rng = XorShift(7);
-        for _ in 0..300 {
-            let (p, o) = (rng.range(10, 2000), rng.range(1, 300));
-            est.observe(p, o, true_ms(p, o) as u64);
-        }
-        // The upstream becomes twice as slow; within a few hundred completions we follow.
-        for _ in 0..600 {
-            let (p, o) = (rng.range(10, 2000), rng.range(1, 300));
-            est.observe(p, o, (2.0 * true_ms(p, o)) as u64);
-        }
-        let got = est.estimate(1000, 100).service_ms as f64;
-        let want = 2.0 * true_ms(1000, 100);
-        assert!((got - want).abs() / want < 0.10, "got {got} want {want}");
-    }
-
-    #[test]
-    fn identical_requests_still_predict_right() {
-        // Collinear inputs (every request the same) cannot identify the split between the
-        // coefficients, but the prediction for that request must still be right.
-        let mut est = Estimator::new(&PriorConfig::default());
-        for _ in 0..200 {
-            est.observe(0, 0, 800);
-        }
-        let got = est.estimate(0, 0).service_ms;
-        assert!((790..=810).contains(&got), "{got}");
-    }
-
-    #[test]
-    fn frozen_estimator_keeps_priors() {
-        let prior = PriorConfig {
-            overhead_ms: 800.0,
-            prefill_ms_per_token: 0.0,
-            decode_ms_per_token: 0.0,
-            learn: false,
-            ..PriorConfig::default()
-        };
-        let mut est = Estimator::new(&prior);
-        est.observe(10, 10, 5);
-        assert_eq!(est.estimate(10, 10).service_ms, 800);
-    }
-
-    #[test]
-    fn absurd_observations_do_not_poison_it() {
-        let mut est = Estimator::new(&PriorConfig::default());
-        est.observe(u32::MAX, u32::MAX, u64::MAX);
-        let e = est.estimate(100, 100);
-        assert!(e.service_ms >= 1);
-        assert!(e.first_token_ms <= e.service_ms);
-    }
-
-    /// Seed 002: after a few normal completions, one job that held its slot for 90 s must
-    /// not make the next estimates absurd (they would refuse every request afterwards).
-    #[test]
-    fn one_stuck_job_does_not_poison_later_estimates() {
-        let prior = PriorConfig {
-            overhead_ms: 5.0,
-            prefill_ms_per_token: 0.0,
-            decode_ms_per_token: 10.0,
-            ..PriorConfig::default()
-        };
-        let mut est = Estimator::new(&prior);
-        for _ in 0..9 {
-            est.observe(10, 16, 165);
-        }
-        est.observe(10, 16, 90_000);
-        let after = est.estimate(10, 16).service_ms;
-        assert!(
-            after <= 3 * 165,
-            "one outlier moved the estimate to {after} ms"
-        );
-        // A real, lasting slowdown is still learned.
-        for _ in 0..40 {
-            est.observe(10, 16, 1_650);
-        }
-        let slow = est.estimate(10, 16).service_ms;
-        assert!(
-            (1_200..=1_900).contains(&slow),
-            "slowdown learned as {slow} ms"
-        );
-    }
-
-    /// Thousands of near-exact completions (a real trace's shape: long prompts, mostly short
-    /// outputs, a long tail) must not wind the covariance into a runaway estimate.
-    #[test]
-    fn stays_exact_over_a_long_replay() {
-        let prior = PriorConfig {
-            overhead_ms: 30.0,
-            prefill_ms_per_token: 0.05,
-            decode_ms_per_token: 15.0,
-            ..PriorConfig::default()
-        };
-        let mut e = Estimator::new(&prior);
-        let mut rng = XorShift(0x5eed);
-        for i in 0..30_000u32 {
-            let p = rng.range(50, 8_000);
-            let o = if rng.unit() < 0.8 {
-                rng.range(1, 40)
-            } else {
-                rng.range(40, 1_900)
-            };
-            let truth = (30.0 + 0.05 * f64::from(p) + 15.0 * f64::from(o)).round();
-            let est = e.estimate(p, o).service_ms as f64;
-            assert!(
-                (est - truth).abs() <= truth * 0.05 + 2.0,
-                "sample {i}: estimate {est} vs {truth} ({:?})",
-                e.snapshot()
-            );
-            e.observe(p, o, truth as u64);
-        }
-    }
-}
+#[path = "estimator_tests.rs"]
+mod tests;

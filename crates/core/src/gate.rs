@@ -15,10 +15,11 @@
 //! of classes at priority `>= p`, spread over the pool's slots.
 
 use crate::config::{ConfigError, GateConfig, OverflowMode, PriorConfig};
-use crate::estimator::{Estimate, Estimator, EstimatorSnapshot};
+use crate::estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot};
 use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError};
 use crate::queue::{ClassQueue, QueueKey};
 use crate::reason::{Action, Reason};
+use crate::tokens::TokenCounter;
 use crate::Millis;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -50,8 +51,14 @@ pub struct Request {
     pub deadline: Option<Millis>,
     /// Absolute deadline for the first token (`x-slo-ttft-ms`).
     pub first_token_deadline: Option<Millis>,
-    /// Estimated prompt size.
+    /// Estimated prompt size, used when `prompt_chars` is `None` (the simulator knows tokens).
     pub prompt_tokens: u32,
+    /// The prompt's length in characters: the gate turns it into tokens with the relation it
+    /// learns from the upstream's `usage.prompt_tokens` (see [`crate::tokens`]), so it predicts
+    /// with the same count it learns from.
+    pub prompt_chars: Option<u32>,
+    /// The model the request names, for a per-model characters-per-token relation.
+    pub model: Option<String>,
     /// The request's output cap (`max_tokens` / `max_completion_tokens`). `Some(0)` for
     /// requests that generate nothing (embeddings).
     pub max_tokens: Option<u32>,
@@ -232,6 +239,11 @@ pub struct Completed {
     pub depth: u32,
     /// The job's hold as settled in the ledger (spent or wasted tokens).
     pub hold: Option<HoldRecord>,
+    /// The service time the gate estimated for it at admission.
+    pub est_service_ms: u64,
+    /// Mean number of requests in flight on the pool while it ran (itself included); 0 if it
+    /// never ran.
+    pub concurrency: f64,
 }
 
 impl Completed {
@@ -274,6 +286,10 @@ pub struct ClassSnapshot {
     pub deadline_ms: Option<u64>,
     /// The class's queue-age threshold (`max_queue_age_ms`).
     pub max_queue_age_ms: Option<u64>,
+    /// How far the estimates of the class's recent completions were from what they took.
+    pub est_error: ErrorSummary,
+    /// Requests admitted as `probe` so far.
+    pub probes: u64,
 }
 
 /// Live view of one pool.
@@ -300,6 +316,12 @@ pub struct PoolSnapshot {
     pub warming_up: bool,
     /// Removed by a config reload: it takes no new work; what it already had runs to its end.
     pub retired: bool,
+    /// Learned characters of prompt text per token (pool-wide).
+    pub chars_per_token: f64,
+    /// Learned tokens the chat template adds to every prompt (pool-wide).
+    pub template_tokens: f64,
+    /// Mean number of requests in flight while recent completions ran.
+    pub mean_concurrency: f64,
 }
 
 /// Live view of the whole gate.
@@ -335,6 +357,9 @@ struct Job {
     first_token_deadline: Option<Millis>,
     est: Estimate,
     prompt_tokens: u32,
+    /// The prompt's characters and model, to learn the token relation at completion.
+    prompt_chars: Option<u32>,
+    model: Option<String>,
     state: JobState,
     first_token_at: Option<Millis>,
     /// The output cap (`Some(0)`: generates nothing, e.g. embeddings).
@@ -354,7 +379,11 @@ struct Job {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum JobState {
     Queued,
-    InFlight { started_at: Millis },
+    /// Dispatched at `started_at`, when the pool's in-flight integral stood at `busy_at_start`.
+    InFlight {
+        started_at: Millis,
+        busy_at_start: u128,
+    },
 }
 
 impl Job {
@@ -438,6 +467,17 @@ struct ClassState {
     /// Configured `displace_within_ms` (primary lanes only): how recently admitted a queued
     /// job must be for a shorter newcomer to take its place.
     displace_within_ms: Option<u64>,
+    /// Relative errors of the estimates of the class's recent completions (primary lanes:
+    /// an overflow lane records into its class's).
+    errors: ErrorTracker,
+    /// Configured `probe_interval_ms` (0: no probes).
+    probe_interval_ms: u64,
+    /// When the class last admitted a probe, and which job that was (one live at a time).
+    last_probe: Option<(Millis, JobId)>,
+    /// Probes admitted so far.
+    probes: u64,
+    /// When the class last admitted a request (probes aside).
+    last_admit_at: Option<Millis>,
 }
 
 #[derive(Debug)]
@@ -454,6 +494,15 @@ struct PoolState {
     max_queued: u32,
     default_output_tokens: u32,
     estimator: Estimator,
+    /// Prompt characters to tokens, learned from the upstream's usage.
+    tokens: TokenCounter,
+    /// Integral of the in-flight count over time (job-milliseconds) up to `busy_at`: a job's
+    /// mean concurrency is the integral's growth over its life divided by its duration.
+    busy: u128,
+    busy_at: Millis,
+    /// Mean concurrency of recent completions (EWMA): what a newcomer will likely share the
+    /// server with once the pool is in its usual state.
+    recent_concurrency: f64,
     /// In-flight jobs: id -> (started_at, estimated service).
     in_flight: BTreeMap<JobId, (Millis, u64)>,
     /// Classes of this pool, highest priority first (ties by class index, for determinism).
@@ -478,6 +527,54 @@ fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
 const STACK_SLOTS: usize = 64;
 
 impl PoolState {
+    /// Bring the in-flight integral up to `now`; call before the in-flight set changes.
+    fn advance_busy(&mut self, now: Millis) {
+        let dt = now.saturating_sub(self.busy_at);
+        self.busy = self
+            .busy
+            .saturating_add(u128::from(dt) * self.in_flight.len() as u128);
+        self.busy_at = self.busy_at.max(now);
+    }
+
+    /// The integral as it stands at `now` (without moving it).
+    fn busy_until(&self, now: Millis) -> u128 {
+        let dt = now.saturating_sub(self.busy_at);
+        self.busy
+            .saturating_add(u128::from(dt) * self.in_flight.len() as u128)
+    }
+
+    /// Mean in-flight count (at least 1: the job itself) over a job's life so far.
+    fn concurrency_since(&self, now: Millis, started_at: Millis, busy_at_start: u128) -> f64 {
+        let dt = now.saturating_sub(started_at);
+        if dt == 0 {
+            return (self.in_flight.len() as f64).max(1.0);
+        }
+        let area = self.busy_until(now).saturating_sub(busy_at_start);
+        (area as f64 / dt as f64).max(1.0)
+    }
+
+    /// How many requests a newcomer will share the server with while it runs: every slot's
+    /// worth when it has to wait for one (the pool is saturated), otherwise what runs now plus
+    /// what is queued ahead and itself, or the recent usual if that is more (others arrive
+    /// while it runs); never more than the slots.
+    fn expected_concurrency(&self, wait: u64, count_ahead: u32) -> f64 {
+        let slots = f64::from(self.slots.max(1));
+        if wait > 0 {
+            return slots;
+        }
+        let now = self.in_flight.len() as f64 + f64::from(count_ahead) + 1.0;
+        now.max(self.recent_concurrency).min(slots)
+    }
+
+    /// A request's prompt tokens: counted from its characters with the learned relation when
+    /// the gateway gave them, else as the caller estimated.
+    fn prompt_tokens(&self, req: &Request) -> u32 {
+        match req.prompt_chars {
+            Some(chars) => self.tokens.tokens(chars, req.model.as_deref()),
+            None => req.prompt_tokens,
+        }
+    }
+
     /// Estimated work left of all in-flight jobs (saturating: a few slots stuck for ages must
     /// not wrap to a short wait).
     fn in_flight_remaining(&self, now: Millis) -> u64 {
@@ -635,6 +732,19 @@ const EWMA_ALPHA: f64 = 0.2;
 const OUTPUT_QUANTILE: f64 = 0.9;
 /// Step of the streaming quantile tracker, as a fraction of the class's mean output.
 const QUANTILE_STEP: f64 = 0.05;
+/// The tracked quantile stays within this many times the class's mean output (a long tail of
+/// 20% at 1000 tokens over 10-token answers is a ratio of about 5).
+const QUANTILE_MAX_RATIO: f64 = 5.0;
+/// A class's estimates are confirmed by at least this many recent completions ...
+const CONFIRM_SAMPLES: u32 = 5;
+/// ... whose median signed relative error is within this ...
+const CONFIRM_BIAS: f64 = 0.25;
+/// ... and whose 90th percentile absolute relative error is within this, as is that of each
+/// of the last few (one probe that ran far off its estimate is a contradiction).
+const CONFIRM_P90: f64 = 0.5;
+const CONFIRM_RECENT: usize = 3;
+/// Weight of one completion in a pool's recent mean concurrency (EWMA).
+const CONCURRENCY_ALPHA: f64 = 0.1;
 
 /// What a request would see on one lane (see [`Gate::evaluate`]).
 #[derive(Clone, Copy, Debug)]
@@ -653,6 +763,10 @@ struct Eval {
     verdict: Result<Reason, Reason>,
     /// The verdict is the pool's hard `max_queued` cap: enforced even in shadow mode.
     hard_cap: bool,
+    /// The prompt tokens the estimate used (counted with the pool's learned relation).
+    prompt_tokens: u32,
+    /// The class's recent completions confirm its estimates (see `estimate_confirmed`).
+    sure: bool,
 }
 
 /// How a job's hold is settled when the job ends.
@@ -844,14 +958,18 @@ impl Gate {
     fn evaluate(&self, now: Millis, lane: ClassId, req: &Request, expected_output: u32) -> Eval {
         let c = &self.classes[lane.0];
         let pool = c.pool;
-        let est = self.pools[pool.0]
-            .estimator
-            .estimate(req.prompt_tokens, expected_output);
+        let p = &self.pools[pool.0];
+        let prompt_tokens = p.prompt_tokens(req);
         let deadline = req
             .deadline
             .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
         let (work_ahead, count_ahead, oldest) = self.ahead(pool, c.priority);
         let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
+        // Its own service, at the concurrency it will likely run at.
+        let concurrency = p.expected_concurrency(wait, count_ahead);
+        let est = p
+            .estimator
+            .estimate(prompt_tokens, expected_output, concurrency);
         // Queue age: how long the work this request would wait behind has been waiting. That
         // is the oldest queued job ahead, or, when every slot is busy, how long the pool has
         // gone without freeing one (seed 002: one stuck eval, an empty queue, and a sync
@@ -867,13 +985,13 @@ impl Gate {
             (None, Some(q)) => {
                 let q = q.round().clamp(0.0, f64::from(u32::MAX)) as u32;
                 let q = req.max_tokens.map_or(q, |m| q.min(m)).max(expected_output);
-                self.pools[pool.0].estimator.estimate(req.prompt_tokens, q)
+                p.estimator.estimate(prompt_tokens, q, concurrency)
             }
             _ => est,
         };
         let slack_ms = slack(now, 0, deadline, req.first_token_deadline, own);
-        let in_flight = self.pools[pool.0].in_flight.len() as u32;
-        let p = &self.pools[pool.0];
+        let in_flight = p.in_flight.len() as u32;
+        let sure = self.estimate_confirmed(lane);
         let mut hard_cap = false;
         let verdict = if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
             Err(Reason::QueueAgeExceeded)
@@ -891,6 +1009,11 @@ impl Gate {
             // and learn; such a job is never dropped on its (untrusted) estimate.
             if wait == 0 && p.estimator.warming_up() {
                 Ok(Reason::EstimatorWarmup)
+            } else if wait == 0 && self.may_probe(now, lane) {
+                // Refused on a free slot for its own size alone, and nothing of the class
+                // admitted for a while: let one through to measure it, or the gate could lock
+                // itself in (refused requests teach nothing, and a class's outputs drift).
+                Ok(Reason::Probe)
             } else {
                 Err(Reason::ProjectedWaitExceedsSlack)
             }
@@ -909,6 +1032,46 @@ impl Gate {
             in_flight,
             verdict,
             hard_cap,
+            prompt_tokens,
+            sure,
+        }
+    }
+
+    /// The class's recent completions confirm its estimates: enough of them, unbiased and
+    /// close, none of the very last far off (or the estimator is frozen). Only then is a request refused as too big for its own deadline told not to retry
+    /// (`x-should-retry: false`), and never probed.
+    /// A frozen estimator (`learn = false`) holds the operator's own figures: trusted as such.
+    fn estimate_confirmed(&self, lane: ClassId) -> bool {
+        let pool = &self.pools[self.classes[lane.0].pool.0];
+        if !pool.estimator.learns() {
+            return true;
+        }
+        let errors = &self.classes[self.home(lane).0].errors;
+        let e = errors.summary();
+        e.samples >= CONFIRM_SAMPLES
+            && e.bias.abs() <= CONFIRM_BIAS
+            && e.p90 <= CONFIRM_P90
+            && errors.recent_max(CONFIRM_RECENT) <= CONFIRM_P90
+    }
+
+    /// A probe of the class may be admitted now: probing is on, the estimator learns (a probe
+    /// teaches a frozen one nothing), not in shadow mode (which admits anyway), no probe of the
+    /// class is still live, and nothing of the class was admitted for `probe_interval_ms`.
+    fn may_probe(&self, now: Millis, lane: ClassId) -> bool {
+        let c = &self.classes[self.home(lane).0];
+        let learns = self.pools[self.classes[lane.0].pool.0].estimator.learns();
+        if c.probe_interval_ms == 0 || !learns || self.cfg.shadow || self.cfg.admit_always {
+            return false;
+        }
+        if c.last_probe
+            .is_some_and(|(_, id)| self.jobs.contains_key(&id))
+        {
+            return false;
+        }
+        let last = c.last_admit_at.max(c.last_probe.map(|(at, _)| at));
+        match last {
+            Some(at) => now.saturating_sub(at) >= c.probe_interval_ms,
+            None => true,
         }
     }
 
@@ -976,7 +1139,7 @@ impl Gate {
         // own estimate would hold: a hint of 0 must not slip past the tenant's grant.
         let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
             let own = self.expected_output(class, req.max_tokens);
-            u64::from(req.prompt_tokens).saturating_add(u64::from(expected_output.max(own)))
+            u64::from(e.prompt_tokens).saturating_add(u64::from(expected_output.max(own)))
         });
         let tenant = req.tenant.as_deref();
         let shadow = self.cfg.shadow && !self.cfg.admit_always;
@@ -1020,6 +1183,7 @@ impl Gate {
                     e.slack_ms,
                     e.count_ahead,
                     primary_pool,
+                    e.sure,
                 );
                 d.retry_after_ms = Some(after);
                 d.should_retry = retry;
@@ -1160,13 +1324,16 @@ impl Gate {
                     deadline: e.deadline,
                     first_token_deadline: req.first_token_deadline,
                     est: e.est,
-                    prompt_tokens: req.prompt_tokens,
+                    prompt_tokens: e.prompt_tokens,
+                    prompt_chars: req.prompt_chars,
+                    model: req.model.clone(),
                     state: JobState::Queued,
                     first_token_at: None,
                     max_tokens: req.max_tokens,
                     // Warm-up jobs run on an untrusted estimate; a reservation's worker was
                     // already told to go: neither is dropped on slack.
-                    protected: reason == Reason::EstimatorWarmup || req.reservation,
+                    protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe)
+                        || req.reservation,
                     key: key.clone(),
                     generated_key: req.idempotency_key.is_none(),
                     reservation: req.reservation,
@@ -1179,6 +1346,16 @@ impl Gate {
                 l.queue
                     .push(key, now, job_id, e.est.service_ms, displaceable);
                 self.jobs.insert(job_id, job);
+                if shadowed.is_none() {
+                    let home = self.home(lane);
+                    let h = &mut self.classes[home.0];
+                    if reason == Reason::Probe {
+                        h.last_probe = Some((now, job_id));
+                        h.probes += 1;
+                    } else {
+                        h.last_admit_at = Some(now);
+                    }
+                }
                 // The displaced job's client hears it after this one is queued, so its
                 // Retry-After counts this one's work.
                 if let Some(id) = victim {
@@ -1205,6 +1382,7 @@ impl Gate {
                     e.slack_ms,
                     e.count_ahead,
                     primary_pool,
+                    e.sure,
                 );
                 d.retry_after_ms = Some(after);
                 // With an absolute deadline the slack shrinks exactly as fast as the queue
@@ -1275,6 +1453,7 @@ impl Gate {
             budget,
             count,
             job.pool,
+            true,
         );
         let mut ev = self.drop_event(now, id, &job, job.pool, 0, Reason::Displaced);
         if let Event::Drop {
@@ -1298,7 +1477,11 @@ impl Gate {
         }
     }
 
-    /// Retry-After from the projected drain time: how long until the wait would fit.
+    /// Retry-After from the projected drain time: how long until the wait would fit. `sure`:
+    /// the class's recent completions confirm its estimates, so a request too big for its own
+    /// deadline is told not to retry; without that evidence it may (a probe may correct the
+    /// estimate meanwhile).
+    #[allow(clippy::too_many_arguments)]
     fn retry_after(
         &self,
         job_id: JobId,
@@ -1307,6 +1490,7 @@ impl Gate {
         slack_ms: Option<i64>,
         count_ahead: u32,
         pool: PoolId,
+        sure: bool,
     ) -> (u64, bool) {
         let r = &self.cfg.retry;
         let need = match reason {
@@ -1320,8 +1504,9 @@ impl Gate {
             | Reason::BudgetExhausted => return (r.hopeless_retry_after_ms, false),
             Reason::ProjectedWaitExceedsSlack => match slack_ms {
                 // Even an empty queue cannot make this deadline: retrying the same request
-                // is pointless.
-                Some(s) if s < 0 => return (r.hopeless_retry_after_ms, false),
+                // is pointless, if the estimate is to be trusted.
+                Some(s) if s < 0 && sure => return (r.hopeless_retry_after_ms, false),
+                Some(s) if s < 0 => wait,
                 Some(s) => wait.saturating_sub(s as u64),
                 None => wait,
             },
@@ -1435,10 +1620,15 @@ impl Gate {
                 return true;
             }
             let pool = &mut self.pools[pi];
+            pool.advance_busy(now);
             pool.in_flight.insert(id, (now, job.est.service_ms));
             let in_flight = pool.in_flight.len() as u32;
+            let busy_at_start = pool.busy;
             if let Some(j) = self.jobs.get_mut(&id) {
-                j.state = JobState::InFlight { started_at: now };
+                j.state = JobState::InFlight {
+                    started_at: now,
+                    busy_at_start,
+                };
             }
             let depth = self.pool_depth(pool_id);
             self.events.push_back(Event::Dispatch {
@@ -1502,17 +1692,33 @@ impl Gate {
     pub fn on_complete(&mut self, now: Millis, id: JobId, done: Completion) -> Option<Completed> {
         let now = self.clock(now);
         let job = self.jobs.get(&id)?;
-        let JobState::InFlight { started_at } = job.state else {
+        let JobState::InFlight {
+            started_at,
+            busy_at_start,
+        } = job.state
+        else {
             return None;
         };
         let job = self.jobs.remove(&id)?;
         let pool = job.pool;
+        let concurrency = self.pools[pool.0].concurrency_since(now, started_at, busy_at_start);
         // An overflow lane's completions teach its class's output length.
         let home = self.home(job.class);
         let c = &mut self.classes[home.0];
         let service_ms = now.saturating_sub(started_at);
         if done.ok {
             let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
+            if done.completion_tokens.is_some() || job.max_tokens == Some(0) {
+                // What admission predicted against what it took: the class's error report,
+                // and the evidence that decides probes and `x-should-retry`.
+                c.errors.record(job.est.service_ms, service_ms);
+                let p = &mut self.pools[pool.0];
+                p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
+                if let (Some(chars), Some(tokens)) = (job.prompt_chars, done.prompt_tokens) {
+                    p.tokens.learn(chars, tokens, job.model.as_deref());
+                }
+            }
+            let c = &mut self.classes[home.0];
             match done.completion_tokens {
                 Some(out) => {
                     let v = f64::from(out);
@@ -1522,26 +1728,36 @@ impl Gate {
                     });
                     // Stochastic quantile tracking: up by (1 - q) steps when an output is
                     // above the estimate, down by q steps when not; it settles where a
-                    // fraction q of outputs lie below.
-                    let step = QUANTILE_STEP * c.expected_output.unwrap_or(v).max(1.0);
+                    // fraction q of outputs lie below. The step scales with the larger of
+                    // the mean and the quantile itself: scaled by the mean alone, a class
+                    // whose outputs shrank (1000 tokens to 10) would take thousands of
+                    // completions to bring its quantile down, refusing work meanwhile.
+                    let scale = c.expected_output.unwrap_or(v).max(c.output_q.unwrap_or(v));
+                    let step = QUANTILE_STEP * scale.max(1.0);
                     let below = if v <= c.output_q.unwrap_or(v) {
                         1.0
                     } else {
                         0.0
                     };
+                    // Its down steps are small (a tenth of the up steps), so after the class's
+                    // outputs shrink it would lag for hundreds of completions: it is kept
+                    // within a few times the mean, which follows at once.
+                    let cap = QUANTILE_MAX_RATIO * c.expected_output.unwrap_or(v).max(1.0);
                     c.output_q = Some(match c.output_q {
-                        Some(q) => (q + step * (OUTPUT_QUANTILE - below)).max(0.0),
+                        Some(q) => (q + step * (OUTPUT_QUANTILE - below)).clamp(0.0, cap),
                         None => v,
                     });
                     self.pools[pool.0]
                         .estimator
-                        .observe(prompt, out, service_ms);
+                        .observe(prompt, out, concurrency, service_ms);
                 }
                 // A request that generates nothing (embeddings) reports no completion tokens:
                 // it still teaches the overhead and prefill costs. A generating request with
                 // no usage teaches nothing (its output length is unknown).
                 None if job.max_tokens == Some(0) => {
-                    self.pools[pool.0].estimator.observe(prompt, 0, service_ms);
+                    self.pools[pool.0]
+                        .estimator
+                        .observe(prompt, 0, concurrency, service_ms);
                 }
                 None => {}
             }
@@ -1583,7 +1799,7 @@ impl Gate {
                 self.unqueue(id, &job);
                 None
             }
-            JobState::InFlight { started_at } => Some(started_at),
+            JobState::InFlight { started_at, .. } => Some(started_at),
         };
         Some((job, pool, started))
     }
@@ -1631,7 +1847,16 @@ impl Gate {
         started_at: Option<Millis>,
         settle: Settle,
     ) -> Completed {
-        self.pools[pool.0].in_flight.remove(&id);
+        let concurrency = match job.state {
+            JobState::InFlight {
+                started_at,
+                busy_at_start,
+            } => self.pools[pool.0].concurrency_since(now, started_at, busy_at_start),
+            JobState::Queued => 0.0,
+        };
+        let p = &mut self.pools[pool.0];
+        p.advance_busy(now);
+        p.in_flight.remove(&id);
         let hold = self.settle_hold(now, &job, settle);
         let queue_wait_ms = started_at.unwrap_or(now).saturating_sub(job.arrived_at);
         Completed {
@@ -1647,6 +1872,8 @@ impl Gate {
             in_flight: self.pools[pool.0].in_flight.len() as u32,
             depth: self.pool_depth(pool),
             hold,
+            est_service_ms: job.est.service_ms,
+            concurrency,
         }
     }
 
@@ -1777,6 +2004,8 @@ impl Gate {
                     retired: c.retired,
                     deadline_ms: home.default_deadline_ms,
                     max_queue_age_ms: c.max_queue_age_ms,
+                    est_error: home.errors.summary(),
+                    probes: home.probes,
                 }
             })
             .collect();
@@ -1803,6 +2032,9 @@ impl Gate {
                 learning: p.prior.learn,
                 warming_up: p.estimator.warming_up(),
                 retired: p.retired,
+                chars_per_token: p.tokens.snapshot().0,
+                template_tokens: p.tokens.snapshot().1,
+                mean_concurrency: p.recent_concurrency,
             })
             .collect();
         GateSnapshot {
@@ -1818,6 +2050,8 @@ impl Gate {
 }
 
 mod holds;
+#[cfg(test)]
+mod learning_tests;
 pub mod ops;
 #[cfg(test)]
 mod ops_tests;

@@ -14,11 +14,12 @@ pub mod gate;
 pub mod ledger;
 mod queue;
 pub mod reason;
+pub mod tokens;
 
 pub use config::{
     ClassConfig, ConfigError, GateConfig, OverflowMode, PoolConfig, PriorConfig, RetryConfig,
 };
-pub use estimator::{Estimate, Estimator, EstimatorSnapshot};
+pub use estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot};
 pub use gate::ops::{DrainClass, DrainPool, DrainStatus};
 pub use gate::reconfigure::ReconfigureReport;
 pub use gate::{

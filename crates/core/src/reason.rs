@@ -67,6 +67,10 @@ pub enum Reason {
     /// A queued request was refused to make room for a shorter one of its class that would
     /// otherwise have been rejected (`displace_within_ms`); it was never sent upstream.
     Displaced,
+    /// Admitted on a free slot although its own estimate said it could not make its deadline,
+    /// because recent completions of its class do not confirm that estimate: a bounded share
+    /// (`probe_interval_ms`) that measures it, so the gate never locks itself in.
+    Probe,
 }
 
 impl Reason {
@@ -112,11 +116,12 @@ impl Reason {
             Reason::Drained => "drained",
             Reason::OverflowRouted => "overflow_routed",
             Reason::Displaced => "displaced",
+            Reason::Probe => "probe",
         }
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 27] = [
+    pub const ALL: [Reason; 28] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -144,6 +149,7 @@ impl Reason {
         Reason::Drained,
         Reason::OverflowRouted,
         Reason::Displaced,
+        Reason::Probe,
     ];
 }
 

@@ -277,6 +277,9 @@ fn config(spec: &Spec) -> GateConfig {
                     overhead_ms: p.overhead_ms,
                     prefill_ms_per_token: p.prefill_ms_per_token,
                     decode_ms_per_token: p.decode_ms_per_token,
+                    decode_ms_per_1k_context: 0.0,
+                    batch_slowdown: 0.0,
+                    chars_per_token: 4.0,
                     default_output_tokens: p.default_output_tokens,
                     learn: p.learn,
                 },
@@ -512,7 +515,10 @@ impl Harness {
             Action::Admit => {
                 prop_assert!(matches!(
                     d.reason,
-                    Reason::WithinSlack | Reason::AdmitAlways | Reason::EstimatorWarmup
+                    Reason::WithinSlack
+                        | Reason::AdmitAlways
+                        | Reason::EstimatorWarmup
+                        | Reason::Probe
                 ));
                 prop_assert!(d.retry_after_ms.is_none());
                 let c = d.class.expect("admitted jobs have a class");

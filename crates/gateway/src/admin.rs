@@ -437,6 +437,11 @@ fn estimator(shared: &Shared) -> serde_json::Value {
                 "pool": p.name, "overhead_ms": p.estimator.overhead_ms,
                 "prefill_ms_per_token": p.estimator.prefill_ms_per_token,
                 "decode_ms_per_token": p.estimator.decode_ms_per_token,
+                "decode_ms_per_1k_context": p.estimator.decode_ms_per_1k_context,
+                "batch_slowdown": p.estimator.batch_slowdown,
+                "chars_per_token": p.chars_per_token,
+                "template_tokens": p.template_tokens,
+                "mean_concurrency": p.mean_concurrency,
                 "samples": p.estimator.samples, "learning": p.learning,
                 "warming_up": p.warming_up,
             })
@@ -446,7 +451,12 @@ fn estimator(shared: &Shared) -> serde_json::Value {
         .classes
         .iter()
         .filter(|c| !c.overflow)
-        .map(|c| json!({"class": c.name, "expected_output_tokens": c.expected_output_tokens}))
+        .map(|c| {
+            json!({
+                "class": c.name, "expected_output_tokens": c.expected_output_tokens,
+                "est_error": c.est_error, "probes": c.probes,
+            })
+        })
         .collect();
     json!({"pools": pools, "classes": classes})
 }

@@ -193,6 +193,35 @@ impl Metrics {
         }
         // One row per class: its overflow lane and retired lanes carry no switch of their own.
         let switches = || snap.classes.iter().filter(|c| !c.overflow && !c.retired);
+        // The estimator's own report of its error, per class, over its recent completions.
+        let class_label = |c: &ClassSnapshot| format!("class=\"{}\"", esc(&c.name));
+        let errors = || switches().filter(|c| c.est_error.samples > 0);
+        family(
+            o,
+            "slackgate_estimate_error_ratio",
+            "gauge",
+            "|estimated - actual| / actual service time of the class's recent completions, \
+             at the median and the 90th percentile.",
+            errors().flat_map(|c| {
+                [("0.5", c.est_error.median), ("0.9", c.est_error.p90)]
+                    .map(|(q, v)| (format!("{},quantile=\"{q}\"", class_label(c)), v))
+            }),
+        );
+        family(
+            o,
+            "slackgate_estimate_bias_ratio",
+            "gauge",
+            "Median (estimated - actual) / actual service time of the class's recent \
+             completions (above 0: estimates run long).",
+            errors().map(|c| (class_label(c), c.est_error.bias)),
+        );
+        family(
+            o,
+            "slackgate_probes_total",
+            "counter",
+            "Requests admitted as `probe` to measure an estimate nothing else would correct.",
+            switches().map(|c| (class_label(c), c.probes as f64)),
+        );
         // The class's budget, so a dashboard can draw queue age against it (the slack left).
         type Limit = (
             &'static str,
@@ -253,7 +282,7 @@ impl Metrics {
             &'static str,
             fn(&PoolSnapshot) -> f64,
         );
-        let pool_gauges: [PoolGauge; 7] = [
+        let pool_gauges: [PoolGauge; 11] = [
             (
                 "slackgate_in_flight",
                 "gauge",
@@ -295,6 +324,30 @@ impl Metrics {
                 "counter",
                 "Completions the estimator learned from.",
                 |p| p.estimator.samples as f64,
+            ),
+            (
+                "slackgate_estimator_decode_context_seconds_per_token",
+                "gauge",
+                "Learned extra cost per output token per 1000 tokens of context.",
+                |p| p.estimator.decode_ms_per_1k_context / 1000.0,
+            ),
+            (
+                "slackgate_estimator_batch_slowdown_ratio",
+                "gauge",
+                "Learned share of its time alone that each other request in flight adds.",
+                |p| p.estimator.batch_slowdown,
+            ),
+            (
+                "slackgate_estimator_chars_per_token",
+                "gauge",
+                "Learned characters of prompt text per upstream token.",
+                |p| p.chars_per_token,
+            ),
+            (
+                "slackgate_pool_mean_concurrency",
+                "gauge",
+                "Mean requests in flight while recent completions ran.",
+                |p| p.mean_concurrency,
             ),
         ];
         for (name, kind, help, value) in pool_gauges {

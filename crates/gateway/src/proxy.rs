@@ -264,6 +264,8 @@ pub async fn admitted(
         deadline,
         first_token_deadline: hinfo.first_token_in_ms.map(|ms| now.saturating_add(ms)),
         prompt_tokens: binfo.prompt_tokens,
+        prompt_chars: binfo.prompt_chars,
+        model: binfo.model.clone(),
         max_tokens,
         expected_output_tokens: hinfo
             .expected_output_tokens

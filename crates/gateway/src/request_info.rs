@@ -213,8 +213,11 @@ pub fn fnv_hex(bytes: &[u8]) -> String {
 /// What the JSON body says.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BodyInfo {
-    /// Estimated prompt tokens (characters / 4, at least 1).
+    /// Estimated prompt tokens (characters / 4, at least 1), for when the characters are not
+    /// known; the core counts tokens from `prompt_chars` with what it learned of the upstream.
     pub prompt_tokens: u32,
+    /// Characters of prompt text (messages' contents, `prompt`, `input`).
+    pub prompt_chars: Option<u32>,
     /// `max_completion_tokens` or `max_tokens`.
     pub max_tokens: Option<u32>,
     /// `"stream": true`.
@@ -258,6 +261,7 @@ pub fn parse_body(bytes: &[u8]) -> Result<(serde_json::Value, BodyInfo), BadRequ
         .map(|s| s.chars().take(128).collect());
     let info = BodyInfo {
         prompt_tokens,
+        prompt_chars: Some(chars.min(u64::from(u32::MAX)) as u32),
         max_tokens,
         stream,
         model,

@@ -779,6 +779,16 @@ fn end_line(
     line.turnaround_ms = Some(c.turnaround_ms);
     line.ttft_ms = c.time_to_first_token_ms;
     line.tokens_held = Some(meta.tokens_held);
+    if c.dispatched {
+        line.est_service_ms = Some(c.est_service_ms);
+        line.service_ms = Some(c.service_ms);
+        line.concurrency = Some((c.concurrency * 100.0).round() / 100.0);
+        if outcome.is_some_and(|o| o.ok) {
+            let actual = c.service_ms.max(1) as f64;
+            let e = (c.est_service_ms as f64 - actual) / actual;
+            line.est_error = Some((e * 1000.0).round() / 1000.0);
+        }
+    }
     if let Some(o) = outcome {
         line.status = Some(o.status);
     }

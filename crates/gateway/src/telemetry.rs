@@ -79,6 +79,14 @@ pub struct LogLine {
     pub flag: Option<String>,
     /// On `flag` lines: the new value (`null`: back to the config file's value).
     pub value: Option<serde_json::Value>,
+    /// On `complete` lines: dispatch to end of response, as measured by the gate.
+    pub service_ms: Option<u64>,
+    /// On `complete` lines: how far the admission's estimate was off,
+    /// `(est_service_ms - service_ms) / service_ms` (positive: the estimate ran long).
+    pub est_error: Option<f64>,
+    /// On `complete` lines: the mean number of requests in flight on the pool while this one
+    /// ran (itself included): what the estimator learns batching from.
+    pub concurrency: Option<f64>,
     /// On `flag` and `reload` lines: who asked (`x-admin-actor`, else `admin`) and from where
     /// (`signal`, `watcher` and `startup` for reloads nobody asked for over HTTP).
     pub actor: Option<String>,

@@ -948,8 +948,10 @@ async fn passthrough_health_metrics_and_stats() {
         "slackgate_estimator_decode_seconds_per_token{pool=\"default\"}",
     )
     .unwrap();
+    // Four ~10 ms requests may fit as overhead alone: the constrained fit can put decode at
+    // exactly 0, never below.
     assert!(
-        decode.is_finite() && decode > 0.0 && decode < 0.1,
+        decode.is_finite() && (0.0..0.1).contains(&decode),
         "{decode}"
     );
     for l in m.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {

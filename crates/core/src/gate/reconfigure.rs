@@ -17,8 +17,9 @@
 
 use super::{ClassId, ClassState, Gate, PoolId, PoolState};
 use crate::config::{ConfigError, GateConfig};
-use crate::estimator::Estimator;
+use crate::estimator::{ErrorTracker, Estimator};
 use crate::queue::ClassQueue;
+use crate::tokens::TokenCounter;
 use crate::Millis;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -62,6 +63,7 @@ impl Gate {
                     }
                     if p.prior != pc.prior || p.upstream != pc.upstream {
                         p.estimator = Estimator::new(&pc.prior);
+                        p.tokens = TokenCounter::new(pc.prior.chars_per_token);
                         if !p.retired {
                             report.estimators_reset.push(pc.name.clone());
                         }
@@ -86,6 +88,10 @@ impl Gate {
                         max_queued: pc.max_queued,
                         default_output_tokens: pc.prior.default_output_tokens,
                         estimator: Estimator::new(&pc.prior),
+                        tokens: TokenCounter::new(pc.prior.chars_per_token),
+                        busy: 0,
+                        busy_at: now,
+                        recent_concurrency: 1.0,
                         in_flight: BTreeMap::new(),
                         classes: Vec::new(),
                     });
@@ -126,6 +132,7 @@ impl Gate {
             l.default_deadline_ms = c.deadline_ms;
             l.max_queue_age_ms = c.max_queue_age_ms;
             l.displace_within_ms = c.displace_within_ms;
+            l.probe_interval_ms = c.probe_interval_ms;
             l.retry_hint = c.retry_hint.clone();
             l.overflow = None;
             l.overflow_of = None;
@@ -146,6 +153,7 @@ impl Gate {
             l.default_deadline_ms = c.deadline_ms;
             l.max_queue_age_ms = c.max_queue_age_ms;
             l.displace_within_ms = None;
+            l.probe_interval_ms = 0;
             l.retry_hint = None;
             l.overflow = None;
             l.overflow_of = Some(primary);
@@ -222,6 +230,11 @@ impl Gate {
             overflow_of: None,
             retired: false,
             displace_within_ms: None,
+            errors: ErrorTracker::default(),
+            probe_interval_ms: 0,
+            last_probe: None,
+            probes: 0,
+            last_admit_at: None,
         });
         ClassId(self.classes.len() - 1)
     }

@@ -18,6 +18,9 @@ pub(super) fn cfg(slots: u32, service_ms: f64) -> GateConfig {
                 overhead_ms: service_ms,
                 prefill_ms_per_token: 0.0,
                 decode_ms_per_token: 0.0,
+                decode_ms_per_1k_context: 0.0,
+                batch_slowdown: 0.0,
+                chars_per_token: 4.0,
                 default_output_tokens: 0,
                 learn: false,
             },
@@ -296,14 +299,14 @@ fn first_token_deadline_is_checked() {
     c.classes[0].deadline_ms = None;
     let mut g = Gate::new(c).unwrap();
     let mut r = req(&g, "prod");
-    r.prompt_tokens = 900; // first token after 100 + 900 = 1000 ms
+    r.prompt_tokens = 900; // first token after 100 + 900 + one 10 ms decode step = 1010 ms
     r.max_tokens = Some(10);
-    r.first_token_deadline = Some(999);
+    r.first_token_deadline = Some(1009);
     let d = g.offer(0, r.clone());
     assert_eq!(d.reason, Reason::ProjectedWaitExceedsSlack);
     assert_eq!(d.deadline_slack_ms, Some(-1));
     assert!(!d.should_retry, "even an empty pool cannot meet it");
-    r.first_token_deadline = Some(1000);
+    r.first_token_deadline = Some(1010);
     assert!(g.offer(0, r).admitted());
 }
 

@@ -41,6 +41,9 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             overhead_ms: u.overhead_ms,
             prefill_ms_per_token: u.prefill_ms_per_token,
             decode_ms_per_token: u.decode_ms_per_token,
+            // The scenario's upstream does not slow down with concurrency beyond its own
+            // `concurrency_slowdown` of decoding, fixed at start: no batching term a priori.
+            batch_slowdown: 0.0,
             learn: s.slackgate.learn,
             ..PriorConfig::default()
         },
