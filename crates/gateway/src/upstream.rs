@@ -70,11 +70,7 @@ impl UpstreamClient {
     /// Send `req`, and send it again on a fresh connection if the first attempt failed on a
     /// stale pooled one ([`retry::retry_reason`]); `on_retry` is called before the second
     /// attempt. Timeouts are the caller's: dropping the future abandons both attempts.
-    pub async fn send(
-        &self,
-        req: Request<Bytes>,
-        on_retry: impl FnOnce(RetryReason),
-    ) -> Exchange {
+    pub async fn send(&self, req: Request<Bytes>, on_retry: impl FnOnce(RetryReason)) -> Exchange {
         let (parts, body) = req.into_parts();
         let build = || {
             let mut r = Request::new(Full::new(body.clone()));

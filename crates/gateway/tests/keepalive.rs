@@ -78,9 +78,12 @@ async fn requests_around_the_upstream_idle_close_never_fail() {
         for (i, pause) in pauses_ms.iter().enumerate() {
             tokio::time::sleep(Duration::from_millis(*pause)).await;
             let id = format!("ka-{round}-{i}");
-            let r = timeout(WAIT, post(&url, &[("x-stub-request-id", id.as_str())], &chat(4)))
-                .await
-                .expect("request timed out");
+            let r = timeout(
+                WAIT,
+                post(&url, &[("x-stub-request-id", id.as_str())], &chat(4)),
+            )
+            .await
+            .expect("request timed out");
             assert_eq!(
                 r.status,
                 StatusCode::OK,
@@ -336,7 +339,11 @@ async fn the_retry_takes_a_new_connection_not_another_stale_one() {
     let body = chat(4);
     let (a, b) = tokio::join!(post(&url, &[], &body), post(&url, &[], &body));
     assert_eq!((a.status, b.status), (StatusCode::OK, StatusCode::OK));
-    assert_eq!(up.accepted.load(Ordering::SeqCst), 2, "two pooled connections");
+    assert_eq!(
+        up.accepted.load(Ordering::SeqCst),
+        2,
+        "two pooled connections"
+    );
     tokio::time::sleep(Duration::from_millis(50)).await;
     let r = timeout(WAIT, post(&url, &[], &chat(4))).await.unwrap();
     assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);

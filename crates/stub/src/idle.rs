@@ -190,7 +190,10 @@ mod tests {
             close_lag(Duration::from_millis(100)),
             Duration::from_millis(25)
         );
-        assert_eq!(close_lag(Duration::from_millis(2)), Duration::from_millis(1));
+        assert_eq!(
+            close_lag(Duration::from_millis(2)),
+            Duration::from_millis(1)
+        );
         assert_eq!(close_lag(Duration::ZERO), Duration::from_millis(1));
     }
 }
