@@ -31,6 +31,9 @@ use std::path::PathBuf;
 /// nothing.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 2_000;
 
+// Checked when compiling: the default must stay below those servers' 5 s.
+const _: () = assert!(DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS < 5_000);
+
 /// Largest `server.upstream_idle_timeout_ms` accepted (one hour).
 pub const MAX_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 3_600_000;
 
@@ -405,8 +408,8 @@ mod tests {
 
     #[test]
     fn upstream_idle_connections_are_given_up_before_common_servers_close_them() {
-        // llama.cpp's server (cpp-httplib), uvicorn (vLLM) and Node close after 5 s idle.
-        assert!(DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS < 5_000);
+        // llama.cpp's server (cpp-httplib), uvicorn (vLLM) and Node close after 5 s idle; the
+        // constant is checked against that at compile time, the default must be the constant.
         assert_eq!(
             ServerConfig::default().upstream_idle_timeout_ms,
             DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS
