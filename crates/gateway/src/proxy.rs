@@ -11,6 +11,7 @@ use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, Ba
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use crate::state::{Admission, JobGuard, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
+use crate::upstream::retry::RetryReason;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -382,6 +383,7 @@ pub async fn admitted(
             return response::error(StatusCode::SERVICE_UNAVAILABLE, why, msg, None, None);
         }
     };
+    let retried = sent.as_ref().ok().and_then(|exchange| exchange.retried);
     let resp = match sent.map(|exchange| exchange.result) {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
@@ -390,11 +392,20 @@ pub async fn admitted(
             } else {
                 Reason::UpstreamError
             };
+            let again = match retried {
+                Some(RetryReason::ConnectionClosed) => {
+                    " (sent again on a new connection after the reused one closed)"
+                }
+                Some(RetryReason::ConnectionReset) => {
+                    " (sent again on a new connection after the reused one was reset)"
+                }
+                None => "",
+            };
             return fail(
                 guard,
                 StatusCode::BAD_GATEWAY,
                 reason,
-                &format!("upstream request failed: {e}"),
+                &format!("upstream request failed{again}: {e}"),
             );
         }
         Err(_) => {

@@ -67,6 +67,13 @@ impl UpstreamClient {
         }
     }
 
+    /// Send `req` on a pooled connection, as a plain hyper-util client would: no retry after
+    /// a stale connection. For side requests (probes, server metadata); proxied requests go
+    /// through [`UpstreamClient::send`].
+    pub fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
+        self.pooled.request(req)
+    }
+
     /// Send `req`, and send it again on a fresh connection if the first attempt failed on a
     /// stale pooled one ([`retry::retry_reason`]); `on_retry` is called before the second
     /// attempt. Timeouts are the caller's: dropping the future abandons both attempts.
@@ -102,6 +109,13 @@ impl UpstreamClient {
             retried: Some(reason),
         }
     }
+}
+
+/// A client with the default idle timeout ([`crate::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS`]).
+pub fn client() -> UpstreamClient {
+    UpstreamClient::new(Duration::from_millis(
+        crate::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
+    ))
 }
 
 /// The facts about a failed attempt that decide whether it may be sent again.
