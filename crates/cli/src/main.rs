@@ -3,7 +3,7 @@
 //! - `slackgate serve --demo` runs the gate on embedded defaults with a built-in fake model.
 //! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]
 //!   [--admin-listen ADDR]` (SIGHUP reloads the config; SIGTERM drains and stops)
-//! - `slackgate stub --listen ADDR --slots N --latency SPEC`
+//! - `slackgate stub --listen ADDR --slots N --latency SPEC [--idle-close-ms N]`
 //! - `slackgate check --config FILE`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
 //! - `slackgate drill SCENARIO.toml [--time-scale F] [--json] [--out DIR]`
@@ -136,6 +136,10 @@ struct StubArgs {
     /// Seed for random latencies.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Close keep-alive connections idle this long (ms), as real model servers do (5000 for
+    /// llama.cpp's server and uvicorn); a request arriving just as one closes is reset.
+    #[arg(long)]
+    idle_close_ms: Option<u64>,
 }
 
 fn main() -> Result<()> {
@@ -217,6 +221,14 @@ fn check(path: &std::path::Path) -> Result<()> {
                 "  warning: displacement ({classes}) without server.trust_size_hint: sizes are judged by class means and quantiles, not trusted hints, so it cannot tell which queued request is long; simulate with --no-hint before relying on it (BENCHMARKS.md, \"False rejections: what revoking an admission buys\")"
             );
         }
+    }
+    // At or above the upstream's own keep-alive, the gate reuses connections the server is
+    // closing: each such request then needs a retry on a fresh connection.
+    let idle_ms = cfg.server.upstream_idle_timeout_ms;
+    if idle_ms >= 5_000 {
+        println!(
+            "  warning: server.upstream_idle_timeout_ms = {idle_ms}: llama.cpp's server, uvicorn (vLLM) and Node close idle keep-alive connections after 5000 ms; keep it below the upstream's keep-alive (slackgate_upstream_retries_total counts the stale connections hit)"
+        );
     }
     if cfg.gate.admit_always {
         println!("  admit_always = true: the gate admits everything (rollback)");
@@ -404,18 +416,25 @@ async fn stub(a: StubArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
+    let idle = a
+        .idle_close_ms
+        .map(|ms| format!(", closes connections idle {ms} ms"))
+        .unwrap_or_default();
     eprintln!(
-        "slackgate stub: fake model on http://{} ({} slots, latency {latency})",
+        "slackgate stub: fake model on http://{} ({} slots, latency {latency}{idle})",
         listener.local_addr()?,
         a.slots
     );
-    slackgate_stub::run_until(
+    slackgate_stub::run_until_with(
         listener,
         StubConfig {
             slots: a.slots,
             latency,
             default_output_tokens: a.output_tokens,
             seed: a.seed,
+        },
+        slackgate_stub::ConnConfig {
+            idle_close: a.idle_close_ms.map(std::time::Duration::from_millis),
         },
         shutdown_signal(),
     )

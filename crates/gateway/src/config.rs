@@ -22,6 +22,21 @@ use slackgate_core::{ClassConfig, ConfigError, GateConfig, PoolConfig, RetryConf
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+/// Default of `server.upstream_idle_timeout_ms`: 2 s. The common model servers close a
+/// keep-alive connection idle for 5 s (llama.cpp's server through cpp-httplib, uvicorn under
+/// vLLM, hypercorn, Node); the server starts counting when it wrote the last byte and the
+/// gate only when it read it, later on a busy gate, so the gate gives up well before, at
+/// 40% of that. A new connection to an upstream next to the gate costs well under a
+/// millisecond against a model call's hundreds, so giving connections up early costs almost
+/// nothing.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 2_000;
+
+// Checked when compiling: the default must stay below those servers' 5 s.
+const _: () = assert!(DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS < 5_000);
+
+/// Largest `server.upstream_idle_timeout_ms` accepted (one hour).
+pub const MAX_UPSTREAM_IDLE_TIMEOUT_MS: u64 = 3_600_000;
+
 /// Largest `log.channel_capacity` accepted (2^24 lines).
 pub const MAX_LOG_CHANNEL_CAPACITY: usize = 1 << 24;
 
@@ -78,6 +93,11 @@ pub struct ServerConfig {
     /// A response body that receives nothing from upstream for this long is cut off and its
     /// slot released (ms): a stalled stream must not hold a slot until the client gives up.
     pub stream_idle_timeout_ms: u64,
+    /// How long an idle upstream keep-alive connection is kept for reuse (ms); 0 keeps none.
+    /// Must stay below the upstream's own keep-alive timeout (see
+    /// [`DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS`]), or the gate writes requests onto connections the
+    /// server is closing (each then costs a retry on a fresh connection).
+    pub upstream_idle_timeout_ms: u64,
     /// Ask upstreams for the final usage chunk of streams (`stream_options.include_usage`)
     /// when the client did not say, so holds settle on the upstream's own token count. The
     /// client then also receives that chunk (`choices: []`); turn off for clients that
@@ -120,6 +140,7 @@ impl Default for ServerConfig {
             tick_ms: 50,
             upstream_timeout_ms: 600_000,
             stream_idle_timeout_ms: 120_000,
+            upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
             stream_usage: true,
             ledger: "slackgate-ledger.db".into(),
             ledger_synchronous: crate::ledger_store::Synchronous::default(),
@@ -299,6 +320,14 @@ impl Config {
         if self.server.stream_idle_timeout_ms == 0 {
             return Err(err("server.stream_idle_timeout_ms", "must be at least 1"));
         }
+        if self.server.upstream_idle_timeout_ms > MAX_UPSTREAM_IDLE_TIMEOUT_MS {
+            return Err(err(
+                "server.upstream_idle_timeout_ms",
+                &format!(
+                    "must be at most {MAX_UPSTREAM_IDLE_TIMEOUT_MS} (0 keeps no idle connection)"
+                ),
+            ));
+        }
         if self.server.client_write_timeout_ms == 0 {
             return Err(err("server.client_write_timeout_ms", "must be at least 1"));
         }
@@ -378,6 +407,16 @@ mod tests {
     }
 
     #[test]
+    fn upstream_idle_connections_are_given_up_before_common_servers_close_them() {
+        // llama.cpp's server (cpp-httplib), uvicorn (vLLM) and Node close after 5 s idle; the
+        // constant is checked against that at compile time, the default must be the constant.
+        assert_eq!(
+            ServerConfig::default().upstream_idle_timeout_ms,
+            DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS
+        );
+    }
+
+    #[test]
     fn unknown_fields_and_bad_values_are_explained() {
         let e = Config::from_toml("[server]\nlisten_addr = \"x\"\n").err();
         assert!(e
@@ -417,6 +456,10 @@ mod tests {
             msg.starts_with("classes[0].deadlin_ms: unknown field"),
             "{msg}"
         );
+        let e = Config::from_toml("[server]\nupstream_idle_timeout_ms = 3600001\n").err();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("server.upstream_idle_timeout_ms"), "{msg}");
+        assert!(Config::from_toml("[server]\nupstream_idle_timeout_ms = 0\n").is_ok());
         let e = Config::from_toml("this is not toml = = =").err();
         assert!(matches!(e, Some(ConfigFileError::Parse(_))));
     }

@@ -48,6 +48,7 @@ struct Inner {
     tokens_wasted: BTreeMap<String, u64>,
     tokens_held: BTreeMap<String, i64>,
     upstream: BTreeMap<(String, u16), u64>,
+    upstream_retries: BTreeMap<(String, &'static str), u64>,
 }
 
 /// The gateway's counters and histograms.
@@ -123,6 +124,16 @@ impl Metrics {
     /// An upstream response status (0 for no response: refused, reset, timeout).
     pub fn upstream_status(&self, pool: &str, status: u16) {
         self.with(|m| *m.upstream.entry((pool.to_string(), status)).or_default() += 1);
+    }
+
+    /// A request sent again on a fresh connection after a stale keep-alive failed under it
+    /// (`reason`: `connection_closed` or `connection_reset`).
+    pub fn upstream_retry(&self, pool: &str, reason: &'static str) {
+        self.with(|m| {
+            *m.upstream_retries
+                .entry((pool.to_string(), reason))
+                .or_default() += 1
+        });
     }
 
     /// Update counters from one decision-log line: the log and the metrics share one source.
@@ -457,6 +468,18 @@ impl Metrics {
                 m.upstream.iter().map(|((pool, status), n)| {
                     (
                         format!("pool=\"{}\",status=\"{status}\"", esc(pool)),
+                        *n as f64,
+                    )
+                }),
+            );
+            family(
+                o,
+                "slackgate_upstream_retries_total",
+                "counter",
+                "Requests sent again on a fresh connection because a reused upstream connection closed or reset before any response byte (a stale keep-alive).",
+                m.upstream_retries.iter().map(|((pool, reason), n)| {
+                    (
+                        format!("pool=\"{}\",reason=\"{reason}\"", esc(pool)),
                         *n as f64,
                     )
                 }),

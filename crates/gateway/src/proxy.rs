@@ -11,9 +11,10 @@ use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, Ba
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use crate::state::{Admission, JobGuard, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
+use crate::upstream::retry::RetryReason;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use slackgate_core::{Action, Decision, Reason, Request as CoreRequest};
 use std::sync::Arc;
@@ -347,7 +348,7 @@ pub async fn admitted(
         http::header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
     );
-    let mut up = Request::new(Full::new(bytes));
+    let mut up = Request::new(bytes);
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
     *up.headers_mut() = headers;
@@ -364,7 +365,12 @@ pub async fn admitted(
         Some(d) if enforce => d.saturating_sub(shared.clock.now_ms()).max(1),
         _ => shared.server.upstream_timeout_ms,
     };
-    let request = tokio::time::timeout(Duration::from_millis(limit_ms), shared.client.request(up));
+    // A stale keep-alive is sent again on a fresh connection inside this same job: same slot,
+    // same hold, same deadline (the timeout covers both attempts), no second decision.
+    let send = shared.client.send(up, |reason| {
+        shared.metrics.upstream_retry(&pool_name, reason.as_str());
+    });
+    let request = tokio::time::timeout(Duration::from_millis(limit_ms), send);
     // The gate may cancel the job while it waits for the upstream's headers (a drain with
     // `cancel`, the end of the shutdown grace period): dropping the request cancels it
     // upstream too.
@@ -379,7 +385,8 @@ pub async fn admitted(
             return response::error(StatusCode::SERVICE_UNAVAILABLE, why, msg, None, None);
         }
     };
-    let resp = match sent {
+    let retried = sent.as_ref().ok().and_then(|exchange| exchange.retried);
+    let resp = match sent.map(|exchange| exchange.result) {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             let reason = if e.is_connect() {
@@ -387,11 +394,20 @@ pub async fn admitted(
             } else {
                 Reason::UpstreamError
             };
+            let again = match retried {
+                Some(RetryReason::ConnectionClosed) => {
+                    " (sent again on a new connection after the reused one closed)"
+                }
+                Some(RetryReason::ConnectionReset) => {
+                    " (sent again on a new connection after the reused one was reset)"
+                }
+                None => "",
+            };
             return fail(
                 guard,
                 StatusCode::BAD_GATEWAY,
                 reason,
-                &format!("upstream request failed: {e}"),
+                &format!("upstream request failed{again}: {e}"),
             );
         }
         Err(_) => {
@@ -611,12 +627,20 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         }
     };
     let headers = upstream_request_headers(parts.headers);
-    let mut up = Request::new(Full::new(bytes));
+    let mut up = Request::new(bytes);
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
     *up.headers_mut() = headers;
     let limit = Duration::from_millis(shared.server.upstream_timeout_ms);
-    match tokio::time::timeout(limit, shared.client.request(up)).await {
+    // Counted under the pool whose upstream answers pass-through routes.
+    let send = shared.client.send(up, |reason| {
+        let pool = shared.passthrough_pool_name().unwrap_or_default();
+        shared.metrics.upstream_retry(&pool, reason.as_str());
+    });
+    match tokio::time::timeout(limit, send)
+        .await
+        .map(|exchange| exchange.result)
+    {
         Ok(Ok(r)) => {
             let (mut p, b) = r.into_parts();
             strip_hop_by_hop(&mut p.headers);

@@ -228,7 +228,9 @@ impl Shared {
             clock,
             metrics: Metrics::default(),
             log,
-            client: crate::upstream::client(),
+            client: UpstreamClient::new(std::time::Duration::from_millis(
+                cfg.server.upstream_idle_timeout_ms,
+            )),
             server: cfg.server.clone(),
             store,
             control: crate::control::Control::new(cfg),
@@ -452,6 +454,17 @@ impl Shared {
                 .map(PoolId)
                 .filter(|p| st.gate.pool_live(*p))
                 .find_map(|p| st.upstreams.get(p.0).cloned().flatten())
+        })
+    }
+
+    /// The name of the pool whose upstream [`Shared::passthrough_upstream`] picks.
+    pub fn passthrough_pool_name(&self) -> Option<String> {
+        self.with_core(|st, _, _| {
+            (0..st.gate.pool_count())
+                .map(PoolId)
+                .filter(|p| st.gate.pool_live(*p))
+                .find(|p| matches!(st.upstreams.get(p.0), Some(Some(_))))
+                .map(|p| st.gate.pool_name(p).to_string())
         })
     }
 

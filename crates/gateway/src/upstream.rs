@@ -3,36 +3,141 @@
 //! A pool's upstream is a base URL such as `http://127.0.0.1:8000` (or `.../v1`, as OpenAI
 //! SDK users tend to write it): the incoming path (`/v1/chat/completions`) is appended, with
 //! a duplicated `/v1` folded so both spellings work.
+//!
+//! The shared client also makes a stale keep-alive harmless: a request that fails because the
+//! server closed the pooled connection under it is sent once more on a fresh connection (see
+//! [`retry`] for exactly when).
+
+mod conn;
+pub mod retry;
 
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::Uri;
+use http::{Request, Response, Uri};
 use http_body_util::Full;
+use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::{Client, Error as ClientError};
 use hyper_util::rt::TokioExecutor;
+use retry::{Failure, FailureCause, RetryReason};
+use std::time::{Duration, Instant};
 
-/// The client every pool shares (connection pooling per upstream host).
-pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+type Pool = Client<conn::Connector, Full<Bytes>>;
 
-/// How long an idle upstream connection is kept for reuse.
-pub const POOL_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(4);
+/// The HTTP client every pool shares: pooled keep-alive connections per upstream host, and a
+/// second client that never pools, for the one retry after a stale connection.
+#[derive(Clone, Debug)]
+pub struct UpstreamClient {
+    pooled: Pool,
+    fresh: Pool,
+}
 
-/// Build the shared client.
+/// The outcome of [`UpstreamClient::send`].
+#[derive(Debug)]
+pub struct Exchange {
+    /// The response head (its body still streaming), or the last attempt's error.
+    pub result: Result<Response<Incoming>, ClientError>,
+    /// Set when the first attempt failed on a stale connection and the request was sent
+    /// again on a fresh one; `result` is the second attempt's.
+    pub retried: Option<RetryReason>,
+}
+
+impl UpstreamClient {
+    /// Build the client. `idle_timeout` is how long an idle connection is kept for reuse
+    /// (`server.upstream_idle_timeout_ms`); zero keeps none (a fresh connection per request).
+    pub fn new(idle_timeout: Duration) -> UpstreamClient {
+        let mut pooled = Client::builder(TokioExecutor::new());
+        pooled
+            // Below the upstream's own keep-alive, the gate gives a connection up before the
+            // server closes it, so the close-write race is rare; the retry covers the rest.
+            .pool_idle_timeout(idle_timeout)
+            // The default, made explicit: a request found to be on a dead pooled connection
+            // before any byte of it was written is retried on another connection by
+            // hyper-util itself (safe: the upstream never saw it).
+            .retry_canceled_requests(true);
+        if idle_timeout.is_zero() {
+            pooled.pool_max_idle_per_host(0);
+        }
+        let mut fresh = Client::builder(TokioExecutor::new());
+        // Keeps no idle connection, so every request through it opens a new one.
+        fresh.pool_max_idle_per_host(0);
+        UpstreamClient {
+            pooled: pooled.build(connector()),
+            fresh: fresh.build(connector()),
+        }
+    }
+
+    /// Send `req` on a pooled connection, as a plain hyper-util client would: no retry after
+    /// a stale connection. For side requests (probes, server metadata); proxied requests go
+    /// through [`UpstreamClient::send`].
+    pub fn request(&self, req: Request<Full<Bytes>>) -> hyper_util::client::legacy::ResponseFuture {
+        self.pooled.request(req)
+    }
+
+    /// Send `req`, and send it again on a fresh connection if the first attempt failed on a
+    /// stale pooled one ([`retry::retry_reason`]); `on_retry` is called before the second
+    /// attempt. Timeouts are the caller's: dropping the future abandons both attempts.
+    pub async fn send(&self, req: Request<Bytes>, on_retry: impl FnOnce(RetryReason)) -> Exchange {
+        let (parts, body) = req.into_parts();
+        let build = || {
+            let mut r = Request::new(Full::new(body.clone()));
+            *r.method_mut() = parts.method.clone();
+            *r.uri_mut() = parts.uri.clone();
+            *r.version_mut() = parts.version;
+            *r.headers_mut() = parts.headers.clone();
+            r
+        };
+        let started = Instant::now();
+        let err = match self.pooled.request(build()).await {
+            Ok(resp) => {
+                return Exchange {
+                    result: Ok(resp),
+                    retried: None,
+                }
+            }
+            Err(e) => e,
+        };
+        let Some(reason) = retry::retry_reason(&failure_of(&err, started.elapsed())) else {
+            return Exchange {
+                result: Err(err),
+                retried: None,
+            };
+        };
+        on_retry(reason);
+        Exchange {
+            result: self.fresh.request(build()).await,
+            retried: Some(reason),
+        }
+    }
+}
+
+/// A client with the default idle timeout ([`crate::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS`]).
 pub fn client() -> UpstreamClient {
+    UpstreamClient::new(Duration::from_millis(
+        crate::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
+    ))
+}
+
+/// The facts about a failed attempt that decide whether it may be sent again.
+fn failure_of(err: &ClientError, elapsed: Duration) -> Failure {
+    let activity = err.connect_info().and_then(conn::activity_of);
+    Failure {
+        cause: if err.is_connect() {
+            FailureCause::Connect
+        } else {
+            retry::cause_of(err)
+        },
+        exchanges: activity.as_ref().map_or(0, |a| a.exchanges()),
+        response_bytes: activity.as_ref().map_or(0, |a| a.response_bytes()),
+        elapsed,
+    }
+}
+
+fn connector() -> conn::Connector {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
-    http.set_connect_timeout(Some(std::time::Duration::from_secs(5)));
-    Client::builder(TokioExecutor::new())
-        // Below the 5 s keep-alive of uvicorn (vLLM) and similar servers: the gate must give up
-        // an idle connection before the upstream does, or it writes a request onto a socket
-        // the upstream is closing and gets a spurious reset.
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        // The default, made explicit: a request found to be on a dead pooled connection
-        // before any byte of it was written is retried once on a fresh connection (safe: the
-        // upstream never saw it).
-        .retry_canceled_requests(true)
-        .build(http)
+    http.set_connect_timeout(Some(Duration::from_secs(5)));
+    conn::Connector::new(http)
 }
 
 /// A parsed upstream base URL.
@@ -119,12 +224,6 @@ mod tests {
             target("http://h:1/openai", "/v1/embeddings"),
             "http://h:1/openai/v1/embeddings"
         );
-    }
-
-    #[test]
-    fn idle_connections_are_given_up_before_a_uvicorn_upstream_closes_them() {
-        // uvicorn (vLLM's server) closes keep-alive connections idle for 5 s.
-        assert!(POOL_IDLE_TIMEOUT < std::time::Duration::from_secs(5));
     }
 
     #[test]

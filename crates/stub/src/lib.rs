@@ -19,6 +19,10 @@
 //!   (or `DELETE /stub/requests`) returns the same and empties the log. At most
 //!   [`MAX_REQUEST_RECORDS`] are kept between clears; later ones only count in `dropped`.
 //!
+//! [`ConnConfig::idle_close`] (`slackgate stub --idle-close-ms N`) closes keep-alive connections
+//! left idle, like real model servers, including the race where a request arrives just as the
+//! connection is being closed (see the `idle` module).
+//!
 //! Only requests that pass validation and queue for a slot are recorded: a request refused with a
 //! 4xx before that has used no upstream time.
 //!
@@ -26,6 +30,7 @@
 //! never race for ports.
 
 mod control;
+mod idle;
 mod latency;
 mod openai;
 mod records;
@@ -42,6 +47,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+pub use idle::ConnConfig;
 pub use latency::{LatencySpec, SpecError, MAX_SPEC_DURATION};
 pub use records::{RequestLog, RequestRecord, MAX_REQUEST_RECORDS};
 pub use state::Outcome;
@@ -107,6 +113,15 @@ impl Stub {
     /// tasks, so this must be called from inside a tokio runtime (an error otherwise). A `slots`
     /// of 0 or above 2^20 is an `InvalidInput` error.
     pub fn spawn(listener: TcpListener, cfg: StubConfig) -> std::io::Result<Stub> {
+        Stub::spawn_with(listener, cfg, ConnConfig::default())
+    }
+
+    /// Like [`Stub::spawn`], with connection behaviour (closing idle keep-alives) set by `conn`.
+    pub fn spawn_with(
+        listener: TcpListener,
+        cfg: StubConfig,
+        conn: ConnConfig,
+    ) -> std::io::Result<Stub> {
         let runtime = tokio::runtime::Handle::try_current().map_err(std::io::Error::other)?;
         let addr = listener.local_addr()?;
         let shared = state::Shared::new(cfg)?;
@@ -115,7 +130,7 @@ impl Stub {
             // Resolves on an explicit stop and when the handle is dropped.
             let _ = stopped.await;
         };
-        let task = runtime.spawn(server::serve(listener, shared.clone(), shutdown));
+        let task = runtime.spawn(server::serve(listener, shared.clone(), conn, shutdown));
         Ok(Stub {
             addr,
             shared,
@@ -164,5 +179,16 @@ pub async fn run_until(
     cfg: StubConfig,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    server::serve(listener, state::Shared::new(cfg)?, shutdown).await
+    run_until_with(listener, cfg, ConnConfig::default(), shutdown).await
+}
+
+/// Like [`run_until`], with connection behaviour set by `conn` (`slackgate stub
+/// --idle-close-ms`).
+pub async fn run_until_with(
+    listener: TcpListener,
+    cfg: StubConfig,
+    conn: ConnConfig,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    server::serve(listener, state::Shared::new(cfg)?, conn, shutdown).await
 }

@@ -2,7 +2,8 @@
 //!
 //! Each accepted connection is served by hyper's HTTP/1.1 server on its own task. The tasks live in
 //! a `JoinSet` owned by the accept loop, so stopping the loop aborts every connection at once,
-//! which is what a drill that "kills the upstream" wants.
+//! which is what a drill that "kills the upstream" wants. With [`ConnConfig::idle_close`] a
+//! connection left idle is closed the way real servers close keep-alives (see [`crate::idle`]).
 
 use std::future::Future;
 use std::io;
@@ -22,6 +23,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::control;
+use crate::idle::{ConnConfig, IdleClose, IdleSince, IdleWhenDone};
 use crate::latency::{sleep_from, LatencySpec};
 use crate::openai::{self, clamp_tokens, Endpoint, ModelRequest};
 use crate::records::{check_request_id, Tag};
@@ -66,6 +68,7 @@ impl Refusal {
 pub(crate) async fn serve(
     listener: TcpListener,
     shared: Arc<Shared>,
+    conn: ConnConfig,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     let mut conns = JoinSet::new();
@@ -75,7 +78,7 @@ pub(crate) async fn serve(
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    conns.spawn(serve_connection(stream, shared.clone()));
+                    conns.spawn(serve_connection(stream, shared.clone(), conn));
                 }
                 // Usually EMFILE or a connection reset before accept; back off briefly rather
                 // than spin, and keep serving the connections we have.
@@ -91,14 +94,22 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+async fn serve_connection(stream: TcpStream, shared: Arc<Shared>, conn: ConnConfig) {
     // Streamed chunks are tiny; without this, Nagle plus delayed ACKs would bunch them up.
     let _ = stream.set_nodelay(true);
-    let svc = service_fn(move |req| route(shared.clone(), req));
+    let idle = IdleSince::new();
+    let io = IdleClose::new(stream, conn.idle_close, idle.clone());
+    let svc = service_fn(move |req| {
+        let (shared, idle) = (shared.clone(), idle.clone());
+        async move {
+            let reply = route(shared, req).await?;
+            Ok::<_, ResetConnection>(reply.map(|body| IdleWhenDone::new(body, idle)))
+        }
+    });
     // Errors here are the client going away or the reset fault; either way the connection is done.
     let _ = http1::Builder::new()
         .timer(TokioTimer::new())
-        .serve_connection(TokioIo::new(stream), svc)
+        .serve_connection(TokioIo::new(io), svc)
         .await;
 }
 

@@ -1,0 +1,182 @@
+//! Upstream connections that remember what went over them.
+//!
+//! When a request fails before its response, hyper says *how* the connection failed but not
+//! whether that connection had served a request before, nor whether any byte of a response
+//! had arrived. Both decide whether sending the request again is safe (see
+//! [`super::retry`]), so every upstream socket is wrapped in [`Tracked`], which counts the
+//! request/response exchanges it carried and the bytes read in the current one. The counts
+//! travel with hyper-util's connection info ([`Connected::extra`]), which the client attaches
+//! to its errors, so the proxy can read them from a failed request.
+//!
+//! HTTP/1.1 without pipelining (all hyper's client does) makes the counting simple: a
+//! connection alternates between writing a request and reading its response, so the first
+//! write after a read starts the next exchange.
+
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::TokioIo;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// What one upstream connection has carried so far, shared between the socket wrapper and
+/// the connection info hyper-util copies into its errors.
+#[derive(Debug, Default)]
+pub(crate) struct Activity {
+    /// Exchanges begun: requests the client started to write on this connection.
+    exchanges: AtomicU64,
+    /// Bytes read since the current exchange began (its response so far).
+    response_bytes: AtomicU64,
+}
+
+impl Activity {
+    /// Exchanges begun on the connection, the current one included.
+    pub(crate) fn exchanges(&self) -> u64 {
+        self.exchanges.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of a response read since the current exchange began.
+    pub(crate) fn response_bytes(&self) -> u64 {
+        self.response_bytes.load(Ordering::Relaxed)
+    }
+}
+
+/// The handle hyper-util keeps in a connection's info (its "extra").
+#[derive(Clone, Debug)]
+pub(crate) struct ActivityTag(pub(crate) Arc<Activity>);
+
+/// The activity of the connection an error happened on, if it went through [`Connector`].
+pub(crate) fn activity_of(connected: &Connected) -> Option<Arc<Activity>> {
+    let mut ext = http::Extensions::new();
+    connected.get_extras(&mut ext);
+    ext.get::<ActivityTag>().map(|t| t.0.clone())
+}
+
+/// A TCP connection to an upstream that counts its exchanges.
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    stream: TcpStream,
+    activity: Arc<Activity>,
+    /// The last thing done was a read (or nothing yet): the next write begins an exchange.
+    between_exchanges: bool,
+}
+
+impl Tracked {
+    fn new(stream: TcpStream) -> Tracked {
+        Tracked {
+            stream,
+            activity: Arc::new(Activity::default()),
+            between_exchanges: true,
+        }
+    }
+
+    /// Called before every write attempt: counted on the attempt, not on its success, so a
+    /// request whose very first write fails (the server already reset the connection) still
+    /// counts as an exchange of its own.
+    fn begin_write(&mut self) {
+        if self.between_exchanges {
+            self.between_exchanges = false;
+            self.activity.response_bytes.store(0, Ordering::Relaxed);
+            self.activity.exchanges.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Connection for Tracked {
+    fn connected(&self) -> Connected {
+        self.stream
+            .connected()
+            .extra(ActivityTag(self.activity.clone()))
+    }
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let r = Pin::new(&mut this.stream).poll_read(cx, buf);
+        let n = buf.filled().len().saturating_sub(before);
+        if n > 0 {
+            this.between_exchanges = true;
+            this.activity
+                .response_bytes
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.begin_write();
+        Pin::new(&mut this.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.begin_write();
+        Pin::new(&mut this.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+/// hyper-util's plain HTTP connector, handing out [`Tracked`] connections.
+#[derive(Clone, Debug)]
+pub(crate) struct Connector {
+    http: HttpConnector,
+}
+
+impl Connector {
+    /// Wrap a configured connector.
+    pub(crate) fn new(http: HttpConnector) -> Connector {
+        Connector { http }
+    }
+}
+
+type ConnectError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower_service::Service<http::Uri> for Connector {
+    type Response = TokioIo<Tracked>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<TokioIo<Tracked>, ConnectError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
+        tower_service::Service::<http::Uri>::poll_ready(&mut self.http, cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: http::Uri) -> Self::Future {
+        let connecting = tower_service::Service::<http::Uri>::call(&mut self.http, dst);
+        Box::pin(async move {
+            let io = connecting.await?;
+            Ok(TokioIo::new(Tracked::new(io.into_inner())))
+        })
+    }
+}
