@@ -297,7 +297,7 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     // The reference schedule (false rejections) and the bound, on the same requests.
     let mut reference = build_policy(&s, "clairvoyant")?;
     let reference = engine::run(&s, &arrivals, reference.as_mut());
-    let b = bound::bound(&reference.requests, s.upstream.slots);
+    let b = bound::bound_at_speed(&reference.requests, s.upstream.speed());
     let rep = report::build(&s, &runs, Some(&reference), &b);
     Ok(Drill {
         report: rep,
