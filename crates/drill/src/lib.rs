@@ -246,7 +246,7 @@ fn check_supported(s: &Scenario) -> Result<(), DrillError> {
     if s.upstream.concurrency_slowdown > 0.0 {
         return Err(DrillError::Unsupported {
             field: "upstream.concurrency_slowdown",
-            why: "the stub serves each request in its own time, whatever else runs",
+            why: "the stub does not fix a request's slowdown when it starts; model a batching server with upstream.batch_slowdown, which the stub reproduces",
         });
     }
     if !s.cancel_on_disconnect {
