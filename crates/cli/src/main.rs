@@ -127,7 +127,9 @@ struct StubArgs {
     /// Requests served at once; the rest queue inside the stub, as in a real server.
     #[arg(long, default_value_t = 4)]
     slots: usize,
-    /// Latency model: fixed:12s, uniform:5s..30s, tokens:prefill_us=200,decode_us=20000.
+    /// Latency model: fixed:12s, uniform:5s..30s, tokens:prefill_us=200,decode_us=20000, or a
+    /// continuous-batching server: batching:overhead_us=50000,prefill_us=900,decode_us=7500,
+    /// context_us_per_1k=14000,slowdown=0.8 (each step slowed by 1 + slowdown x (in service - 1)).
     #[arg(long, default_value = "tokens:prefill_us=200,decode_us=20000")]
     latency: String,
     /// Output tokens when a request names no max_tokens.

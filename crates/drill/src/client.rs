@@ -275,10 +275,15 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
     // changes that or fails it, as the simulator does for the same request.
     let mut service_ms = size_ms(s, a) as f64;
     let mut fault_header: Option<String> = None;
+    // A latency fault slows every part of the service alike.
+    let mut slower = 1.0;
     if a.forced_service_ms.is_none() {
         if let Some(f) = s.fault_for(a.request, a.at_ms, a.class) {
             match f.kind {
-                FaultKind::Latency => service_ms *= f.factor.unwrap_or(1.0),
+                FaultKind::Latency => {
+                    slower = f.factor.unwrap_or(1.0);
+                    service_ms *= slower;
+                }
                 FaultKind::Error => {
                     fault_header = Some(format!("status:{}", f.status.unwrap_or(503)))
                 }
@@ -288,6 +293,11 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         }
     }
     let real_us = (service_ms * run.scale * 1000.0).round().max(1.0) as u64;
+    let latency = match batching_spec(s, a, run.scale * slower) {
+        // The simulator serves an error or a hang in fixed time on a batching server too.
+        Some(spec) if fault_header.is_none() || fault_header.as_deref() == Some("reset") => spec,
+        _ => format!("fixed:{real_us}us"),
+    };
     let content = prompt_text(a.prompt_tokens);
     let body = serde_json::json!({
         "model": "drill",
@@ -299,7 +309,7 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         .header("content-type", "application/json")
         .header("x-job-class", class.name.as_str())
         .header("x-stub-output-tokens", a.output_tokens)
-        .header("x-stub-latency", format!("fixed:{real_us}us"))
+        .header("x-stub-latency", latency)
         .header("x-stub-request-id", stub_id)
         .header("x-attempt", attempt);
     if let Some(d) = class.deadline_ms {
@@ -399,6 +409,28 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         // Anything else came from (or because of) the upstream after admission.
         _ => Answer::Failed,
     }
+}
+
+/// The stub's `batching:` latency for a request, scaled to real time by `scale`, when the
+/// scenario's upstream is a batching server (or has a context term) and the request is not a
+/// stuck job (those hold their slot for a fixed time). The overhead and the request's whole
+/// prefill go in `overhead_us`, so they are rounded to the microsecond once rather than per
+/// prompt token; the stub counts the same prompt tokens for the context term (four characters
+/// each, as [`prompt_text`] writes them).
+pub fn batching_spec(s: &Scenario, a: &Arrival, scale: f64) -> Option<String> {
+    let u = &s.upstream;
+    if !(u.batching() || u.decode_ms_per_1k_context > 0.0) || a.forced_service_ms.is_some() {
+        return None;
+    }
+    let us = |ms: f64| (ms * scale * 1000.0).round().max(0.0) as u64;
+    let prefill = u.overhead_ms + u.prefill_ms_per_token * f64::from(a.prompt_tokens);
+    Some(format!(
+        "batching:overhead_us={},prefill_us=0,decode_us={},context_us_per_1k={},slowdown={}",
+        us(prefill),
+        us(u.decode_ms_per_token),
+        us(u.decode_ms_per_1k_context),
+        u.batch_slowdown
+    ))
 }
 
 /// A user message of about `tokens` tokens as the gate counts them (four characters each).

@@ -246,7 +246,7 @@ fn check_supported(s: &Scenario) -> Result<(), DrillError> {
     if s.upstream.concurrency_slowdown > 0.0 {
         return Err(DrillError::Unsupported {
             field: "upstream.concurrency_slowdown",
-            why: "the stub serves each request in its own time, whatever else runs",
+            why: "the stub does not fix a request's slowdown when it starts; model a batching server with upstream.batch_slowdown, which the stub reproduces",
         });
     }
     if !s.cancel_on_disconnect {
@@ -297,7 +297,7 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     // The reference schedule (false rejections) and the bound, on the same requests.
     let mut reference = build_policy(&s, "clairvoyant")?;
     let reference = engine::run(&s, &arrivals, reference.as_mut());
-    let b = bound::bound(&reference.requests, s.upstream.slots);
+    let b = bound::bound_at_speed(&reference.requests, s.upstream.speed());
     let rep = report::build(&s, &runs, Some(&reference), &b);
     Ok(Drill {
         report: rep,

@@ -215,6 +215,30 @@ fn injected_faults_fail_the_same_requests_as_in_the_simulator() {
     assert!(d.report.policies[1].total.wasted_work_s > 0.0);
 }
 
+/// A continuous-batching upstream: the stub slows every request it serves by the others in
+/// service, step by step, as the simulator's batching model does, so the drill of
+/// `llama-mixed` (its first 30 s) matches the simulator's.
+#[test]
+fn batching_upstream_drill_agrees_with_the_simulator() {
+    let mut s = scenario("llama-mixed.toml");
+    assert!(s.upstream.batching() && s.upstream.decode_ms_per_1k_context > 0.0);
+    s.duration_s = 30.0;
+    let (_s, d) = drill_with(s, 0.25, vec![Mode::On, Mode::Off]);
+    sane(&d);
+    assert_agrees(&d, 0.15);
+    // The shape of the full scenario, already in its first 30 s: admitting everything loses
+    // a large share of interactive requests to their deadline (half of them by 30 s, most
+    // by 120 s); the gate serves more of them, and what it admits is on time.
+    let on = counters(&d, "gate-on", "interactive");
+    let off = counters(&d, "gate-off", "interactive");
+    assert!(off.slo_breach * 5 >= off.admitted * 2, "{off:?}");
+    assert!(on.done * 4 > off.done * 5, "gate on {on:?} vs off {off:?}");
+    assert!(
+        on.slo_breach * 10 < off.slo_breach,
+        "gate on {on:?} vs off {off:?}"
+    );
+}
+
 #[test]
 fn bad_options_are_refused_before_any_traffic() {
     let s = scenario("seed-003-probe-burst.toml");

@@ -31,6 +31,14 @@ pub struct Bound {
 
 /// Compute the bounds over the requests with deadlines, for `slots` slots.
 pub fn bound(requests: &[RequestResult], slots: u32) -> Bound {
+    bound_at_speed(requests, f64::from(slots.max(1)))
+}
+
+/// The bounds on a fluid machine of `speed` alone-work per unit of time:
+/// [`Upstream::speed`](crate::scenario::Upstream::speed), which on a batching server is below
+/// the slot count. Sizes are alone service times; since no schedule on a batching server gets
+/// through more alone-work per unit of time than that speed, the bound still holds.
+pub fn bound_at_speed(requests: &[RequestResult], speed: f64) -> Bound {
     let mut jobs: Vec<(u64, u64, u64)> = requests
         .iter()
         .filter_map(|r| r.deadline_ms.map(|d| (r.first_at_ms, d, r.size_ms)))
@@ -38,7 +46,7 @@ pub fn bound(requests: &[RequestResult], slots: u32) -> Bound {
         .collect();
     jobs.sort_unstable();
     let offered_work_ms = jobs.iter().map(|j| j.2 as f64).sum();
-    let work_ms = edf_fluid(&jobs, f64::from(slots.max(1)));
+    let work_ms = edf_fluid(&jobs, speed);
     let mut sizes: Vec<u64> = jobs
         .iter()
         .filter(|&&(at, d, size)| size <= d - at)

@@ -2,6 +2,15 @@
 //! their deadline and retry after a 429 as their class says. It drives one [`Policy`] over a
 //! scenario's requests and records what happened to each request, plus time series for the
 //! charts. Deterministic: events at the same instant are ordered by insertion.
+//!
+//! Two upstream models. Without `batch_slowdown` a job's service time is fixed when it starts
+//! (its alone time, or with `concurrency_slowdown` slowed by the requests running then). With
+//! `batch_slowdown` (a continuous-batching server) every running job progresses at
+//! 1 / (1 + batch_slowdown x (k - 1)) of its alone speed while k jobs run, and that rate changes
+//! the moment k does. The engine keeps one virtual work clock V (alone-ms done by each running
+//! job) with dV/dt = 1 / (1 + batch_slowdown x (k - 1)): a job started at V0 with alone work W
+//! ends when V reaches V0 + W. Finish points (and first-token points) sit in heaps ordered by
+//! V, so a change of k costs O(log n): bring V up to date, then re-time only the next point.
 
 use crate::policy::{Action, Job, Policy, Verdict};
 use crate::scenario::{FaultKind, RetryMode, Scenario, HANG_TAIL_MS};
@@ -105,6 +114,9 @@ enum Ev {
     Finish { job: u64 },
     /// A client's deadline passes.
     GiveUp { request: u64 },
+    /// The next finish or first-token point of the batching server, if `gen` is still the
+    /// current schedule (each change of the running count re-times it).
+    Batch { gen: u64 },
     /// Policy housekeeping.
     Tick,
     /// Take a sample for the charts.
@@ -114,7 +126,16 @@ enum Ev {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum JobState {
     Queued,
-    Running { start: u64, end: u64, fails: bool },
+    Running {
+        start: u64,
+        end: u64,
+        fails: bool,
+    },
+    /// On the batching server: its end depends on what runs beside it (see [`Batch`]).
+    Shared {
+        start: u64,
+        fails: bool,
+    },
     Gone,
 }
 
@@ -136,8 +157,45 @@ struct ReqState {
 
 /// Run `policy` over the scenario's requests.
 pub fn run(s: &Scenario, arrivals: &[Arrival], policy: &mut dyn Policy) -> RunResult {
-    Engine::new(s, arrivals).run(policy)
+    Engine::new(s, arrivals, s.upstream.batching()).run(policy)
 }
+
+/// [`run`] with the batching server's dynamic model on or off whatever the scenario says (with
+/// `batch_slowdown = 0` it must give what the fixed model gives: a test holds that).
+#[cfg(test)]
+pub(crate) fn run_with_model(
+    s: &Scenario,
+    arrivals: &[Arrival],
+    policy: &mut dyn Policy,
+    batching: bool,
+) -> RunResult {
+    Engine::new(s, arrivals, batching).run(policy)
+}
+
+/// A point on the virtual work clock: the bits of a non-negative f64, which order as the
+/// values do; then the start order (ties finish in the order the jobs started, as fixed
+/// service times do); then the job.
+type VPoint = Reverse<(u64, u64, u64)>;
+
+/// The batching server's shared progress.
+#[derive(Debug, Default)]
+struct Batch {
+    /// Virtual work clock: alone-ms of progress every running job has made since time 0.
+    v: f64,
+    /// Real time (ms) at which `v` was last brought up to date.
+    v_at: u64,
+    /// Where on V each running job ends.
+    finishes: BinaryHeap<VPoint>,
+    /// Where on V each running streamed job produces its first token.
+    firsts: BinaryHeap<VPoint>,
+    /// The current schedule; a `Batch` event of an older one is stale.
+    gen: u64,
+    /// Jobs started so far (tie order).
+    starts: u64,
+}
+
+/// Two V points this close are the same instant (float sums of whole milliseconds).
+const V_EPS: f64 = 1e-6;
 
 struct Engine<'a> {
     s: &'a Scenario,
@@ -155,6 +213,8 @@ struct Engine<'a> {
     now: u64,
     /// Offers, finishes and give-ups in the heap.
     pending: u64,
+    /// The batching server's clock, when the scenario models one.
+    batch: Option<Batch>,
 }
 
 /// Retries of a storm come back this fast (ms): at once, but not in the same instant.
@@ -163,7 +223,7 @@ const STORM_GAP_MS: u64 = 1;
 const DEFAULT_RETRY_MS: u64 = 1_000;
 
 impl<'a> Engine<'a> {
-    fn new(s: &'a Scenario, arrivals: &'a [Arrival]) -> Engine<'a> {
+    fn new(s: &'a Scenario, arrivals: &'a [Arrival], batching: bool) -> Engine<'a> {
         let results = arrivals
             .iter()
             .map(|a| RequestResult {
@@ -209,17 +269,19 @@ impl<'a> Engine<'a> {
             protocol_errors: 0,
             now: 0,
             pending: 0,
+            batch: batching.then(Batch::default),
         }
     }
 
     fn push(&mut self, at: u64, ev: Ev) {
-        if !matches!(ev, Ev::Tick | Ev::Sample) {
+        // A batching event only re-times running jobs, which `in_flight` already keeps busy.
+        if !matches!(ev, Ev::Tick | Ev::Sample | Ev::Batch { .. }) {
             self.pending += 1;
         }
         self.seq += 1;
         // At the same instant, completions come first: a job that ends exactly at its
         // client's deadline is on time, not abandoned.
-        let rank = u8::from(!matches!(ev, Ev::Finish { .. }));
+        let rank = u8::from(!matches!(ev, Ev::Finish { .. } | Ev::Batch { .. }));
         self.heap.push(Reverse((at, rank, self.seq, ev)));
     }
 
@@ -241,9 +303,16 @@ impl<'a> Engine<'a> {
                     }
                 }
                 (Some(_), _) => match self.heap.pop() {
+                    Some(Reverse((_, _, _, Ev::Batch { gen })))
+                        if self.batch.as_ref().is_none_or(|b| b.gen != gen) =>
+                    {
+                        // Re-timed since: not an event at all (and must not move the clock
+                        // past the run's real end).
+                        continue;
+                    }
                     Some(Reverse((t, _, _, ev))) => {
                         self.now = self.now.max(t);
-                        if !matches!(ev, Ev::Tick | Ev::Sample) {
+                        if !matches!(ev, Ev::Tick | Ev::Sample | Ev::Batch { .. }) {
                             self.pending -= 1;
                         }
                         ev
@@ -256,6 +325,7 @@ impl<'a> Engine<'a> {
             match ev {
                 Ev::Offer { request, attempt } => self.offer(policy, request, attempt),
                 Ev::Finish { job } => self.finish(policy, job),
+                Ev::Batch { .. } => self.batch_point(policy),
                 Ev::GiveUp { request } => self.give_up(policy, request),
                 Ev::Tick => {
                     policy.tick(self.now, &mut self.actions);
@@ -450,6 +520,7 @@ impl<'a> Engine<'a> {
         let Some((request, _)) = self.take_queued(id) else {
             return;
         };
+        self.advance();
         self.in_flight += 1;
         let a = &self.arrivals[request as usize];
         let u = &self.s.upstream;
@@ -489,6 +560,24 @@ impl<'a> Engine<'a> {
                 }
             }
         }
+        // On a batching server a job's end is a point of work, not of time; a stuck job,
+        // an error answered at once and a hang hold their slot for a fixed real time (as the
+        // stub does), though they count among the requests that share the server.
+        let fixed_time = a.forced_service_ms.is_some() || (fails && !streamed);
+        if let (Some(b), false) = (self.batch.as_mut(), fixed_time) {
+            b.starts += 1;
+            let point = |work: u64| Reverse(((b.v + work as f64).to_bits(), b.starts, id));
+            b.finishes.push(point(service));
+            if streamed {
+                b.firsts.push(point(ttft));
+            }
+            self.jobs[id as usize].state = JobState::Shared {
+                start: self.now,
+                fails,
+            };
+            self.reschedule();
+            return;
+        }
         let end = self.now + service;
         self.jobs[id as usize].state = JobState::Running {
             start: self.now,
@@ -500,6 +589,101 @@ impl<'a> Engine<'a> {
             self.results[r].ttft_ms = Some(self.now + ttft - self.results[r].first_at_ms);
         }
         self.push(end, Ev::Finish { job: id });
+        self.reschedule();
+    }
+
+    /// Brings the batching server's work clock up to now at the current running count; call
+    /// before the count changes.
+    fn advance(&mut self) {
+        let k = self.in_flight;
+        let factor = self.s.upstream.batch_factor(k);
+        if let Some(b) = self.batch.as_mut() {
+            if self.now > b.v_at {
+                b.v += (self.now - b.v_at) as f64 / factor;
+                b.v_at = self.now;
+            }
+        }
+    }
+
+    /// The earliest live point of a heap (dropping those of jobs that ended).
+    fn next_point(jobs: &[JobRec], heap: &mut BinaryHeap<VPoint>) -> Option<f64> {
+        while let Some(&Reverse((v, _, job))) = heap.peek() {
+            if matches!(jobs[job as usize].state, JobState::Shared { .. }) {
+                return Some(f64::from_bits(v));
+            }
+            heap.pop();
+        }
+        None
+    }
+
+    /// Times the batching server's next point at the current running count; call after the
+    /// count changes. Any earlier schedule becomes stale.
+    fn reschedule(&mut self) {
+        let factor = self.s.upstream.batch_factor(self.in_flight);
+        let Some(b) = self.batch.as_mut() else {
+            return;
+        };
+        b.gen += 1;
+        let next = [
+            Self::next_point(&self.jobs, &mut b.finishes),
+            Self::next_point(&self.jobs, &mut b.firsts),
+        ]
+        .into_iter()
+        .flatten()
+        .reduce(f64::min);
+        let Some(next) = next else {
+            return;
+        };
+        // Whole milliseconds like every other event; the point itself snaps V (below).
+        let dt = ((next - b.v).max(0.0) * factor).round() as u64;
+        let gen = b.gen;
+        self.push(self.now + dt, Ev::Batch { gen });
+    }
+
+    /// The batching server reached its next point: first tokens due now are recorded, and at
+    /// most one job ends (so the policy dispatches between two completions at the same
+    /// instant, as with fixed service times).
+    fn batch_point(&mut self, policy: &mut dyn Policy) {
+        self.advance();
+        let Some(b) = self.batch.as_mut() else {
+            return;
+        };
+        let next = [
+            Self::next_point(&self.jobs, &mut b.finishes),
+            Self::next_point(&self.jobs, &mut b.firsts),
+        ]
+        .into_iter()
+        .flatten()
+        .reduce(f64::min);
+        // The event was timed to a whole millisecond: the point it was timed for is now.
+        if let Some(next) = next {
+            b.v = b.v.max(next);
+        }
+        let v = b.v;
+        let mut firsts = Vec::new();
+        while let Some(&Reverse((p, _, job))) = b.firsts.peek() {
+            if f64::from_bits(p) > v + V_EPS {
+                break;
+            }
+            b.firsts.pop();
+            firsts.push(job);
+        }
+        let done = match Self::next_point(&self.jobs, &mut b.finishes) {
+            Some(p) if p <= v + V_EPS => b.finishes.pop().map(|Reverse((_, _, job))| job),
+            _ => None,
+        };
+        for job in firsts {
+            if let JobState::Shared { .. } = self.jobs[job as usize].state {
+                let r = self.jobs[job as usize].request as usize;
+                self.results[r].ttft_ms = Some(self.now - self.results[r].first_at_ms);
+            }
+        }
+        match done.map(|job| (job, self.jobs[job as usize].state)) {
+            Some((job, JobState::Shared { start, fails })) => {
+                self.complete(policy, job, start, fails)
+            }
+            _ => self.reschedule(),
+        }
     }
 
     fn finish(&mut self, policy: &mut dyn Policy, id: u64) {
@@ -509,8 +693,14 @@ impl<'a> Engine<'a> {
         if end != self.now {
             return;
         }
+        self.complete(policy, id, start, fails);
+    }
+
+    /// A running job ends now (fixed or shared): free its slot, tell the policy, answer.
+    fn complete(&mut self, policy: &mut dyn Policy, id: u64, start: u64, fails: bool) {
+        let end = self.now;
         self.jobs[id as usize].state = JobState::Gone;
-        self.in_flight -= 1;
+        self.leave();
         let request = self.jobs[id as usize].request;
         let r = request as usize;
         let output = self.arrivals[r].output_tokens;
@@ -556,14 +746,22 @@ impl<'a> Engine<'a> {
                 let at = self.jobs[id as usize].offered_at;
                 self.queued.remove(&(at, id));
             }
-            JobState::Running { start, .. } => {
-                self.in_flight -= 1;
+            JobState::Running { start, .. } | JobState::Shared { start, .. } => {
+                self.jobs[id as usize].state = JobState::Gone;
+                self.leave();
                 self.results[r].busy_ms += self.now - start;
             }
             JobState::Gone => {}
         }
         self.jobs[id as usize].state = JobState::Gone;
         self.reqs[r].live = None;
+    }
+
+    /// A running job leaves the server (its state already `Gone`).
+    fn leave(&mut self) {
+        self.advance();
+        self.in_flight -= 1;
+        self.reschedule();
     }
 
     fn sample(&mut self) {
@@ -588,3 +786,8 @@ pub fn size_ms(s: &Scenario, a: &Arrival) -> u64 {
             .max(1.0) as u64,
     }
 }
+
+#[cfg(test)]
+#[path = "engine_tests.rs"]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests;

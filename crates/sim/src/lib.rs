@@ -174,7 +174,7 @@ pub fn simulate_with(
         .first()
         .or(reference)
         .map_or(&[][..], |r| r.requests.as_slice());
-    let b = bound::bound(requests, s.upstream.slots);
+    let b = bound::bound_at_speed(requests, s.upstream.speed());
     let rep = report::build(s, &runs, reference, &b);
     Ok((rep, runs))
 }

@@ -123,7 +123,8 @@ pub struct Report {
     /// Count bound over requests with deadlines.
     pub bound_count: u64,
     /// Nominal work offered by requests with deadlines, over what the slots can do in the
-    /// arrival window: the overload factor.
+    /// arrival window (a batching server: at its best rate, see `Upstream::speed`): the
+    /// overload factor.
     pub offered_load: f64,
     /// How the bound is computed.
     pub bound_method: &'static str,
@@ -133,6 +134,9 @@ pub struct Report {
 
 /// The bound's method, as the report states it.
 pub const BOUND_METHOD: &str = "LP relaxation: preemptive, divisible jobs on one fluid machine of speed `slots`, solved exactly by EDF; count bound = most smallest jobs fitting in that work";
+
+/// The bound's method on a batching server (`batch_slowdown`).
+pub const BOUND_METHOD_BATCHING: &str = "LP relaxation: preemptive, divisible jobs (alone service times) on one fluid machine of the batching server's best speed, slots / (1 + batch_slowdown x (slots - 1)), solved exactly by EDF; count bound = most smallest jobs fitting in that work";
 
 /// Figures over `reqs`: (index in the run, result) pairs; the index finds the same request in
 /// the reference run.
@@ -225,7 +229,7 @@ pub fn build(
     bound: &Bound,
 ) -> Report {
     let requests = runs.first().map_or(0, |r| r.requests.len() as u64);
-    let capacity_ms = f64::from(s.upstream.slots) * s.duration_s * 1000.0;
+    let capacity_ms = s.upstream.speed() * s.duration_s * 1000.0;
     let policies = runs
         .iter()
         .map(|run| {
@@ -266,7 +270,11 @@ pub fn build(
         } else {
             0.0
         },
-        bound_method: BOUND_METHOD,
+        bound_method: if s.upstream.batching() {
+            BOUND_METHOD_BATCHING
+        } else {
+            BOUND_METHOD
+        },
         policies,
     }
 }

@@ -173,6 +173,44 @@ pub struct Upstream {
     /// at once decode 30% slower), fixed when the job starts.
     #[serde(default)]
     pub concurrency_slowdown: f64,
+    /// A continuous-batching server: while k requests run at once, each progresses at
+    /// 1 / (1 + batch_slowdown x (k - 1)) of its speed alone, re-computed the moment k
+    /// changes (0: perfect batching, 1: plain time sharing). Excludes `concurrency_slowdown`.
+    #[serde(default)]
+    pub batch_slowdown: f64,
+    /// Each output token costs this many ms more per 1000 tokens of context (prompt plus the
+    /// tokens generated so far): decoding slows as the context grows, as on llama.cpp.
+    #[serde(default)]
+    pub decode_ms_per_1k_context: f64,
+}
+
+impl Upstream {
+    /// Whether requests share the server's speed while they run (`batch_slowdown > 0`): the
+    /// engine then runs the dynamic processor-sharing model instead of fixed service times.
+    pub fn batching(&self) -> bool {
+        self.batch_slowdown > 0.0
+    }
+
+    /// How much slower each of `k` requests running at once progresses than alone.
+    pub fn batch_factor(&self, k: u32) -> f64 {
+        1.0 + self.batch_slowdown * f64::from(k.saturating_sub(1))
+    }
+
+    /// The most alone-work the server gets through per unit of time with every slot usable:
+    /// `slots` without batching, else the best of k / (1 + batch_slowdown x (k - 1)) over
+    /// k = 1..=slots (k = slots for a slowdown up to 1, k = 1 above it). Capacity for trace
+    /// compression and the speed of the upper bound's fluid machine.
+    pub fn speed(&self) -> f64 {
+        if !self.batching() {
+            return f64::from(self.slots.max(1));
+        }
+        let k = if self.batch_slowdown <= 1.0 {
+            self.slots.max(1)
+        } else {
+            1
+        };
+        f64::from(k) / self.batch_factor(k)
+    }
 }
 
 /// A step in the arrival rate: `factor` times the base rate in `[from_s, to_s)`.
@@ -582,10 +620,21 @@ impl Scenario {
             ("upstream.prefill_ms_per_token", u.prefill_ms_per_token),
             ("upstream.decode_ms_per_token", u.decode_ms_per_token),
             ("upstream.concurrency_slowdown", u.concurrency_slowdown),
+            ("upstream.batch_slowdown", u.batch_slowdown),
+            (
+                "upstream.decode_ms_per_1k_context",
+                u.decode_ms_per_1k_context,
+            ),
         ] {
             if !nonneg(v) || v > 1e7 {
                 return err(f, "must be a non-negative number");
             }
+        }
+        if u.batch_slowdown > 0.0 && u.concurrency_slowdown > 0.0 {
+            return err(
+                "upstream.batch_slowdown",
+                "batch_slowdown and concurrency_slowdown are two models of the same slowdown; set one of them",
+            );
         }
         if self.classes.is_empty() {
             return err("classes", "at least one class is required");
@@ -777,10 +826,30 @@ impl Scenario {
 
     /// Service time and time to the first token (ms) of a job whose decoding runs `slow`
     /// times slower than alone: the upstream's cost model, in one place.
+    ///
+    /// With `decode_ms_per_1k_context`, output token i (0-based) decodes at a context of
+    /// P + i + 1/2 tokens (the middle of its step), so the O tokens add
+    /// `decode_ms_per_1k_context x O x (P + O/2) / 1000` in all and the first one
+    /// `decode_ms_per_1k_context x (P + 1/2) / 1000`; the stub's `batching:` latency steps
+    /// the same way, token by token.
     pub fn service(&self, prompt_tokens: u32, output_tokens: u32, slow: f64) -> (f64, f64) {
         let u = &self.upstream;
         let prefill = u.overhead_ms + u.prefill_ms_per_token * f64::from(prompt_tokens);
         let decode = u.decode_ms_per_token * slow;
+        if u.decode_ms_per_1k_context > 0.0 {
+            let (p, o) = (f64::from(prompt_tokens), f64::from(output_tokens));
+            let per_ctx = u.decode_ms_per_1k_context / 1000.0 * slow;
+            let first = prefill
+                + if output_tokens > 0 {
+                    decode + per_ctx * (p + 0.5)
+                } else {
+                    0.0
+                };
+            let total = prefill + decode * o + per_ctx * o * (p + o / 2.0);
+            return (total, first);
+        }
+        // Kept apart (not the branch above with a zero term) so scenarios without a context
+        // term compute exactly the figures they always did.
         let first = prefill + if output_tokens > 0 { decode } else { 0.0 };
         (prefill + decode * f64::from(output_tokens), first)
     }

@@ -200,3 +200,39 @@ fn fault_choice_is_by_window_class_and_rate() {
         .count();
     assert_eq!(hit, again);
 }
+
+#[test]
+fn batching_fields_parse_and_exclude_the_fixed_slowdown() {
+    let text = MINIMAL.replace(
+        "decode_ms_per_token = 10",
+        "decode_ms_per_token = 10\nbatch_slowdown = 0.8\ndecode_ms_per_1k_context = 14",
+    );
+    let s = parse(&text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(s.upstream.batch_slowdown, 0.8);
+    assert_eq!(s.upstream.decode_ms_per_1k_context, 14.0);
+    assert!(s.upstream.batching());
+    // Both slowdown models at once: refused, naming both, at the first one's line.
+    let both = text.replace(
+        "batch_slowdown = 0.8",
+        "batch_slowdown = 0.8\nconcurrency_slowdown = 0.1",
+    );
+    let (line, field, message) = field_error(&both);
+    assert_eq!((line, field.as_str()), (7, "upstream.batch_slowdown"));
+    assert!(
+        message.contains("batch_slowdown") && message.contains("concurrency_slowdown"),
+        "{message}"
+    );
+    // Either one alone is fine; a negative one is not.
+    assert!(parse(&both.replace("batch_slowdown = 0.8", "batch_slowdown = 0")).is_ok());
+    let neg = text.replace(
+        "decode_ms_per_1k_context = 14",
+        "decode_ms_per_1k_context = -1",
+    );
+    assert_eq!(field_error(&neg).1, "upstream.decode_ms_per_1k_context");
+    let neg = text.replace("batch_slowdown = 0.8", "batch_slowdown = -0.5");
+    assert_eq!(field_error(&neg).1, "upstream.batch_slowdown");
+    // Defaults: neither, the fixed model.
+    let s = parse(MINIMAL).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!s.upstream.batching());
+    assert_eq!(s.upstream.decode_ms_per_1k_context, 0.0);
+}

@@ -217,7 +217,9 @@ fn replay(s: &Scenario, rules: &mut Rng) -> Result<Vec<Arrival>, ScenarioError> 
                 .map(|r| s.service_ms(r.prompt_tokens, r.output_tokens))
                 .sum();
             let span = rows.last().map_or(span_ms, |r| r.offset_ms).max(1.0);
-            let recorded = work / (f64::from(s.upstream.slots) * span);
+            // Alone work over what the server gets through (on a batching server, less
+            // than one alone-speed per slot).
+            let recorded = work / (s.upstream.speed() * span);
             // Compress time by recorded/load: the same work over a shorter span.
             recorded / load
         }

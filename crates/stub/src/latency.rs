@@ -7,9 +7,15 @@
 //!
 //! Randomness comes from a tiny seeded xorshift generator rather than the `rand` crate: the stub
 //! only needs "spread out but reproducible", and a fixed seed makes benchmark runs comparable.
+//!
+//! The `batching:` model is the one spec whose timing depends on what else runs: a
+//! continuous-batching server (llama.cpp, vLLM) slows every request in service as more join, so
+//! its [`Pacer`] re-reads the stub's number of requests in service at every step instead of
+//! following a timetable fixed at the start.
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Longest duration a spec may name. Anything longer is almost certainly a typo (a missing unit
@@ -35,16 +41,38 @@ pub enum LatencySpec {
         /// Microseconds between consecutive output tokens.
         decode_us: u64,
     },
+    /// A continuous-batching server (the simulator's `batch_slowdown` and
+    /// `decode_ms_per_1k_context`): alone, `overhead_us` plus `prefill_us` per prompt token,
+    /// then output token i (1-based) takes `decode_us` plus `context_us_per_1k` per 1000 tokens
+    /// of context (prompt + i - 1/2). Every step (a token, or a millisecond of prefill) takes
+    /// `1 + slowdown x (k - 1)` times as long, k being the requests in service when it begins.
+    Batching {
+        /// Fixed microseconds per request, before the prefill.
+        overhead_us: u64,
+        /// Microseconds of prefill per prompt token.
+        prefill_us: u64,
+        /// Microseconds per output token at no context.
+        decode_us: u64,
+        /// Microseconds more per output token per 1000 tokens of context.
+        context_us_per_1k: u64,
+        /// The batching slowdown in millionths (0.8 is 800000): 0 perfect batching, 10^6
+        /// plain time sharing.
+        slowdown_ppm: u32,
+    },
 }
+
+/// Largest `slowdown` of a `batching:` spec (a thousandfold slowdown per extra request is
+/// already absurd).
+const MAX_SLOWDOWN: f64 = 1000.0;
 
 /// Why a latency spec could not be parsed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
     /// The spec was empty or only whitespace.
-    #[error("empty latency spec; expected fixed:<dur>, uniform:<dur>..<dur> or tokens:prefill_us=<n>,decode_us=<n>")]
+    #[error("empty latency spec; expected fixed:<dur>, uniform:<dur>..<dur>, tokens:prefill_us=<n>,decode_us=<n> or batching:prefill_us=<n>,decode_us=<n>[,overhead_us=<n>,context_us_per_1k=<n>,slowdown=<x>]")]
     Empty,
     /// The part before `:` is not a known model.
-    #[error("unknown latency kind `{0}`; expected fixed:<dur>, uniform:<dur>..<dur> or tokens:prefill_us=<n>,decode_us=<n>")]
+    #[error("unknown latency kind `{0}`; expected fixed:<dur>, uniform:<dur>..<dur>, tokens:prefill_us=<n>,decode_us=<n> or batching:prefill_us=<n>,decode_us=<n>[,overhead_us=<n>,context_us_per_1k=<n>,slowdown=<x>]")]
     UnknownKind(String),
     /// A duration such as `800ms` was malformed.
     #[error("bad duration `{text}`: {reason}")]
@@ -62,6 +90,14 @@ pub enum SpecError {
     /// A `tokens` spec field was missing, repeated, unknown or not a number in range.
     #[error("bad tokens spec `{text}`: {reason}")]
     Tokens {
+        /// The offending text.
+        text: String,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// A `batching` spec field was missing, repeated, unknown or not a number in range.
+    #[error("bad batching spec `{text}`: {reason}")]
+    Batching {
         /// The offending text.
         text: String,
         /// What was wrong with it.
@@ -93,6 +129,7 @@ impl FromStr for LatencySpec {
                 Ok(LatencySpec::Uniform { min, max })
             }
             "tokens" => parse_tokens(rest),
+            "batching" => parse_batching(rest),
             other => Err(SpecError::UnknownKind(other.to_owned())),
         }
     }
@@ -133,6 +170,71 @@ fn parse_tokens(rest: &str) -> Result<LatencySpec, SpecError> {
             prefill_us,
             decode_us,
         }),
+        _ => Err(err("both prefill_us and decode_us are required".to_owned())),
+    }
+}
+
+/// Parses `prefill_us=<n>,decode_us=<n>` (both required) and optionally `overhead_us=<n>`,
+/// `context_us_per_1k=<n>`, `slowdown=<decimal>`, in any order.
+fn parse_batching(rest: &str) -> Result<LatencySpec, SpecError> {
+    let err = |reason: String| SpecError::Batching {
+        text: rest.to_owned(),
+        reason,
+    };
+    let max_us = MAX_SPEC_DURATION.as_micros() as u64;
+    let mut ints: [(&str, Option<u64>); 4] = [
+        ("overhead_us", None),
+        ("prefill_us", None),
+        ("decode_us", None),
+        ("context_us_per_1k", None),
+    ];
+    let mut slowdown: Option<u32> = None;
+    for field in rest.split(',') {
+        let (key, value) = field
+            .split_once('=')
+            .ok_or_else(|| err(format!("field `{}` is not key=value", field.trim())))?;
+        let (key, value) = (key.trim(), value.trim());
+        if key == "slowdown" {
+            if slowdown.is_some() {
+                return Err(err("field `slowdown` given twice".to_owned()));
+            }
+            let x: f64 = value
+                .parse()
+                .ok()
+                .filter(|x: &f64| x.is_finite() && (0.0..=MAX_SLOWDOWN).contains(x))
+                .ok_or_else(|| {
+                    err(format!(
+                        "slowdown `{value}` is not a number from 0 to {MAX_SLOWDOWN}"
+                    ))
+                })?;
+            // In range above, so at most 10^9: fits a u32.
+            slowdown = Some((x * 1e6).round() as u32);
+            continue;
+        }
+        let Some(slot) = ints.iter_mut().find(|(name, _)| *name == key) else {
+            return Err(err(format!("unknown field `{key}`")));
+        };
+        if slot.1.is_some() {
+            return Err(err(format!("field `{key}` given twice")));
+        }
+        let n: u64 = value
+            .parse()
+            .map_err(|_| err(format!("`{value}` is not a non-negative integer")))?;
+        if n > max_us {
+            return Err(err(format!("`{n}` is larger than the maximum {max_us}")));
+        }
+        slot.1 = Some(n);
+    }
+    match ints {
+        [(_, overhead), (_, Some(prefill_us)), (_, Some(decode_us)), (_, context)] => {
+            Ok(LatencySpec::Batching {
+                overhead_us: overhead.unwrap_or(0),
+                prefill_us,
+                decode_us,
+                context_us_per_1k: context.unwrap_or(0),
+                slowdown_ppm: slowdown.unwrap_or(0),
+            })
+        }
         _ => Err(err("both prefill_us and decode_us are required".to_owned())),
     }
 }
@@ -204,33 +306,153 @@ impl fmt::Display for LatencySpec {
                 prefill_us,
                 decode_us,
             } => write!(f, "tokens:prefill_us={prefill_us},decode_us={decode_us}"),
+            LatencySpec::Batching {
+                overhead_us,
+                prefill_us,
+                decode_us,
+                context_us_per_1k,
+                slowdown_ppm,
+            } => {
+                let whole = slowdown_ppm / 1_000_000;
+                let frac = format!("{:06}", slowdown_ppm % 1_000_000);
+                let frac = frac.trim_end_matches('0');
+                let dot = if frac.is_empty() { "" } else { "." };
+                write!(
+                    f,
+                    "batching:overhead_us={overhead_us},prefill_us={prefill_us},decode_us={decode_us},context_us_per_1k={context_us_per_1k},slowdown={whole}{dot}{frac}"
+                )
+            }
         }
     }
 }
 
 /// When a response's pieces become ready, measured from the moment the request got its slot.
 ///
-/// Output token `i` (0-based) is ready at `prefill + (i + 1) * decode`; a non-streaming response
-/// is ready when the last token is, i.e. after [`Schedule::total`].
+/// Output token `i` (0-based) is ready at `prefill + (i + 1) * decode`, plus the context term of
+/// a batching spec; a non-streaming response is ready when the last token is, i.e. after
+/// [`Schedule::total`]. For a batching spec these are the times alone; a [`Pacer`] stretches
+/// them by what else runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Schedule {
     /// Wait before the first token starts decoding.
     pub prefill: Duration,
-    /// Wait between consecutive tokens.
+    /// Wait between consecutive tokens (at no context).
     pub decode: Duration,
     /// Number of output tokens.
     pub tokens: u32,
+    /// A batching spec's context term and slowdown.
+    pub batch: Option<BatchSteps>,
+}
+
+/// What a batching spec adds to a [`Schedule`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BatchSteps {
+    /// Prompt tokens: the context the first output token starts from.
+    pub prompt_tokens: u32,
+    /// Extra nanoseconds per output token per token of context (the spec's microseconds per
+    /// 1000 tokens).
+    pub context_ns_per_token: u64,
+    /// Slowdown per extra request in service, in millionths.
+    pub slowdown_ppm: u32,
 }
 
 impl Schedule {
-    /// Total service time of the response.
+    /// Total service time of the response (alone, for a batching spec).
+    #[cfg(test)]
     pub fn total(&self) -> Duration {
         self.token_due(self.tokens)
     }
 
-    /// When the `n`-th token (1-based) is due, relative to the start.
+    /// When the `n`-th token (1-based) is due, relative to the start (alone, for a batching
+    /// spec).
     pub fn token_due(&self, n: u32) -> Duration {
-        self.prefill.saturating_add(self.decode.saturating_mul(n))
+        let plain = self.prefill.saturating_add(self.decode.saturating_mul(n));
+        match self.batch {
+            // Steps 1..=n at contexts P + i - 1/2 sum to n x P + n^2 / 2 tokens.
+            Some(b) => {
+                let (n, p) = (u128::from(n), u128::from(b.prompt_tokens));
+                let half_tokens = 2 * n * p + n * n;
+                let ns = u128::from(b.context_ns_per_token) * half_tokens / 2;
+                plain.saturating_add(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
+            }
+            None => plain,
+        }
+    }
+
+    /// How long output token `n` (1-based) takes alone.
+    fn step(&self, n: u32) -> Duration {
+        self.token_due(n)
+            .saturating_sub(self.token_due(n.saturating_sub(1)))
+    }
+}
+
+/// The request count a batching [`Pacer`] reads at each step: the stub's requests in service.
+pub(crate) type Load = Arc<dyn Fn() -> usize + Send + Sync>;
+
+/// Prefill is paced in steps of this much work alone, so a request that joins or leaves during
+/// a long prefill changes its pace within a step, as it does a decode's.
+const PREFILL_STEP: Duration = Duration::from_millis(1);
+
+/// Waits out a [`Schedule`]: to the fixed timetable for most specs; step by step for a
+/// batching spec, each step stretched by `1 + slowdown x (k - 1)` with k read from the load
+/// when the step begins.
+pub(crate) struct Pacer {
+    /// The timetable alone.
+    pub schedule: Schedule,
+    start: tokio::time::Instant,
+    load: Load,
+    /// Batching: when the work paced so far ends (accumulated exactly, so timer lateness does
+    /// not add up over a long response).
+    due: Option<tokio::time::Instant>,
+    /// Batching: prefill work alone still to pace.
+    prefill_left: Duration,
+    /// Batching: output tokens paced so far.
+    paced: u32,
+}
+
+impl Pacer {
+    /// A pacer for a request that got its slot at `start`.
+    pub fn new(schedule: Schedule, start: tokio::time::Instant, load: Load) -> Self {
+        Pacer {
+            schedule,
+            start,
+            load,
+            due: Some(start),
+            prefill_left: schedule.prefill,
+            paced: 0,
+        }
+    }
+
+    /// Waits until output token `n` (1-based) is ready; `n = 0` is the end of the prefill.
+    pub async fn until(&mut self, n: u32) {
+        let Some(batch) = self.schedule.batch else {
+            return sleep_from(self.start, self.schedule.token_due(n)).await;
+        };
+        let slowdown = f64::from(batch.slowdown_ppm) / 1e6;
+        loop {
+            let work = if !self.prefill_left.is_zero() {
+                let w = self.prefill_left.min(PREFILL_STEP);
+                self.prefill_left -= w;
+                w
+            } else if self.paced < n {
+                self.paced += 1;
+                self.schedule.step(self.paced)
+            } else {
+                return;
+            };
+            let k = (self.load)().max(1);
+            let factor = 1.0 + slowdown * (k - 1) as f64;
+            // A step too long to represent (absurd spec) means "never", like `sleep_from`.
+            let long = Duration::try_from_secs_f64(work.as_secs_f64() * factor).ok();
+            self.due = self
+                .due
+                .zip(long)
+                .and_then(|(due, long)| due.checked_add(long));
+            match self.due {
+                Some(due) => tokio::time::sleep_until(due).await,
+                None => std::future::pending().await,
+            }
+        }
     }
 }
 
@@ -253,6 +475,7 @@ impl LatencySpec {
                 prefill: share,
                 decode: share,
                 tokens,
+                batch: None,
             }
         };
         match *self {
@@ -269,6 +492,27 @@ impl LatencySpec {
                 prefill: Duration::from_micros(prefill_us.saturating_mul(u64::from(prompt_tokens))),
                 decode: Duration::from_micros(decode_us),
                 tokens,
+                batch: None,
+            },
+            LatencySpec::Batching {
+                overhead_us,
+                prefill_us,
+                decode_us,
+                context_us_per_1k,
+                slowdown_ppm,
+            } => Schedule {
+                prefill: Duration::from_micros(
+                    prefill_us
+                        .saturating_mul(u64::from(prompt_tokens))
+                        .saturating_add(overhead_us),
+                ),
+                decode: Duration::from_micros(decode_us),
+                tokens,
+                batch: Some(BatchSteps {
+                    prompt_tokens,
+                    context_ns_per_token: context_us_per_1k,
+                    slowdown_ppm,
+                }),
             },
         }
     }

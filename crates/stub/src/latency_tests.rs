@@ -164,3 +164,106 @@ fn uniform_is_deterministic_and_in_range() {
     let mut zero = Prng::new(0);
     assert_ne!(zero.next_u64(), 0);
 }
+
+type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+#[test]
+fn batching_specs_parse_with_defaults_and_round_trip() -> TestResult {
+    let spec: LatencySpec = "batching:prefill_us=900, decode_us=7500".parse()?;
+    assert_eq!(
+        spec,
+        LatencySpec::Batching {
+            overhead_us: 0,
+            prefill_us: 900,
+            decode_us: 7500,
+            context_us_per_1k: 0,
+            slowdown_ppm: 0,
+        }
+    );
+    let full = "batching:overhead_us=50000,prefill_us=900,decode_us=7500,context_us_per_1k=14000,slowdown=0.8";
+    let spec: LatencySpec = full.parse()?;
+    assert_eq!(spec.to_string(), full);
+    for text in [
+        "batching:slowdown=1,decode_us=1,prefill_us=0",
+        "batching:prefill_us=0,decode_us=1,slowdown=0.000001",
+        "batching:prefill_us=0,decode_us=1,slowdown=12.25",
+    ] {
+        let spec: LatencySpec = text.parse()?;
+        assert_eq!(spec.to_string().parse::<LatencySpec>(), Ok(spec), "{text}");
+    }
+    let shown = "batching:prefill_us=0,decode_us=1,slowdown=1"
+        .parse::<LatencySpec>()?
+        .to_string();
+    assert!(shown.ends_with(",slowdown=1"), "{shown}");
+    Ok(())
+}
+
+#[test]
+fn bad_batching_specs_say_what_is_wrong() {
+    let msg = |t: &str| match t.parse::<LatencySpec>() {
+        Err(e) => e.to_string(),
+        Ok(v) => format!("unexpectedly parsed {v}"),
+    };
+    assert!(msg("batching:prefill_us=1").contains("both prefill_us and decode_us"));
+    assert!(msg("batching:prefill_us=1,decode_us=1,slowdown=-1").contains("slowdown `-1`"));
+    assert!(msg("batching:prefill_us=1,decode_us=1,slowdown=x").contains("slowdown `x`"));
+    assert!(msg("batching:prefill_us=1,decode_us=1,slowdown=1e9").contains("0 to 1000"));
+    assert!(msg("batching:prefill_us=1,decode_us=1,slowdown=1,slowdown=2").contains("twice"));
+    assert!(msg("batching:prefill_us=1,decode_us=1,decode_us=2").contains("twice"));
+    assert!(msg("batching:prefill_us=1,decode_us=1,ctx=2").contains("unknown field `ctx`"));
+    assert!(msg("batching:prefill_us=1,decode_us=-1").contains("non-negative integer"));
+    assert!(msg("batching:prefill_us=1;decode_us=1").contains("bad batching spec"));
+}
+
+#[test]
+fn batching_schedule_alone_has_the_simulators_context_term() -> TestResult {
+    let spec: LatencySpec =
+        "batching:overhead_us=50000,prefill_us=900,decode_us=7500,context_us_per_1k=14000"
+            .parse()?;
+    let s = spec.schedule(500, 256, &mut Prng::new(1));
+    // 50 ms + 500 x 0.9 ms of prefill.
+    assert_eq!(s.prefill, ms(500));
+    // The simulator's 50 + 450 + 7.5 x 256 + 14 x 256 x (500 + 128) / 1000 ms.
+    assert_eq!(s.total(), Duration::from_micros(4_670_752));
+    // First token: one step at a context of 500.5 tokens: 7.5 + 7.007 ms.
+    assert_eq!(s.token_due(1), Duration::from_micros(514_507));
+    // The steps add up to the total.
+    let steps: Duration = (1..=256).map(|n| s.step(n)).sum();
+    assert_eq!(s.prefill + steps, s.total());
+    Ok(())
+}
+
+/// Paces a 10 ms prefill and five 4 ms tokens (30 ms alone) with `k` requests in service.
+fn paced(k: usize, slowdown: &str) -> Result<Duration, Box<dyn std::error::Error>> {
+    let spec: LatencySpec =
+        format!("batching:overhead_us=10000,prefill_us=0,decode_us=4000,slowdown={slowdown}")
+            .parse()?;
+    let schedule = spec.schedule(0, 5, &mut Prng::new(1));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
+    Ok(rt.block_on(async move {
+        let start = tokio::time::Instant::now();
+        let mut pacer = Pacer::new(schedule, start, Arc::new(move || k));
+        pacer.until(2).await;
+        // Asking for an earlier token again does not wait.
+        let at_two = start.elapsed();
+        pacer.until(1).await;
+        assert!(start.elapsed() - at_two < ms(5));
+        pacer.until(5).await;
+        start.elapsed()
+    }))
+}
+
+#[test]
+fn pacer_stretches_each_step_by_the_requests_in_service() -> TestResult {
+    // Alone: 30 ms. Three in service at slowdown 0.5: each step twice as long, 60 ms.
+    let alone = paced(1, "0.5")?;
+    assert!(alone >= ms(30) && alone < ms(55), "{alone:?}");
+    let shared = paced(3, "0.5")?;
+    assert!(shared >= ms(60) && shared < ms(85), "{shared:?}");
+    // Perfect batching: three at once take what one takes.
+    let perfect = paced(3, "0")?;
+    assert!(perfect >= ms(30) && perfect < ms(55), "{perfect:?}");
+    Ok(())
+}

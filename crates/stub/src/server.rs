@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use crate::control;
 use crate::idle::{ConnConfig, IdleClose, IdleSince, IdleWhenDone};
-use crate::latency::{sleep_from, LatencySpec};
+use crate::latency::{LatencySpec, Load, Pacer};
 use crate::openai::{self, clamp_tokens, Endpoint, ModelRequest};
 use crate::records::{check_request_id, Tag};
 use crate::state::{Outcome, Shared};
@@ -309,6 +309,11 @@ async fn model_request(shared: Arc<Shared>, endpoint: Endpoint, req: Request<Inc
     let start = Instant::now();
     let spec = overrides.latency.unwrap_or(shared.cfg.latency);
     let schedule = shared.schedule(&spec, parsed.prompt_tokens, tokens);
+    let load: Load = {
+        let shared = shared.clone();
+        std::sync::Arc::new(move || shared.in_flight())
+    };
+    let mut pacer = Pacer::new(schedule, start, load);
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Text => "cmpl",
@@ -321,8 +326,7 @@ async fn model_request(shared: Arc<Shared>, endpoint: Endpoint, req: Request<Inc
             endpoint,
             id,
             model: parsed.model,
-            schedule,
-            start,
+            pacer,
             prompt_tokens: parsed.prompt_tokens,
             include_usage: parsed.include_usage,
             reset_before: (overrides.fault == Some(Fault::Reset)).then_some(tokens.min(3)),
@@ -330,7 +334,7 @@ async fn model_request(shared: Arc<Shared>, endpoint: Endpoint, req: Request<Inc
         let body = StubBody::guarded(token_stream(plan), slot);
         return Ok(with_body(StatusCode::OK, "text/event-stream", body));
     }
-    sleep_from(start, schedule.total()).await;
+    pacer.until(tokens).await;
     let value = match endpoint {
         Endpoint::Embeddings => openai::embeddings(&parsed),
         _ => openai::completion(endpoint, &id, &parsed, tokens),

@@ -137,6 +137,11 @@ impl Shared {
         self.response_ids.fetch_add(1, Ordering::Relaxed) + 1
     }
 
+    /// Requests holding a slot now: what a batching latency spec slows each step by.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.stats).in_flight
+    }
+
     /// Counts a model request as received.
     pub fn count_request(&self) {
         lock(&self.stats).requests += 1;

@@ -14,17 +14,15 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use crate::latency::Pacer;
+use crate::openai::{self, Endpoint};
+use crate::state::{Outcome, SlotGuard};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use serde_json::Value;
-use tokio::time::Instant;
-
-use crate::latency::{sleep_from, Schedule};
-use crate::openai::{self, Endpoint};
-use crate::state::{Outcome, SlotGuard};
 
 /// The body type of every stub response.
 pub(crate) struct StubBody {
@@ -109,10 +107,9 @@ pub(crate) struct StreamPlan {
     pub id: String,
     /// Echoed model name.
     pub model: String,
-    /// When each token is due.
-    pub schedule: Schedule,
-    /// When the request got its slot; token times are measured from here, so they do not drift.
-    pub start: Instant,
+    /// When each token is due: token times are measured from when the request got its slot,
+    /// so they do not drift.
+    pub pacer: Pacer,
     /// Prompt tokens, for the usage chunk.
     pub prompt_tokens: u32,
     /// Send a usage chunk before `[DONE]`.
@@ -132,28 +129,29 @@ enum Step {
 
 /// The SSE body for a streamed completion.
 pub(crate) fn token_stream(plan: StreamPlan) -> UnsyncBoxBody<Bytes, io::Error> {
-    let frames = futures_util::stream::unfold((plan, Step::Token(0)), |(plan, step)| async move {
-        let (item, next) = plan.step(step).await?;
-        Some((item, (plan, next)))
-    });
+    let frames =
+        futures_util::stream::unfold((plan, Step::Token(0)), |(mut plan, step)| async move {
+            let (item, next) = plan.step(step).await?;
+            Some((item, (plan, next)))
+        });
     StreamBody::new(frames.map(|r| r.map(Frame::data))).boxed_unsync()
 }
 
 impl StreamPlan {
     /// Produces the item for `step` (waiting for its time) and the step after it.
-    async fn step(&self, step: Step) -> Option<(Result<Bytes, io::Error>, Step)> {
-        let n = self.schedule.tokens;
+    async fn step(&mut self, step: Step) -> Option<(Result<Bytes, io::Error>, Step)> {
+        let n = self.pacer.schedule.tokens;
         let event = match step {
             Step::Token(i) if Some(i) == self.reset_before => {
                 // Pause first: hyper flushes what it has written when the body is pending, so the
                 // chunks before the "crash" really reach the client instead of dying in a buffer.
-                let pause = self.schedule.decode.max(Duration::from_millis(1));
+                let pause = self.pacer.schedule.decode.max(Duration::from_millis(1));
                 tokio::time::sleep(pause).await;
                 let err = io::Error::new(io::ErrorKind::ConnectionReset, "injected reset fault");
                 return Some((Err(err), Step::End));
             }
             Step::Token(i) if i < n => {
-                sleep_from(self.start, self.schedule.token_due(i + 1)).await;
+                self.pacer.until(i + 1).await;
                 let chunk = openai::chunk(
                     self.endpoint,
                     &self.id,
@@ -166,7 +164,7 @@ impl StreamPlan {
             }
             Step::Token(_) => {
                 // With zero output tokens, wait out the prefill and carry the role here instead.
-                sleep_from(self.start, self.schedule.total()).await;
+                self.pacer.until(n).await;
                 let chunk = openai::chunk(
                     self.endpoint,
                     &self.id,
