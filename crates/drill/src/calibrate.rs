@@ -147,17 +147,33 @@ pub struct Calibration {
     pub priors: Priors,
 }
 
-/// Prompt sizes, output lengths, repetitions, and the shapes measured `slots` at once.
-fn plan(quick: bool) -> (Vec<u32>, Vec<u32>, u32, Vec<(u32, u32)>) {
+/// What to measure.
+struct Plan {
+    /// Prompt sizes (tokens), each with every output length, alone.
+    prompts: Vec<u32>,
+    /// Output lengths (`max_tokens`).
+    outputs: Vec<u32>,
+    /// Repetitions of the alone measurements.
+    reps: u32,
+    /// (prompt, output) shapes measured `slots` at once.
+    together: Vec<(u32, u32)>,
+}
+
+fn plan(quick: bool) -> Plan {
     if quick {
-        (vec![30, 500], vec![16, 64, 128], 1, vec![(30, 64)])
+        Plan {
+            prompts: vec![30, 500],
+            outputs: vec![16, 64, 128],
+            reps: 1,
+            together: vec![(30, 64)],
+        }
     } else {
-        (
-            vec![30, 500, 1000],
-            vec![16, 64, 256],
-            2,
-            vec![(30, 64), (500, 256), (1000, 16)],
-        )
+        Plan {
+            prompts: vec![30, 500, 1000],
+            outputs: vec![16, 64, 256],
+            reps: 2,
+            together: vec![(30, 64), (500, 256), (1000, 16)],
+        }
     }
 }
 
@@ -190,7 +206,12 @@ pub async fn run(opts: &CalibrateOptions) -> Result<Calibration, CalibrateError>
             .await
             .unwrap_or(realserver::DEFAULT_CHARS_PER_TOKEN),
     };
-    let (prompts, outputs, reps, together) = plan(opts.quick);
+    let Plan {
+        prompts,
+        outputs,
+        reps,
+        together,
+    } = plan(opts.quick);
     let timeout = request_timeout(opts.quick);
     let mut m = Measurer {
         http,
@@ -463,11 +484,12 @@ fn least_squares(rows: &[[f64; 4]], ys: &[f64], free: &[usize]) -> Option<Vec<f6
             return None;
         }
         a.swap(col, pivot);
-        for row in 0..n {
-            if row != col {
-                let f = a[row][col] / a[col][col];
-                for k in col..=n {
-                    a[row][k] -= f * a[col][k];
+        let pivot_row = a[col].clone();
+        for (r, row) in a.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / pivot_row[col];
+                for (x, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *x -= f * p;
                 }
             }
         }

@@ -286,8 +286,7 @@ pub fn usage_of(body: &[u8]) -> (Option<u32>, Option<u32>) {
         .filter_map(|l| l.strip_prefix("data:"))
         .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
         .filter_map(|v| read(&v))
-        .filter(|u| u.0.is_some() || u.1.is_some())
-        .last()
+        .rfind(|u| u.0.is_some() || u.1.is_some())
         .unwrap_or((None, None))
 }
 
