@@ -114,18 +114,19 @@ pub struct EstimatorError {
 
 /// Per class (in `classes` order, classes with no sample left out), the relative error of
 /// `est_service_ms` at dispatch against the actual service time, for jobs dispatched at or
-/// after `from_epoch_ms`.
+/// after `from_epoch_ms`. `classes` pairs the name to report with the class name the gate
+/// logs (they differ when the gate knows the scenario's class as an alias).
 pub fn estimator_error(
     jobs: &HashMap<u64, JobFacts>,
-    classes: &[String],
+    classes: &[(String, String)],
     from_epoch_ms: u64,
 ) -> Vec<EstimatorError> {
     classes
         .iter()
-        .filter_map(|c| {
+        .filter_map(|(c, logged)| {
             let mut errs: Vec<f64> = jobs
                 .values()
-                .filter(|j| &j.class == c)
+                .filter(|j| &j.class == logged)
                 .filter(|j| j.dispatched_at_ms.is_some_and(|d| d >= from_epoch_ms))
                 .filter_map(|j| {
                     let (est, actual) = (j.est_service_ms?, j.actual_service_ms?);
@@ -188,7 +189,10 @@ not json
     #[test]
     fn relative_error_per_class_after_the_warm_up() {
         let jobs = parse(LOG);
-        let classes = vec!["a".to_string(), "b".to_string()];
+        let classes: Vec<(String, String)> = ["a", "b"]
+            .iter()
+            .map(|c| (c.to_string(), c.to_string()))
+            .collect();
         // Job 1: |150-200|/200 = 0.25; job 2: 0. Class b has no completion.
         let all = estimator_error(&jobs, &classes, 0);
         assert_eq!(all.len(), 1);

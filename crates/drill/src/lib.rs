@@ -691,7 +691,26 @@ async fn run_mode(
         .map(|r| (r.id.clone(), r.busy_ms))
         .collect();
     let stub_accounted = records.is_some();
-    let class_names: Vec<String> = s.classes.iter().map(|c| c.name.clone()).collect();
+    // Each scenario class with the name the gate logs it under: its own, or, with a
+    // `--config` that knows it as an alias, that class's name.
+    let class_names: Vec<(String, String)> = s
+        .classes
+        .iter()
+        .map(|c| {
+            let logged = match &opts.target {
+                Target::Real(RealUpstream {
+                    config: Some(cfg), ..
+                }) => cfg
+                    .gate
+                    .classes
+                    .iter()
+                    .find(|k| k.name == c.name || k.aliases.contains(&c.name))
+                    .map_or_else(|| c.name.clone(), |k| k.name.clone()),
+                _ => c.name.clone(),
+            };
+            (c.name.clone(), logged)
+        })
+        .collect();
     let mut summary = RunSummary {
         mode,
         label: mode.label(),
@@ -761,15 +780,19 @@ async fn run_mode(
 }
 
 /// Per class, the tokens the gate settled.
-fn settled(jobs: &HashMap<u64, joblog::JobFacts>, classes: &[String]) -> Vec<ClassSettled> {
+/// (Two scenario classes that the config maps to one class both show that class's figures.)
+fn settled(
+    jobs: &HashMap<u64, joblog::JobFacts>,
+    classes: &[(String, String)],
+) -> Vec<ClassSettled> {
     classes
         .iter()
-        .map(|c| {
+        .map(|(c, logged)| {
             let mut k = ClassSettled {
                 class: c.clone(),
                 ..ClassSettled::default()
             };
-            for j in jobs.values().filter(|j| &j.class == c) {
+            for j in jobs.values().filter(|j| &j.class == logged) {
                 k.completed += u64::from(j.actual_service_ms.is_some());
                 k.tokens_spent += j.tokens_spent;
                 k.tokens_wasted += j.tokens_wasted;
@@ -788,7 +811,7 @@ fn real_busy(
     requests: &mut [RequestResult],
     logs: &[client::ClientLog],
     jobs: &HashMap<u64, joblog::JobFacts>,
-    classes: &[String],
+    classes: &[(String, String)],
     scale: f64,
 ) {
     use slackgate_sim::engine::Outcome;
@@ -804,7 +827,7 @@ fn real_busy(
         r.busy_ms = to_scenario(real);
         claimed.extend(log.job_ids.iter().copied());
     }
-    for (ci, c) in classes.iter().enumerate() {
+    for (ci, (_, c)) in classes.iter().enumerate() {
         let mut orphans: Vec<(u64, u64)> = jobs
             .iter()
             .filter(|(id, j)| {
