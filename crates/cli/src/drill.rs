@@ -2,7 +2,8 @@
 //! off, reported like `slackgate sim` (see crates/drill).
 
 use anyhow::{bail, Result};
-use slackgate_drill::{DrillOptions, Mode, Target};
+use slackgate_drill::{DrillOptions, Mode, RealUpstream, Target};
+use slackgate_gateway::Config;
 use slackgate_sim::scenario::Scenario;
 use std::io::Write;
 use std::path::PathBuf;
@@ -35,6 +36,26 @@ pub struct DrillArgs {
     /// The running gate's upstream (with --gate).
     #[arg(long, requires = "gate")]
     pub upstream: Option<String>,
+    /// Drill a real OpenAI-compatible model server (llama-server, vLLM, ...) at this URL: no
+    /// stub; the drill's own gate fronts it (gate off: the same gate with admit_always), and
+    /// requests carry real prompt text of the scenario's token sizes.
+    #[arg(long, conflicts_with_all = ["gate", "upstream"])]
+    pub real_upstream: Option<String>,
+    /// The `model` field sent to the real upstream (default: the first of its /v1/models).
+    #[arg(long, requires = "real_upstream")]
+    pub model: Option<String>,
+    /// Characters of prompt text per token of the real upstream's vocabulary (default:
+    /// measured with its /tokenize, else from usage.prompt_tokens, else 4).
+    #[arg(long, requires = "real_upstream")]
+    pub chars_per_token: Option<f64>,
+    /// Gate configuration (TOML, as `serve` reads) for the drill's gate in front of the real
+    /// upstream, instead of the scenario's: priors, slots (set them to the server's
+    /// parallel slots), classes.
+    #[arg(long, requires = "real_upstream")]
+    pub config: Option<PathBuf>,
+    /// Leave this many scenario seconds of each run out of the estimator's error (warm-up).
+    #[arg(long, default_value_t = 30.0)]
+    pub error_after_s: f64,
     /// Print JSON instead of markdown.
     #[arg(long)]
     pub json: bool,
@@ -44,7 +65,7 @@ pub struct DrillArgs {
 }
 
 /// A drill is load: it may only go to this machine's loopback.
-fn only_loopback(url: &str) -> Result<()> {
+pub fn only_loopback(url: &str) -> Result<()> {
     let rest = url
         .strip_prefix("http://")
         .ok_or_else(|| anyhow::anyhow!("{url}: only http:// URLs are supported"))?;
@@ -83,11 +104,31 @@ pub fn run(a: DrillArgs) -> Result<()> {
             other => Err(anyhow::anyhow!("--run {other:?}: expected on or off")),
         })
         .collect::<Result<Vec<_>>>()?;
-    let target = match (a.gate, a.upstream) {
-        (Some(gate), Some(upstream)) => {
+    if !(a.error_after_s.is_finite() && a.error_after_s >= 0.0) {
+        bail!("--error-after-s must be a number of seconds, 0 or more");
+    }
+    let target = match (a.gate, a.upstream, a.real_upstream) {
+        (Some(gate), Some(upstream), _) => {
             only_loopback(&gate)?;
             only_loopback(&upstream)?;
             Target::External { gate, upstream }
+        }
+        (_, _, Some(url)) => {
+            only_loopback(&url)?;
+            let config = match &a.config {
+                Some(p) => {
+                    Some(Box::new(Config::from_file(p).map_err(|e| {
+                        anyhow::anyhow!("--config {}: {e}", p.display())
+                    })?))
+                }
+                None => None,
+            };
+            Target::Real(RealUpstream {
+                url,
+                model: a.model,
+                chars_per_token: a.chars_per_token,
+                config,
+            })
         }
         _ => Target::InProcess,
     };
@@ -97,6 +138,7 @@ pub fn run(a: DrillArgs) -> Result<()> {
         modes,
         progress: slackgate_drill::progress::wanted() && !a.json,
         log_dir: a.out.clone(),
+        error_after_s: a.error_after_s,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -6,8 +6,10 @@
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC [--idle-close-ms N]`
 //! - `slackgate check --config FILE`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
-//! - `slackgate drill SCENARIO.toml [--time-scale F] [--json] [--out DIR]`
+//! - `slackgate drill SCENARIO.toml [--time-scale F] [--real-upstream URL] [--json] [--out DIR]`
+//! - `slackgate calibrate --upstream URL [--model NAME] [--slots N] [--quick]`
 
+mod calibrate;
 mod drill;
 mod sim;
 
@@ -46,6 +48,8 @@ enum Command {
     Sim(sim::SimArgs),
     /// Run a scenario live over HTTP through a real gate and stub, gate on versus off.
     Drill(drill::DrillArgs),
+    /// Measure a model server's cost curve (alone and under concurrency) and print priors.
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 #[derive(clap::Args)]
@@ -151,6 +155,7 @@ fn main() -> Result<()> {
         Command::Sim(a) => return sim::run(a),
         // The drill builds its own runtime.
         Command::Drill(a) => return drill::run(a),
+        Command::Calibrate(a) => return calibrate::run(a),
         other => other,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -161,7 +166,7 @@ fn main() -> Result<()> {
         Command::Serve(a) => rt.block_on(serve(a)),
         Command::Stub(a) => rt.block_on(stub(a)),
         Command::Check { config } => check(&config),
-        Command::Sim(_) | Command::Drill(_) => Ok(()),
+        Command::Sim(_) | Command::Drill(_) | Command::Calibrate(_) => Ok(()),
     }
 }
 

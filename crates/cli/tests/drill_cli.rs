@@ -162,3 +162,171 @@ fn drill_refuses_bad_options_and_remote_targets() {
     assert!(!run.status.success());
     assert!(String::from_utf8_lossy(&run.stderr).contains("no-such-scenario.toml"));
 }
+
+/// `--real-upstream` with `--config`: the drill's gate runs the operator's config (here with
+/// the class names as aliases) in front of an OpenAI-compatible server, and the report says
+/// where its priors and characters per token came from.
+#[test]
+fn drill_against_a_real_upstream_with_a_gate_config() {
+    let dir = std::env::temp_dir().join(format!("slackgate-drill-real-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let scenario = dir.join("tiny.toml");
+    std::fs::write(
+        &scenario,
+        r#"
+name = "tiny"
+duration_s = 1
+seed = 3
+[upstream]
+slots = 2
+decode_ms_per_token = 2
+[arrivals]
+process = "uniform"
+rate = 10
+count = 10
+class_sequence = ["chat", "bulk"]
+[[classes]]
+name = "chat"
+priority = 100
+deadline_ms = 3000
+prompt_tokens = { dist = "fixed", value = 20 }
+output_tokens = { dist = "fixed", value = 10 }
+max_tokens = 10
+[[classes]]
+name = "bulk"
+priority = 10
+stream = false
+prompt_tokens = { dist = "fixed", value = 200 }
+output_tokens = { dist = "fixed", value = 40 }
+max_tokens = 40
+"#,
+    )
+    .unwrap();
+    let config = dir.join("gate.toml");
+    std::fs::write(
+        &config,
+        r#"
+[[pools]]
+name = "llm"
+max_in_flight = 2
+upstream = "http://127.0.0.1:1"
+[pools.prior]
+overhead_ms = 5
+prefill_ms_per_token = 0.05
+decode_ms_per_token = 2
+[[classes]]
+name = "interactive"
+aliases = ["chat"]
+priority = 100
+deadline_ms = 3000
+pool = "llm"
+[[classes]]
+name = "batch"
+aliases = ["bulk"]
+priority = 10
+pool = "llm"
+"#,
+    )
+    .unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let stub = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        slackgate_stub::Stub::spawn(
+            listener,
+            slackgate_stub::StubConfig {
+                slots: 2,
+                latency: slackgate_stub::LatencySpec::Tokens {
+                    prefill_us: 50,
+                    decode_us: 2_000,
+                },
+                default_output_tokens: 16,
+                seed: 1,
+            },
+        )
+        .unwrap()
+    });
+    let url = format!("http://{}", stub.local_addr());
+    let run = slackgate()
+        .arg("drill")
+        .arg(&scenario)
+        .args([
+            "--real-upstream",
+            &url,
+            "--model",
+            "m1",
+            "--chars-per-token",
+            "4",
+        ])
+        .arg("--config")
+        .arg(&config)
+        .args(["--error-after-s", "0", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(v["real"]["model"], "m1");
+    assert_eq!(v["real"]["chars_per_token_source"], "flag");
+    assert_eq!(v["real"]["config_file"], true);
+    for r in v["runs"].as_array().unwrap() {
+        assert_eq!(r["real_accounted"], true);
+        let done: u64 = r["settled"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["completed"].as_u64().unwrap())
+            .sum();
+        let counted: u64 = r["counters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["done"].as_u64().unwrap())
+            .sum();
+        assert_eq!(done, counted, "{r:#}");
+    }
+    for p in v["report"]["policies"].as_array().unwrap() {
+        assert_eq!(p["total"]["requests"], 10);
+    }
+    // A config that lacks a scenario class is refused before any traffic.
+    let narrow = dir.join("narrow.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&narrow, text.replace("aliases = [\"bulk\"]", "")).unwrap();
+    let refused = slackgate()
+        .arg("drill")
+        .arg(&scenario)
+        .args([
+            "--real-upstream",
+            &url,
+            "--chars-per-token",
+            "4",
+            "--config",
+        ])
+        .arg(&narrow)
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("\"bulk\""),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    // Real-upstream options need --real-upstream, and it must be loopback.
+    for args in [
+        vec!["--model", "m"],
+        vec!["--real-upstream", "http://192.0.2.1:8000"],
+    ] {
+        let bad = slackgate()
+            .arg("drill")
+            .arg(&scenario)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(!bad.status.success(), "{args:?}");
+    }
+    rt.block_on(stub.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -60,6 +60,18 @@ pub struct Run {
     pub http: HttpClient,
     /// Progress counters.
     pub progress: Arc<crate::progress::Counters>,
+    /// Against a real model server: how to write its requests. `None`: the upstream is
+    /// `slackgate stub`, told each request's output length and service time by header.
+    pub real: Option<RealRequests>,
+}
+
+/// How requests to a real model server are written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RealRequests {
+    /// The `model` field.
+    pub model: String,
+    /// Characters of prompt text per prompt token of the scenario.
+    pub chars_per_token: f64,
 }
 
 /// One offer's refusal, for the rejections-over-time series.
@@ -83,6 +95,11 @@ pub struct ClientLog {
     pub transport_errors: u32,
     /// Offers the gate refused as malformed (4xx that is not a decision).
     pub invalid: u32,
+    /// Gate job ids of its offers, from `x-slackgate-job-id` on the answers that carried it.
+    pub job_ids: Vec<u64>,
+    /// Whether its last offer's answer carried a job id (an offer abandoned while queued or
+    /// before the upstream answered did not).
+    pub last_job_seen: bool,
 }
 
 impl Run {
@@ -173,6 +190,8 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
         completed_ids: Vec::new(),
         transport_errors: 0,
         invalid: 0,
+        job_ids: Vec::new(),
+        last_job_seen: false,
     };
     tokio::time::sleep_until(run.at(a.at_ms)).await;
     run.progress.sent();
@@ -181,9 +200,15 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
         log.result.offers += 1;
         let stub_id = format!("{}-{}-{}", run.tag, a.request, attempt);
         log.stub_ids.push(stub_id.clone());
-        let answer = tokio::time::timeout_at(give_up, offer(&run, &a, attempt, &stub_id, give_up))
-            .await
-            .unwrap_or(Answer::GaveUp);
+        let mut job = None;
+        let answer = tokio::time::timeout_at(
+            give_up,
+            offer(&run, &a, attempt, &stub_id, give_up, &mut job),
+        )
+        .await
+        .unwrap_or(Answer::GaveUp);
+        log.job_ids.extend(job);
+        log.last_job_seen = job.is_some();
         let now = run.now_ms();
         // An error that reaches the client at or after its hang-up time is never seen: the
         // client has gone (the gate's own timeout at the deadline races with the hang-up).
@@ -268,7 +293,15 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
 }
 
 /// Send one offer and read its answer. `retry_after_ms` in the answer is in scenario ms.
-async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Instant) -> Answer {
+/// `job` is set to the gate's job id as soon as the answer's headers carry one.
+async fn offer(
+    run: &Run,
+    a: &Arrival,
+    attempt: u32,
+    stub_id: &str,
+    give_up: Instant,
+    job: &mut Option<u64>,
+) -> Answer {
     let s = &run.scenario;
     let class = &s.classes[a.class];
     // The stub serves this request in its scenario service time, scaled; an injected fault
@@ -298,20 +331,35 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         Some(spec) if fault_header.is_none() || fault_header.as_deref() == Some("reset") => spec,
         _ => format!("fixed:{real_us}us"),
     };
-    let content = prompt_text(a.prompt_tokens);
-    let body = serde_json::json!({
-        "model": "drill",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": a.max_tokens,
-        "stream": class.stream,
-    });
     let mut req = Request::post(format!("{}/v1/chat/completions", run.target))
         .header("content-type", "application/json")
         .header("x-job-class", class.name.as_str())
-        .header("x-stub-output-tokens", a.output_tokens)
-        .header("x-stub-latency", latency)
-        .header("x-stub-request-id", stub_id)
         .header("x-attempt", attempt);
+    let body = match &run.real {
+        // A real server generates what it generates: ask for the scenario's output length
+        // (the request's true size; `ignore_eos` so a model that would stop early does not
+        // make the load lighter than the scenario's).
+        Some(r) => {
+            let chars = crate::realserver::chars_for(a.prompt_tokens, r.chars_per_token);
+            // Each run's prompts differ from the other's (a prompt cache must not serve
+            // the second run cheaper); within a run, each request's differs too.
+            let run_bit = u64::from(run.tag == crate::Mode::Off.label()) << 40;
+            let text = crate::realserver::prompt_text(run_bit | a.request, chars);
+            crate::realserver::chat_body(&r.model, &text, a.output_tokens, class.stream)
+        }
+        None => {
+            req = req
+                .header("x-stub-output-tokens", a.output_tokens)
+                .header("x-stub-latency", latency)
+                .header("x-stub-request-id", stub_id);
+            serde_json::json!({
+                "model": "drill",
+                "messages": [{"role": "user", "content": prompt_text(a.prompt_tokens)}],
+                "max_tokens": a.max_tokens,
+                "stream": class.stream,
+            })
+        }
+    };
     if let Some(d) = class.deadline_ms {
         // What is left of the budget since the first send (a retry has less).
         let left = run
@@ -328,7 +376,7 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         let key = format!("{}-{}-{}", run.key_prefix, run.tag, a.request);
         req = req.header("idempotency-key", key);
     }
-    if let Some(f) = fault_header {
+    if let Some(f) = fault_header.filter(|_| run.real.is_none()) {
         req = req.header("x-stub-fault", f);
     }
     let req = match req.body(Full::new(Bytes::from(body.to_string()))) {
@@ -340,6 +388,11 @@ async fn offer(run: &Run, a: &Arrival, attempt: u32, stub_id: &str, give_up: Ins
         Err(_) => return Answer::Transport,
     };
     let status = resp.status();
+    *job = resp
+        .headers()
+        .get("x-slackgate-job-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
     let reason = resp
         .headers()
         .get("x-slackgate-reason")

@@ -9,11 +9,20 @@
 //! every duration the gate is configured with (deadlines, queue-age limits, the estimator's
 //! priors, Retry-After floors) is scaled alike, so the drill is the scenario in miniature.
 //! Figures are reported back in scenario time.
+//!
+//! Against a real model server ([`Target::Real`]) there is no stub: the drill's own gate
+//! fronts the server, requests carry real prompt text of the scenario's token sizes, time
+//! runs unscaled, and upstream time per request comes from the gate's decision log (dispatch
+//! to end) instead of the stub's accounting. Either way the decision log also gives the
+//! estimator's relative error per class ([`joblog`]).
 
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
 pub mod client;
+pub mod joblog;
 pub mod progress;
+pub mod realserver;
 mod report;
 mod sampler;
 
@@ -66,7 +75,7 @@ impl Mode {
 }
 
 /// Where the drill sends its load.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Target {
     /// Start a stub and a gate in-process on 127.0.0.1 for each run.
     InProcess,
@@ -79,6 +88,40 @@ pub enum Target {
         /// Base URL of the upstream.
         upstream: String,
     },
+    /// A real OpenAI-compatible model server: the drill starts its own gate in front of it
+    /// for each run (gate off: the same gate with `admit_always`), and no stub.
+    Real(RealUpstream),
+}
+
+/// A real model server to drill, and how to talk to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RealUpstream {
+    /// Base URL (`http://127.0.0.1:8000`).
+    pub url: String,
+    /// The `model` field of requests; `None`: the first model of `/v1/models`, else
+    /// `"drill"`.
+    pub model: Option<String>,
+    /// Characters of prompt text per token; `None`: measured from the server (`/tokenize`,
+    /// else `usage.prompt_tokens` of two probes), else 4.
+    pub chars_per_token: Option<f64>,
+    /// The gate configuration to run instead of the one the scenario implies (priors,
+    /// slots, classes); its pools are pointed at `url`.
+    pub config: Option<Box<Config>>,
+}
+
+/// What the drill settled on for a real server.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RealInfo {
+    /// Base URL.
+    pub url: String,
+    /// The `model` sent.
+    pub model: String,
+    /// Characters of prompt text per token.
+    pub chars_per_token: f64,
+    /// Where that ratio came from: `flag`, `tokenize`, `usage` or `default`.
+    pub chars_per_token_source: &'static str,
+    /// Whether the gate configuration came from `--config` (else the scenario's).
+    pub config_file: bool,
 }
 
 /// How to run a drill.
@@ -94,6 +137,9 @@ pub struct DrillOptions {
     pub progress: bool,
     /// Write each in-process gate's decision log here (`decisions-<mode>.jsonl`).
     pub log_dir: Option<PathBuf>,
+    /// The estimator's error is measured on requests dispatched this many scenario seconds
+    /// after a run starts (the warm-up is left out).
+    pub error_after_s: f64,
 }
 
 impl Default for DrillOptions {
@@ -104,6 +150,7 @@ impl Default for DrillOptions {
             modes: vec![Mode::On, Mode::Off],
             progress: false,
             log_dir: None,
+            error_after_s: 30.0,
         }
     }
 }
@@ -142,6 +189,12 @@ pub enum DrillError {
         /// Why.
         why: String,
     },
+    /// `--chars-per-token` is not a positive number.
+    #[error("--chars-per-token must be a positive number, got {0}")]
+    CharsPerToken(f64),
+    /// The `--config` given for a real upstream does not fit the scenario.
+    #[error("--config: {0}")]
+    Config(String),
 }
 
 /// What one run produced besides its requests.
@@ -166,8 +219,30 @@ pub struct RunSummary {
     /// Per class, the seeds' counters.
     pub counters: Vec<ClassCounters>,
     /// Drill versus simulator; `None` when the simulator has no model of the run (gate off
-    /// against an external upstream: no gate at all).
+    /// against an external upstream: no gate at all; a real upstream, not modelled).
     pub agreement: Option<Agreement>,
+    /// Per class, the estimator's relative error over the run after the warm-up, from the
+    /// gate's decision log (empty without one: an external gate).
+    pub estimator_error: Vec<joblog::EstimatorError>,
+    /// Per class, the tokens the gate settled (from the upstream's `usage`, or the ledger),
+    /// from its decision log (empty without one).
+    pub settled: Vec<ClassSettled>,
+    /// Whether upstream time per request came from the gate's decision log (a real
+    /// upstream: dispatch to end of each job).
+    pub real_accounted: bool,
+}
+
+/// Tokens one class settled in a run.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ClassSettled {
+    /// The class.
+    pub class: String,
+    /// Jobs that completed with status 200.
+    pub completed: u64,
+    /// Tokens spent (prompt + output of completions, as the upstream reported).
+    pub tokens_spent: u64,
+    /// Tokens wasted (generated for clients that left).
+    pub tokens_wasted: u64,
 }
 
 /// A finished drill.
@@ -185,6 +260,10 @@ pub struct Drill {
     pub size_hint: bool,
     /// Whether the load went to a gate and upstream the drill did not start.
     pub external: bool,
+    /// Against a real model server: what the drill used.
+    pub real: Option<RealInfo>,
+    /// The warm-up left out of the estimator's error (scenario seconds).
+    pub error_after_s: f64,
 }
 
 impl Drill {
@@ -242,7 +321,29 @@ pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Conf
 }
 
 /// Refuse what the drill cannot reproduce live, rather than report a different experiment.
-fn check_supported(s: &Scenario) -> Result<(), DrillError> {
+fn check_supported(s: &Scenario, opts: &DrillOptions) -> Result<(), DrillError> {
+    if let Target::Real(_) = &opts.target {
+        if !s.faults.is_empty() || !s.stuck.is_empty() {
+            return Err(DrillError::Unsupported {
+                field: "faults / stuck",
+                why: "a real model server cannot be told to fail, hang or stall a request",
+            });
+        }
+        if opts.time_scale != 1.0 {
+            return Err(DrillError::Unsupported {
+                field: "--time-scale (with a real upstream)",
+                why: "a real server's speed cannot be scaled: run it at 1",
+            });
+        }
+        if !s.cancel_on_disconnect {
+            return Err(DrillError::Unsupported {
+                field: "cancel_on_disconnect = false",
+                why: "the live gate always cancels the upstream request of a client that hangs up",
+            });
+        }
+        // A batching server slowing down under load is the server's own behaviour here.
+        return Ok(());
+    }
     if s.upstream.concurrency_slowdown > 0.0 {
         return Err(DrillError::Unsupported {
             field: "upstream.concurrency_slowdown",
@@ -268,10 +369,14 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     if opts.modes.is_empty() || opts.modes.len() > 2 || twice {
         return Err(DrillError::Runs);
     }
-    check_supported(s)?;
+    check_supported(s, opts)?;
     let arrivals = workload::generate(s)?;
     let s = slackgate_sim::windowed(s, &arrivals);
     let external = matches!(opts.target, Target::External { .. });
+    let real = match &opts.target {
+        Target::Real(r) => Some(resolve_real(&s, r).await?),
+        _ => None,
+    };
     let key_prefix = format!(
         "drill-{:x}-{}",
         slackgate_gateway::telemetry::epoch_ms(),
@@ -281,12 +386,13 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     let mut summaries = Vec::new();
     for &mode in &opts.modes {
         let started = std::time::Instant::now();
-        let (run, mut summary) = run_mode(&s, &arrivals, mode, opts, &key_prefix).await?;
+        let (run, mut summary) =
+            run_mode(&s, &arrivals, mode, opts, &key_prefix, real.as_ref()).await?;
         summary.wall_s = started.elapsed().as_secs_f64();
         summary.counters = class_counters(&s, &run);
         // The simulator's prediction for the same requests, unless the run has no model
-        // there (no gate at all).
-        if !(external && mode == Mode::Off) {
+        // there (no gate at all, or a real server the scenario does not model).
+        if !(external && mode == Mode::Off) && real.is_none() {
             let mut p = build_policy(&s, mode.sim_policy())?;
             let sim = engine::run(&s, &arrivals, p.as_mut());
             summary.agreement = Some(report::agree(mode, &sim, &run));
@@ -298,7 +404,10 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     let mut reference = build_policy(&s, "clairvoyant")?;
     let reference = engine::run(&s, &arrivals, reference.as_mut());
     let b = bound::bound_at_speed(&reference.requests, s.upstream.speed());
-    let rep = report::build(&s, &runs, Some(&reference), &b);
+    // False rejections are judged against the clairvoyant schedule on the scenario's cost
+    // model, which says nothing about a real server's: none are counted there.
+    let refr = Some(&reference).filter(|_| real.is_none());
+    let rep = report::build(&s, &runs, refr, &b);
     Ok(Drill {
         report: rep,
         runs,
@@ -306,19 +415,87 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
         time_scale: opts.time_scale,
         size_hint: s.size_hint,
         external,
+        real,
+        error_after_s: opts.error_after_s,
     })
 }
 
-/// The stub and gate a run talks to, if the drill started them.
+/// Settle, once for both runs, the model name and characters per token of a real server, and
+/// check that a `--config` has a class for each of the scenario's.
+async fn resolve_real(s: &Scenario, r: &RealUpstream) -> Result<RealInfo, DrillError> {
+    let url = r.url.trim_end_matches('/').to_string();
+    let http = client::http_client();
+    let model = match &r.model {
+        Some(m) => m.clone(),
+        None => realserver::discover_model(&http, &url)
+            .await
+            .unwrap_or_else(|| "drill".into()),
+    };
+    let (chars_per_token, chars_per_token_source) = match r.chars_per_token {
+        Some(f) if f.is_finite() && f > 0.0 => (f, "flag"),
+        Some(f) => return Err(DrillError::CharsPerToken(f)),
+        None => realserver::chars_per_token(&http, &url, &model)
+            .await
+            .unwrap_or((realserver::DEFAULT_CHARS_PER_TOKEN, "default")),
+    };
+    if let Some(cfg) = &r.config {
+        for c in &s.classes {
+            let known = cfg
+                .gate
+                .classes
+                .iter()
+                .any(|k| k.name == c.name || k.aliases.contains(&c.name));
+            if !known {
+                return Err(DrillError::Config(format!(
+                    "the scenario's class {:?} is not a class (or alias) of the config",
+                    c.name
+                )));
+            }
+        }
+    }
+    Ok(RealInfo {
+        url,
+        model,
+        chars_per_token,
+        chars_per_token_source,
+        config_file: r.config.is_some(),
+    })
+}
+
+/// The gate configuration of a run against a real server: the `--config` given (its pools
+/// pointed at the server, on an ephemeral loopback port, in-memory ledger, no admin API) or
+/// the scenario's, unscaled.
+fn real_gate_config(s: &Scenario, r: &RealUpstream, mode: Mode, url: &str) -> Config {
+    let Some(given) = &r.config else {
+        return gate_config(s, 1.0, mode, url);
+    };
+    let mut cfg = (**given).clone();
+    cfg.gate.admit_always = mode == Mode::Off;
+    for p in &mut cfg.gate.pools {
+        p.upstream = Some(url.to_string());
+    }
+    cfg.server.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    cfg.server.ledger = "memory".into();
+    cfg.admin.listen = None;
+    cfg
+}
+
+/// The stub (if any) and gate a run talks to, if the drill started them, and the gate's
+/// decision log.
 struct Started {
-    stub: Stub,
+    stub: Option<Stub>,
     gate: Gateway,
+    log: DecisionLog,
+    log_path: PathBuf,
+    /// A directory made for the log because no `--out` was given: removed after the run.
+    scratch: Option<PathBuf>,
 }
 
 async fn start(
     s: &Scenario,
     mode: Mode,
     opts: &DrillOptions,
+    real: Option<&RealInfo>,
 ) -> Result<(Started, String, String), DrillError> {
     let start_err = |what: &'static str| {
         move |e: std::io::Error| DrillError::Start {
@@ -326,39 +503,68 @@ async fn start(
             why: e.to_string(),
         }
     };
-    let listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(start_err("stub"))?;
-    let stub = Stub::spawn(
-        listener,
-        StubConfig {
-            slots: s.upstream.slots as usize,
-            latency: LatencySpec::Fixed(Duration::from_millis(1)),
-            default_output_tokens: 16,
-            seed: s.seed,
-        },
-    )
-    .map_err(start_err("stub"))?;
-    let upstream = format!("http://{}", stub.local_addr());
-    let mut cfg = gate_config(s, opts.time_scale, mode, &upstream);
-    let log = match &opts.log_dir {
-        Some(dir) => {
-            std::fs::create_dir_all(dir).map_err(start_err("decision log"))?;
-            let path = dir.join(format!("decisions-{}.jsonl", mode.label()));
-            let _ = std::fs::remove_file(&path);
-            cfg.log.path = path.display().to_string();
-            DecisionLog::start(LogTarget::File(path), cfg.log.channel_capacity)
-                .map_err(start_err("decision log"))?
+    let (stub, mut cfg, upstream) = match (real, &opts.target) {
+        (Some(info), Target::Real(r)) => {
+            let cfg = real_gate_config(s, r, mode, &info.url);
+            (None, cfg, info.url.clone())
         }
-        None => DecisionLog::off(),
+        _ => {
+            let listener = TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(start_err("stub"))?;
+            let stub = Stub::spawn(
+                listener,
+                StubConfig {
+                    slots: s.upstream.slots as usize,
+                    latency: LatencySpec::Fixed(Duration::from_millis(1)),
+                    default_output_tokens: 16,
+                    seed: s.seed,
+                },
+            )
+            .map_err(start_err("stub"))?;
+            let upstream = format!("http://{}", stub.local_addr());
+            let cfg = gate_config(s, opts.time_scale, mode, &upstream);
+            (Some(stub), cfg, upstream)
+        }
     };
+    // The decision log is always written: it gives the estimator's error, and against a
+    // real server the upstream time of each request. Without `--out` it goes to a scratch
+    // directory removed after the run.
+    let (dir, scratch) = match &opts.log_dir {
+        Some(dir) => (dir.clone(), None),
+        None => {
+            let dir = std::env::temp_dir().join(format!(
+                "slackgate-drill-{}-{:x}-{}",
+                std::process::id(),
+                slackgate_gateway::telemetry::epoch_ms(),
+                mode.label()
+            ));
+            (dir.clone(), Some(dir))
+        }
+    };
+    std::fs::create_dir_all(&dir).map_err(start_err("decision log"))?;
+    let log_path = dir.join(format!("decisions-{}.jsonl", mode.label()));
+    let _ = std::fs::remove_file(&log_path);
+    cfg.log.path = log_path.display().to_string();
+    let log = DecisionLog::start(LogTarget::File(log_path.clone()), cfg.log.channel_capacity)
+        .map_err(start_err("decision log"))?;
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(start_err("gate"))?;
-    let gate = Gateway::spawn(listener, &cfg, log)
+    let gate = Gateway::spawn(listener, &cfg, log.clone())
         .map_err(|why| DrillError::Start { what: "gate", why })?;
     let target = format!("http://{}", gate.local_addr());
-    Ok((Started { stub, gate }, target, upstream))
+    Ok((
+        Started {
+            stub,
+            gate,
+            log,
+            log_path,
+            scratch,
+        },
+        target,
+        upstream,
+    ))
 }
 
 /// Longest wait for the upstream to go idle after the last client, so the accounting of
@@ -372,11 +578,12 @@ async fn run_mode(
     mode: Mode,
     opts: &DrillOptions,
     key_prefix: &str,
+    real: Option<&RealInfo>,
 ) -> Result<(RunResult, RunSummary), DrillError> {
     let scale = opts.time_scale;
     let (started, target, upstream) = match &opts.target {
-        Target::InProcess => {
-            let (st, target, upstream) = start(s, mode, opts).await?;
+        Target::InProcess | Target::Real(_) => {
+            let (st, target, upstream) = start(s, mode, opts, real).await?;
             (Some(st), target, upstream)
         }
         Target::External { gate, upstream } => {
@@ -391,8 +598,12 @@ async fn run_mode(
     let http = client::http_client();
     // The upstream's per-request accounting, read over HTTP whether the drill started the stub
     // or not; an upstream that is not a stub has none.
-    let accounted = started.is_some() || sampler::clear_stub_requests(&http, &upstream).await;
+    let accounted = match &started {
+        Some(st) => st.stub.is_some(),
+        None => sampler::clear_stub_requests(&http, &upstream).await,
+    };
     let counters = Arc::new(progress::Counters::default());
+    let run_epoch_ms = slackgate_gateway::telemetry::epoch_ms();
     let run = Arc::new(client::Run {
         scenario: s.clone(),
         scale,
@@ -402,6 +613,10 @@ async fn run_mode(
         key_prefix: key_prefix.to_string(),
         http: http.clone(),
         progress: counters.clone(),
+        real: real.map(|r| client::RealRequests {
+            model: r.model.clone(),
+            chars_per_token: r.chars_per_token,
+        }),
     });
     // Chart samples: one per period of scenario time, at least 50 real ms apart.
     let span_ms = (s.duration_s * 1000.0) as u64;
@@ -454,12 +669,48 @@ async fn run_mode(
     } else {
         None
     };
+    // The gate's decision log, once the gate has stopped and every line is on disk.
+    let jobs = match started {
+        Some(st) => {
+            st.gate.shutdown().await;
+            st.log.flush().await;
+            if let Some(stub) = st.stub {
+                stub.shutdown().await;
+            }
+            let jobs = joblog::read(&st.log_path).unwrap_or_default();
+            if let Some(dir) = st.scratch {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            Some(jobs)
+        }
+        None => None,
+    };
     let busy: HashMap<String, u64> = records
         .iter()
         .flatten()
         .map(|r| (r.id.clone(), r.busy_ms))
         .collect();
     let stub_accounted = records.is_some();
+    // Each scenario class with the name the gate logs it under: its own, or, with a
+    // `--config` that knows it as an alias, that class's name.
+    let class_names: Vec<(String, String)> = s
+        .classes
+        .iter()
+        .map(|c| {
+            let logged = match &opts.target {
+                Target::Real(RealUpstream {
+                    config: Some(cfg), ..
+                }) => cfg
+                    .gate
+                    .classes
+                    .iter()
+                    .find(|k| k.name == c.name || k.aliases.contains(&c.name))
+                    .map_or_else(|| c.name.clone(), |k| k.name.clone()),
+                _ => c.name.clone(),
+            };
+            (c.name.clone(), logged)
+        })
+        .collect();
     let mut summary = RunSummary {
         mode,
         label: mode.label(),
@@ -470,16 +721,25 @@ async fn run_mode(
         missing_records: 0,
         counters: Vec::new(),
         agreement: None,
+        estimator_error: jobs.as_ref().map_or_else(Vec::new, |j| {
+            let warm_up_ms = (opts.error_after_s.max(0.0) * 1000.0 * scale) as u64;
+            joblog::estimator_error(j, &class_names, run_epoch_ms + warm_up_ms)
+        }),
+        settled: jobs
+            .as_ref()
+            .map_or_else(Vec::new, |j| settled(j, &class_names)),
+        real_accounted: false,
     };
     let mut requests: Vec<RequestResult> = Vec::with_capacity(arrivals.len());
     let mut refusal_times = Vec::new();
+    let mut client_logs = Vec::with_capacity(arrivals.len());
     for (i, log) in logs.into_iter().enumerate() {
         let Some(log) = log else {
             return Err(DrillError::ClientPanicked(i));
         };
         summary.transport_errors += u64::from(log.transport_errors);
         summary.invalid += u64::from(log.invalid);
-        let mut r = log.result;
+        let mut r = log.result.clone();
         r.busy_ms = if stub_accounted {
             summary.missing_records += log
                 .completed_ids
@@ -495,6 +755,12 @@ async fn run_mode(
         };
         refusal_times.extend(log.refusals.iter().map(|f| f.at_ms));
         requests.push(r);
+        client_logs.push(log);
+    }
+    // Against a real server, upstream time comes from the gate's log instead.
+    if let (Some(jobs), Some(_)) = (&jobs, real) {
+        real_busy(&mut requests, &client_logs, jobs, &class_names, scale);
+        summary.real_accounted = true;
     }
     series.period_ms = period_ms;
     let buckets = series.queue_age_ms.len().max(1);
@@ -502,10 +768,6 @@ async fn run_mode(
     for t in refusal_times {
         let b = ((t / period_ms) as usize).min(buckets - 1);
         series.rejections[b] += 1;
-    }
-    if let Some(st) = started {
-        st.gate.shutdown().await;
-        st.stub.shutdown().await;
     }
     let run = RunResult {
         policy: mode.label().into(),
@@ -515,4 +777,79 @@ async fn run_mode(
         protocol_errors: 0,
     };
     Ok((run, summary))
+}
+
+/// Per class, the tokens the gate settled.
+/// (Two scenario classes that the config maps to one class both show that class's figures.)
+fn settled(
+    jobs: &HashMap<u64, joblog::JobFacts>,
+    classes: &[(String, String)],
+) -> Vec<ClassSettled> {
+    classes
+        .iter()
+        .map(|(c, logged)| {
+            let mut k = ClassSettled {
+                class: c.clone(),
+                ..ClassSettled::default()
+            };
+            for j in jobs.values().filter(|j| &j.class == logged) {
+                k.completed += u64::from(j.actual_service_ms.is_some());
+                k.tokens_spent += j.tokens_spent;
+                k.tokens_wasted += j.tokens_wasted;
+            }
+            k
+        })
+        .collect()
+}
+
+/// Upstream time per request from the gate's log: the jobs whose ids the client saw, plus,
+/// for a request that ended without seeing its last job's id (abandoned while the server
+/// was still working, or failed), one of the dispatched jobs no client claimed. Those are
+/// paired per class in arrival order: the gate numbers jobs as they arrive, so the pairing
+/// is the true one unless two clients of a class raced to the gate.
+fn real_busy(
+    requests: &mut [RequestResult],
+    logs: &[client::ClientLog],
+    jobs: &HashMap<u64, joblog::JobFacts>,
+    classes: &[(String, String)],
+    scale: f64,
+) {
+    use slackgate_sim::engine::Outcome;
+    let to_scenario = |ms: u64| (ms as f64 / scale).round() as u64;
+    let mut claimed = std::collections::HashSet::new();
+    for (r, log) in requests.iter_mut().zip(logs) {
+        let real: u64 = log
+            .job_ids
+            .iter()
+            .filter_map(|id| jobs.get(id))
+            .map(joblog::JobFacts::busy_ms)
+            .sum();
+        r.busy_ms = to_scenario(real);
+        claimed.extend(log.job_ids.iter().copied());
+    }
+    for (ci, (_, c)) in classes.iter().enumerate() {
+        let mut orphans: Vec<(u64, u64)> = jobs
+            .iter()
+            .filter(|(id, j)| {
+                &j.class == c && j.dispatched_at_ms.is_some() && !claimed.contains(id)
+            })
+            .map(|(&id, j)| (id, j.busy_ms()))
+            .collect();
+        orphans.sort_unstable();
+        let mut waiting: Vec<(u64, usize)> = requests
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| {
+                r.class == ci
+                    && r.admitted > 0
+                    && matches!(r.outcome, Outcome::Abandoned | Outcome::Failed)
+                    && !logs[*i].last_job_seen
+            })
+            .map(|(i, r)| (r.first_at_ms, i))
+            .collect();
+        waiting.sort_unstable();
+        for ((_, i), (_, busy)) in waiting.into_iter().zip(orphans) {
+            requests[i].busy_ms += to_scenario(busy);
+        }
+    }
 }

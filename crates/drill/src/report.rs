@@ -128,7 +128,11 @@ impl Drill {
             .iter()
             .map(|r| format!("{} {:.1} s", r.label, r.wall_s))
             .collect();
-        let off = if self.external {
+        let off = if self.real.is_some() {
+            "gate off is the drill's gate with `admit_always` (every request admitted and \
+             queued by priority, clients that hang up still cancelled), so both runs go \
+             through the same proxy and connection pool to the server"
+        } else if self.external {
             "gate off sends straight to the upstream (no gate at all)"
         } else {
             "gate off is the same gate with `admit_always`: every request admitted and queued \
@@ -148,10 +152,30 @@ impl Drill {
             self.report.estimator_noise,
             if self.summaries.iter().all(|r| r.stub_accounted) {
                 "measured by the stub"
+            } else if self.summaries.iter().all(|r| r.real_accounted) {
+                "from the gate's decision log (dispatch to end of each job; tokens from the \
+                 server's `usage`)"
             } else {
                 "estimated (the upstream is not slackgate stub; faults were not injected)"
             }
         );
+        if let Some(r) = &self.real {
+            let _ = writeln!(
+                out,
+                "Real upstream {} (model {:?}): prompts of {:.2} characters per token ({}), \
+                 gate configuration from {}. False rejections are not counted (the \
+                 clairvoyant reference models the scenario's upstream, not this server).\n",
+                r.url,
+                r.model,
+                r.chars_per_token,
+                r.chars_per_token_source,
+                if r.config_file {
+                    "--config"
+                } else {
+                    "the scenario"
+                }
+            );
+        }
         out.push_str(&self.report.to_markdown());
         out.push_str(&self.refusals_over_time());
         let _ = writeln!(out, "\n## The seeds' counters\n");
@@ -181,6 +205,7 @@ impl Drill {
              abandoned or failed). completed_after_slack_zero: completed after the deadline \
              (only clients that wait past it, `patient = true`, see such completions).\n"
         );
+        out.push_str(&self.estimator_markdown());
         let _ = writeln!(out, "## Drill versus simulator (same requests)\n");
         let _ = writeln!(
             out,
@@ -203,6 +228,13 @@ impl Drill {
                         a.refused_diff * 100.0
                     );
                 }
+                None if self.real.is_some() => {
+                    let _ = writeln!(
+                        out,
+                        "| {} | (none: upstream not modelled) | | | | | | |",
+                        r.label
+                    );
+                }
                 None => {
                     let _ = writeln!(out, "| {} | (none: no gate) | | | | | | |", r.label);
                 }
@@ -219,6 +251,50 @@ impl Drill {
                 );
             }
         }
+        out
+    }
+
+    /// The estimator's relative error and the settled tokens, per run and class, from the
+    /// gate's decision log; empty when there is none (an external gate).
+    pub fn estimator_markdown(&self) -> String {
+        let mut out = String::new();
+        if self.summaries.iter().all(|r| r.settled.is_empty()) {
+            return out;
+        }
+        let _ = writeln!(
+            out,
+            "## Estimator error and settled tokens (from the gate's decision log)\n"
+        );
+        let _ = writeln!(
+            out,
+            "| run | class | completions measured | median error | p90 error | completed | tokens spent | tokens wasted |"
+        );
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+        for r in &self.summaries {
+            for k in &r.settled {
+                let e = r.estimator_error.iter().find(|e| e.class == k.class);
+                let (n, med, p90) = match e {
+                    Some(e) => (
+                        e.samples.to_string(),
+                        format!("{:.1}%", e.median * 100.0),
+                        format!("{:.1}%", e.p90 * 100.0),
+                    ),
+                    None => ("0".into(), "-".into(), "-".into()),
+                };
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {n} | {med} | {p90} | {} | {} | {} |",
+                    r.label, k.class, k.completed, k.tokens_spent, k.tokens_wasted
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "\nError: |est_service_ms at dispatch - actual service| / actual service, over \
+             completions dispatched after the first {} s of each run (the warm-up). Tokens: \
+             what the gate settled, from the server's `usage`.\n",
+            self.error_after_s
+        );
         out
     }
 
@@ -260,6 +336,8 @@ impl Drill {
             time_scale: f64,
             size_hint: bool,
             external: bool,
+            real: &'a Option<crate::RealInfo>,
+            error_after_s: f64,
             healthy: bool,
             runs: &'a [crate::RunSummary],
             report: &'a report::Report,
@@ -268,6 +346,8 @@ impl Drill {
             time_scale: self.time_scale,
             size_hint: self.size_hint,
             external: self.external,
+            real: &self.real,
+            error_after_s: self.error_after_s,
             healthy: self.healthy(),
             runs: &self.summaries,
             report: &self.report,
