@@ -424,6 +424,10 @@ pub struct SlackgateSpec {
     /// Whether the estimator learns from completions.
     #[serde(default = "default_true")]
     pub learn: bool,
+    /// Start the estimator from the gate's default priors (as a new operator's gate would)
+    /// instead of the scenario's true costs: shows whether it converges from there.
+    #[serde(default)]
+    pub default_priors: bool,
 }
 
 impl Default for SlackgateSpec {
@@ -431,6 +435,7 @@ impl Default for SlackgateSpec {
         SlackgateSpec {
             max_depth_factor: None,
             learn: true,
+            default_priors: false,
         }
     }
 }

@@ -37,15 +37,23 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
         max_queued: PoolConfig::default()
             .max_queued
             .max(u.slots.saturating_mul(64)),
-        prior: PriorConfig {
-            overhead_ms: u.overhead_ms,
-            prefill_ms_per_token: u.prefill_ms_per_token,
-            decode_ms_per_token: u.decode_ms_per_token,
-            // The scenario's upstream does not slow down with concurrency beyond its own
-            // `concurrency_slowdown` of decoding, fixed at start: no batching term a priori.
-            batch_slowdown: 0.0,
-            learn: s.slackgate.learn,
-            ..PriorConfig::default()
+        prior: if s.slackgate.default_priors {
+            PriorConfig {
+                learn: s.slackgate.learn,
+                ..PriorConfig::default()
+            }
+        } else {
+            PriorConfig {
+                overhead_ms: u.overhead_ms,
+                prefill_ms_per_token: u.prefill_ms_per_token,
+                decode_ms_per_token: u.decode_ms_per_token,
+                // The scenario's batching model (0 for the linear upstream, whose own
+                // `concurrency_slowdown` only slows decoding, fixed at start).
+                decode_ms_per_1k_context: u.decode_ms_per_1k_context,
+                batch_slowdown: u.batch_slowdown,
+                learn: s.slackgate.learn,
+                ..PriorConfig::default()
+            }
         },
         upstream: None,
     };
