@@ -37,6 +37,13 @@ if [ -x "$bin" ] && [ -f "$stamp" ]; then
     exit 0
 fi
 
+# The compiler's warnings fill thousands of lines: they go to a log, shown only on failure.
+fail() {
+    echo "llama-server.sh: $1 failed; the end of $2:" >&2
+    tail -n 40 "$2" >&2
+    exit 1
+}
+
 started=$(date +%s)
 {
     missing=()
@@ -85,9 +92,10 @@ started=$(date +%s)
         -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_OPENSSL=OFF \
-        >/dev/null
-    echo "llama-server.sh: building llama-server with -j 2"
-    cmake --build "$build" --target llama-server -j 2 >/dev/null
+        >"$dir/configure.log" 2>&1 || fail "cmake configure" "$dir/configure.log"
+    echo "llama-server.sh: building llama-server with -j 2 (log: $dir/build.log)"
+    cmake --build "$build" --target llama-server -j 2 >"$dir/build.log" 2>&1 \
+        || fail "the build" "$dir/build.log"
 } >&2
 
 if [ ! -x "$bin" ]; then

@@ -121,15 +121,20 @@ async fn end_line(g: &TestGate, id: u64) -> Value {
 /// A gauge or counter from llama-server's `/metrics` (`llamacpp:NAME`).
 fn llama_metric(text: &str, name: &str) -> Option<f64> {
     let series = format!("llamacpp:{name}");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&series)?.strip_prefix(' ')?.trim().parse().ok())
+    text.lines().find_map(|l| {
+        l.strip_prefix(&series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }
 
 /// `/slots`: how many of the server's slots are processing.
 fn slots_processing(slots: &Value) -> usize {
-    slots
-        .as_array()
-        .map_or(0, |a| a.iter().filter(|s| s["is_processing"] == true).count())
+    slots.as_array().map_or(0, |a| {
+        a.iter().filter(|s| s["is_processing"] == true).count()
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -158,7 +163,10 @@ async fn a_chat_completion_passes_through_and_the_ledger_settles_from_usage() {
     let prompt = usage["prompt_tokens"].as_u64().unwrap();
     let completion = usage["completion_tokens"].as_u64().unwrap();
     assert_eq!(completion, 16, "{body}");
-    assert!(prompt > 40, "40 words and a chat template are more than 40 tokens: {body}");
+    assert!(
+        prompt > 40,
+        "40 words and a chat template are more than 40 tokens: {body}"
+    );
     assert_eq!(usage["total_tokens"].as_u64(), Some(prompt + completion));
     // llama.cpp's own timings pass through untouched, for whoever wants them.
     assert_eq!(body["timings"]["predicted_n"].as_u64(), Some(16), "{body}");
@@ -168,10 +176,18 @@ async fn a_chat_completion_passes_through_and_the_ledger_settles_from_usage() {
     let line = end_line(&g, id).await;
     assert_eq!(line["action"], "complete", "{line}");
     assert_eq!(line["status"], 200, "{line}");
-    assert_eq!(line["tokens_spent"].as_u64(), Some(prompt + completion), "{line}");
+    assert_eq!(
+        line["tokens_spent"].as_u64(),
+        Some(prompt + completion),
+        "{line}"
+    );
     let ledger = g.stats().await["ledger"].clone();
     assert_eq!(
-        (ledger["tokens_spent"].as_u64(), ledger["done"].as_u64(), ledger["held"].as_u64()),
+        (
+            ledger["tokens_spent"].as_u64(),
+            ledger["done"].as_u64(),
+            ledger["held"].as_u64()
+        ),
         (Some(prompt + completion), Some(1), Some(0)),
         "{ledger}"
     );
@@ -197,7 +213,9 @@ async fn a_streamed_chat_completion_passes_through_and_settles_from_the_usage_ch
     .await;
     assert_eq!(r.status, 200, "{:?}", r.body);
     assert!(
-        r.header("content-type").unwrap_or_default().starts_with("text/event-stream"),
+        r.header("content-type")
+            .unwrap_or_default()
+            .starts_with("text/event-stream"),
         "{:?}",
         r.headers
     );
@@ -213,7 +231,9 @@ async fn a_streamed_chat_completion_passes_through_and_settles_from_the_usage_ch
         .map(|d| serde_json::from_str(d).unwrap())
         .collect();
     assert!(
-        chunks.iter().all(|c| c["object"] == "chat.completion.chunk"),
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk"),
         "{text}"
     );
     let content: String = chunks
@@ -241,10 +261,18 @@ async fn a_streamed_chat_completion_passes_through_and_settles_from_the_usage_ch
     let id = common::job_id(&r.headers);
     let line = end_line(&g, id).await;
     assert_eq!(line["action"], "complete", "{line}");
-    assert_eq!(line["tokens_spent"].as_u64(), Some(prompt + completion), "{line}");
+    assert_eq!(
+        line["tokens_spent"].as_u64(),
+        Some(prompt + completion),
+        "{line}"
+    );
     assert!(line["ttft_ms"].as_u64().is_some(), "{line}");
     let ledger = g.stats().await["ledger"].clone();
-    assert_eq!(ledger["tokens_spent"].as_u64(), Some(prompt + completion), "{ledger}");
+    assert_eq!(
+        ledger["tokens_spent"].as_u64(),
+        Some(prompt + completion),
+        "{ledger}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,7 +325,10 @@ async fn four_requests_fill_the_servers_four_slots_and_a_fifth_waits_in_the_gate
     };
     assert_eq!(processing, 4.0);
     assert_eq!(busy_slots, 4, "/slots disagrees with /metrics");
-    assert_eq!((pool["in_flight"].as_u64(), pool["depth"].as_u64()), (Some(4), Some(1)));
+    assert_eq!(
+        (pool["in_flight"].as_u64(), pool["depth"].as_u64()),
+        (Some(4), Some(1))
+    );
 
     let mut queued_ms = Vec::new();
     for h in requests {
@@ -310,8 +341,14 @@ async fn four_requests_fill_the_servers_four_slots_and_a_fifth_waits_in_the_gate
     // Exactly one request waited in the gate for a slot (about as long as the first four ran),
     // and the server never had to defer one.
     queued_ms.sort_unstable();
-    assert!(queued_ms[4] >= 500, "the fifth did not wait in the gate: {queued_ms:?}");
-    assert!(queued_ms[3] < 500, "more than one request waited: {queued_ms:?}");
+    assert!(
+        queued_ms[4] >= 500,
+        "the fifth did not wait in the gate: {queued_ms:?}"
+    );
+    assert!(
+        queued_ms[3] < 500,
+        "more than one request waited: {queued_ms:?}"
+    );
     let m = String::from_utf8(get(&format!("{llama}/metrics")).await.body.to_vec()).unwrap();
     let deferred = llama_metric(&m, "requests_deferred").unwrap_or(-1.0);
     assert_eq!(
@@ -328,7 +365,10 @@ fn without_the_server_url_a_real_server_test_fails_instead_of_passing() {
     // environment, which the other tests read concurrently.
     for missing in [None, Some(String::new()), Some("  ".to_string())] {
         let err = std::panic::catch_unwind(|| url_from(missing.clone())).unwrap_err();
-        assert_eq!(err.downcast_ref::<String>().map(String::as_str), Some(NEEDS));
+        assert_eq!(
+            err.downcast_ref::<String>().map(String::as_str),
+            Some(NEEDS)
+        );
     }
     assert_eq!(
         url_from(Some(" http://127.0.0.1:9/ ".to_string())),
