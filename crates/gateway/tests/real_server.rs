@@ -31,7 +31,7 @@ use tokio::time::timeout;
 const NEEDS: &str = "needs a llama-server: scripts/test.sh starts one and sets SLACKGATE_LLAMA_URL";
 
 /// Every request to the server or the gate is bounded by this: the longest request here
-/// generates 160 tokens four at a time, about 5 s on an idle 2-core machine.
+/// generates 200 tokens four at a time, about 2 s on an idle 2-core machine.
 const WAIT: Duration = Duration::from_secs(60);
 
 /// The server has 4 slots: tests that run requests on it at the same time would see each
@@ -60,7 +60,7 @@ async fn gate(slots: u32, name: &str) -> TestGate {
         r#"
 default_class = "interactive"
 [[pools]]
-name = "llama"
+name = "default"
 max_in_flight = {slots}
 upstream = "{}"
 [pools.prior]
@@ -290,7 +290,7 @@ async fn four_requests_fill_the_servers_four_slots_and_a_fifth_waits_in_the_gate
             tokio::spawn(async move {
                 // Staggered so the fifth is surely the last to arrive.
                 tokio::time::sleep(Duration::from_millis(u64::from(i) * 50)).await;
-                post_bounded(&url, &[], &chat(10 + i, 30, 160, false)).await
+                post_bounded(&url, &[], &chat(10 + i, 30, 200, false)).await
             })
         })
         .collect();
@@ -334,7 +334,7 @@ async fn four_requests_fill_the_servers_four_slots_and_a_fifth_waits_in_the_gate
     for h in requests {
         let r = h.await.unwrap();
         assert_eq!(r.status, 200, "{:?}", r.body);
-        assert_eq!(r.json()["usage"]["completion_tokens"], 160);
+        assert_eq!(r.json()["usage"]["completion_tokens"], 200);
         let line = end_line(&g, common::job_id(&r.headers)).await;
         queued_ms.push(line["queue_age_ms"].as_u64().unwrap_or(0));
     }
