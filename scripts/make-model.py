@@ -10,7 +10,9 @@ output is noise, but llama.cpp does the same work per token as for a trained mod
 shape, which is what a gate in front of it has to predict.
 
 The vocabulary is a SentencePiece-style ("llama") one that llama.cpp's tokenizer accepts:
-<unk>, <s>, </s>, the 256 byte-fallback tokens, every printable ASCII character, and a few
+<unk>, <s>, </s>, the chat template's <|im_start|> and <|im_end|> (control tokens, so the
+ChatML template costs a handful of tokens per message as with real models, not dozens of
+characters), the 256 byte-fallback tokens, every printable ASCII character, and a few
 hundred common English words with all their prefixes (the tokenizer merges adjacent pieces
 only into pieces in the vocabulary, so a word is reachable only through its prefixes). Plain
 English-ish text therefore comes out at a few characters per token, not the usual 4: the
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 # Bump when the model's contents change, so caches of the old one are not reused.
-MODEL_VERSION = 1
+MODEL_VERSION = 2
 SEED = 20240612
 
 HIDDEN = 512
@@ -87,10 +89,11 @@ SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def vocabulary() -> tuple[list[str], list[float], list[int]]:
-    """Tokens, scores and types, in id order: <unk>=0, <s>=1, </s>=2, bytes, then pieces."""
-    tokens = ["<unk>", "<s>", "</s>"]
-    scores = [0.0, 0.0, 0.0]
-    types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL]
+    """Tokens, scores and types, in id order: <unk>=0, <s>=1, </s>=2, the chat template's
+    two control tokens, the bytes, then the pieces."""
+    tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    scores = [0.0] * len(tokens)
+    types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL]
     for b in range(256):
         tokens.append(f"<0x{b:02X}>")
         scores.append(0.0)
