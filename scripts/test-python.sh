@@ -3,8 +3,8 @@
 #
 #   scripts/test-python.sh [extra pytest args]
 #
-# Creates (or reuses) a virtualenv at .venv in the repository root, installs
-# tests/python/requirements.txt, builds target/release/slackgate (a no-op when it is up to
+# Creates (or reuses) a virtualenv at .venv in the repository root (scripts/venv.sh), installs
+# tests/python/requirements.txt there, builds target/release/slackgate (a no-op when it is up to
 # date), then runs `python -m pytest tests/python -q`. Set SLACKGATE_BIN to test
 # another binary (the build step is then skipped). PYTHON picks the interpreter (python3).
 # Exits non-zero when anything fails.
@@ -13,22 +13,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 
-python="${PYTHON:-python3}"
-venv="$root/.venv"
-req="tests/python/requirements.txt"
-
-if [ ! -x "$venv/bin/python" ]; then
-    echo "test-python: creating $venv"
-    "$python" -m venv "$venv"
-fi
-# Reinstall only when the requirements changed since the last successful install.
-stamp="$venv/.slackgate-requirements.sha256"
-want="$(sha256sum "$req" | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "test-python: installing $req"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$req"
-    echo "$want" > "$stamp"
-fi
+venv_python="$(scripts/venv.sh)"
 
 if [ -z "${SLACKGATE_BIN:-}" ]; then
     # cargo decides what (if anything) to rebuild, and waits if another build holds the lock.
@@ -37,5 +22,5 @@ if [ -z "${SLACKGATE_BIN:-}" ]; then
     export SLACKGATE_BIN="$root/target/release/slackgate"
 fi
 
-echo "test-python: $("$venv/bin/python" -c 'import openai, sys; print(f"python {sys.version.split()[0]}, openai {openai.__version__}")'), binary $SLACKGATE_BIN"
-exec "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "$@"
+echo "test-python: $("$venv_python" -c 'import openai, sys; print(f"python {sys.version.split()[0]}, openai {openai.__version__}")'), binary $SLACKGATE_BIN"
+exec "$venv_python" -m pytest tests/python -q -p no:cacheprovider "$@"

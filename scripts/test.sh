@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test slackgate has: the Rust workspace (unit, property and integration tests over
-# real sockets), then the Python suite that drives the gate with the official openai SDK and
-# curl. Installs what the Python suite needs into .venv on first use.
+# real sockets), the gate in front of a real llama.cpp llama-server (built from source once and
+# cached outside the checkout, about 6-14 minutes the first time), then the Python suite that
+# drives the gate with the official openai SDK and curl. Installs what the Python suite and
+# the model writer need into .venv on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,6 +43,21 @@ echo "test.sh: traces from ${SLACKGATE_TRACES:-<relative to scenarios/>}" >&2
 
 echo "== cargo test --workspace"
 cargo test --workspace --locked
+
+echo "== real llama-server: build (cached in \${SLACKGATE_CACHE:-\$HOME/.cache/slackgate}), model, the gate in front of it"
+llama_started=$(date +%s)
+llama_bin="$(scripts/llama-server.sh)"
+echo "test.sh: llama-server binary ready in $(( $(date +%s) - llama_started )) s: $llama_bin"
+# The tests marked #[ignore = "needs a llama-server..."] run here, explicitly, with the URL
+# set; the server is stopped (by its PID, from the state file) however this script ends.
+trap 'scripts/real-server.sh stop' EXIT
+SLACKGATE_LLAMA_URL="$(scripts/real-server.sh start)"
+export SLACKGATE_LLAMA_URL
+echo "test.sh: llama-server at $SLACKGATE_LLAMA_URL ($(( $(date +%s) - llama_started )) s with the model and start)"
+cargo test -p slackgate-gateway --test real_server --locked -- --include-ignored
+scripts/real-server.sh stop
+trap - EXIT
+unset SLACKGATE_LLAMA_URL
 
 echo "== alert rules: promtool check rules + test rules"
 scripts/check-alerts.sh
