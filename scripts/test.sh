@@ -55,6 +55,10 @@ SLACKGATE_LLAMA_URL="$(scripts/real-server.sh start)"
 export SLACKGATE_LLAMA_URL
 echo "test.sh: llama-server at $SLACKGATE_LLAMA_URL ($(( $(date +%s) - llama_started )) s with the model and start)"
 cargo test -p slackgate-gateway --test real_server --locked -- --include-ignored
+# slackgate calibrate against the server, then admission quality: gate on vs off, a mixed
+# load at about twice the server's capacity (about 5 minutes: two 60 s runs and their tails).
+cargo test -p slackgate --test calibrate_cli --locked -- --include-ignored
+cargo test -p slackgate-drill --test real_llama --locked -- --include-ignored --nocapture
 scripts/real-server.sh stop
 trap - EXIT
 unset SLACKGATE_LLAMA_URL

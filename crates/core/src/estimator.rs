@@ -6,14 +6,22 @@
 //! model is
 //!
 //! ```text
-//! alone(P, O)   = overhead + prefill x P + decode x O + context x O x (P + O/2) / 1000
-//! service(P,O,k) = alone(P, O) + (k - 1) x shared(P, O)
+//! alone(P, O)      = overhead + prefill x P + decode x O + context x O x (P + O/2) / 1000
+//! shared(P, O, k, C) = (k - 1) x (overhead' + prefill' x P + decode' x O) + context' x O x C / 1000
+//! stalls(Q)        = stall x Q
+//! service          = alone + shared + stalls
 //! ```
 //!
-//! where `k` is the mean number of requests in flight on the pool while the request ran and
-//! `shared` has the same four terms with coefficients of its own (on a server that batches
-//! perfectly they are 0; on one that only time-shares they equal `alone`'s). That is eight
-//! non-negative coefficients, linear in the features, so the fit is a least-squares problem:
+//! where `k` is the mean number of requests in flight on the pool while the request ran
+//! (itself included) and `C` the mean total context (prompt and half the output) of the
+//! *others*: a decoding step serves every sequence in the batch, and attention reads each one's
+//! whole context, so a request beside three long-context batch jobs slows far more than beside
+//! three short chats (measured on llama.cpp: 13 s against 6.5 s for the same request at the same
+//! `k`). `Q` is the prompt tokens of other requests that *started* while it ran: their prefill
+//! holds up every decoding sequence (a 1000-token prompt starting beside a chat stalls it for
+//! about a second on llama.cpp). On a server that batches perfectly the shared coefficients are
+//! 0; on one that only time-shares they equal the alone ones. That is nine non-negative
+//! coefficients, linear in the features, so the fit is a least-squares problem:
 //!
 //! - **The total is fitted, with the constraint inside the fit.** Each completion adds its
 //!   features and its observed time to exponentially forgotten normal equations; the
@@ -41,15 +49,17 @@ use serde::Serialize;
 
 /// Coefficients of one term set (`alone` or `shared`).
 const TERMS: usize = 4;
-/// All coefficients: `alone` then `shared`.
-const DIM: usize = 2 * TERMS;
+/// All coefficients: `alone`, `shared`, then the others' prefill.
+const DIM: usize = 2 * TERMS + 1;
 const PROMPT_SCALE: f64 = 1000.0;
 const OUTPUT_SCALE: f64 = 100.0;
 /// The context term's feature is `O x (P + O/2)` per this: output per 100 x context per 1000.
 const CONTEXT_SCALE: f64 = OUTPUT_SCALE * 1000.0;
-/// Forgetting per completion: the data's memory is about 1 / (1 - LAMBDA) = 100 completions,
-/// so the fit follows a server that slows down (a bigger batch, a throttled GPU).
-const LAMBDA: f64 = 0.99;
+/// Forgetting per completion: the data's memory is about 1 / (1 - LAMBDA) = 500 completions,
+/// long enough that a rare shape (one long batch job among twenty chats) is still remembered
+/// when its next one comes; a server that slows down is followed through the change
+/// detection below, not through this.
+const LAMBDA: f64 = 0.998;
 /// Weight of the prior on each coefficient, relative to the information the data carry about
 /// that coefficient alone (the diagonal of the normal equations): too little to argue with
 /// data, enough to hold the directions the data leave open (few request shapes).
@@ -82,9 +92,39 @@ const WARMUP_SAMPLES: u64 = 5;
 /// Smallest prior scale per coefficient (in scaled units: ms, ms per 1000 prompt tokens, ms per
 /// 100 output tokens, ms per 100 output tokens per 1000 context): a prior of zero must still let
 /// the data move its coefficient.
-const MIN_SCALE: [f64; DIM] = [50.0, 100.0, 500.0, 1000.0, 50.0, 100.0, 500.0, 1000.0];
+const MIN_SCALE: [f64; DIM] = [50.0, 100.0, 500.0, 1000.0, 50.0, 100.0, 500.0, 1000.0, 100.0];
 /// The request shape at which [`EstimatorSnapshot::batch_slowdown`] is read off.
 const REFERENCE_SHAPE: (u32, u32) = (500, 100);
+
+/// What a request shares the server with while it runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Sharing {
+    /// Mean requests in flight, itself included (at least 1).
+    pub concurrency: f64,
+    /// Mean total context of the other requests in flight (tokens: prompt plus half the
+    /// output each).
+    pub others_context: f64,
+    /// Prompt tokens of other requests that start while it runs (their prefill stalls it).
+    pub others_prefill: f64,
+}
+
+impl Sharing {
+    /// Alone on the server.
+    pub const ALONE: Sharing = Sharing {
+        concurrency: 1.0,
+        others_context: 0.0,
+        others_prefill: 0.0,
+    };
+
+    /// `k` requests at once, each of the others with `context_each` tokens of context.
+    pub fn with(k: f64, context_each: f64) -> Sharing {
+        Sharing {
+            concurrency: k,
+            others_context: (k - 1.0).max(0.0) * context_each,
+            others_prefill: 0.0,
+        }
+    }
+}
 
 /// A service-time estimate for one request.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -107,9 +147,14 @@ pub struct EstimatorSnapshot {
     /// Extra cost per output token per 1000 tokens of context, alone (ms).
     pub decode_ms_per_1k_context: f64,
     /// How much each other request in flight adds to a request's time, as a fraction of its
-    /// time alone, read at a 500-token prompt and 100 output tokens (0: perfect batching,
-    /// 1: plain time sharing).
+    /// time alone, read at a 500-token prompt and 100 output tokens beside requests of the
+    /// same shape (0: perfect batching, 1: plain time sharing).
     pub batch_slowdown: f64,
+    /// Extra cost per output token per 1000 tokens of the *other* requests' context (ms).
+    pub decode_ms_per_1k_shared_context: f64,
+    /// How long a request is held up per prompt token of another request starting beside it
+    /// (ms).
+    pub stall_ms_per_prefill_token: f64,
     /// Completions learned from.
     pub samples: u64,
 }
@@ -148,6 +193,9 @@ impl Estimator {
             p[i] = a;
             p[TERMS + i] = a * finite_nonneg(prior.batch_slowdown);
         }
+        // Another request's prefill holds this one up for about its own prefill time, as far
+        // as the server does not batch it.
+        p[2 * TERMS] = p[1] * finite_nonneg(prior.batch_slowdown);
         let mut scale = [0.0; DIM];
         for i in 0..DIM {
             scale[i] = p[i].max(MIN_SCALE[i]);
@@ -164,46 +212,47 @@ impl Estimator {
         }
     }
 
-    /// Scaled features of a request: its four `alone` terms, then the same times `k - 1`.
-    fn features(prompt_tokens: u32, output_tokens: u32, concurrency: f64) -> [f64; DIM] {
+    /// Scaled features of a request: its four `alone` terms, then the three count terms
+    /// times `k - 1` and its output times the others' context.
+    fn features(prompt_tokens: u32, output_tokens: u32, sharing: Sharing) -> [f64; DIM] {
         let p = f64::from(prompt_tokens);
         let o = f64::from(output_tokens);
-        let extra = if concurrency.is_finite() {
-            (concurrency - 1.0).max(0.0)
-        } else {
-            0.0
-        };
+        let finite = |v: f64| if v.is_finite() { v.max(0.0) } else { 0.0 };
+        let extra = finite(sharing.concurrency - 1.0);
+        let others = finite(sharing.others_context);
+        let prefill = finite(sharing.others_prefill);
         let base = [
             1.0,
             p / PROMPT_SCALE,
             o / OUTPUT_SCALE,
             o * (p + o / 2.0) / CONTEXT_SCALE,
         ];
-        let mut z = [0.0; DIM];
-        for i in 0..TERMS {
-            z[i] = base[i];
-            z[TERMS + i] = base[i] * extra;
-        }
-        z
+        [
+            base[0],
+            base[1],
+            base[2],
+            base[3],
+            base[0] * extra,
+            base[1] * extra,
+            base[2] * extra,
+            o * others / CONTEXT_SCALE,
+            prefill / PROMPT_SCALE,
+        ]
     }
 
     fn predict(&self, z: &[f64; DIM]) -> f64 {
         dot(&self.theta, z)
     }
 
-    /// Expected service of a request with this prompt and expected output, run while
-    /// `concurrency` requests (itself included) share the server.
-    pub fn estimate(&self, prompt_tokens: u32, output_tokens: u32, concurrency: f64) -> Estimate {
+    /// Expected service of a request with this prompt and expected output, sharing the
+    /// server as `sharing` says.
+    pub fn estimate(&self, prompt_tokens: u32, output_tokens: u32, sharing: Sharing) -> Estimate {
         let total = self
-            .predict(&Self::features(prompt_tokens, output_tokens, concurrency))
+            .predict(&Self::features(prompt_tokens, output_tokens, sharing))
             .max(MIN_SERVICE_MS);
         // The first token comes after the prompt and one decode step.
         let first = self
-            .predict(&Self::features(
-                prompt_tokens,
-                output_tokens.min(1),
-                concurrency,
-            ))
+            .predict(&Self::features(prompt_tokens, output_tokens.min(1), sharing))
             .max(MIN_SERVICE_MS)
             .min(total);
         Estimate {
@@ -212,26 +261,31 @@ impl Estimator {
         }
     }
 
-    /// Learn from one completed request: its real token counts, the mean number of requests in
-    /// flight while it ran (itself included) and its observed service time.
+    /// Learn from one completed request: its real token counts, what it shared the server
+    /// with while it ran and its observed service time.
     pub fn observe(
         &mut self,
         prompt_tokens: u32,
         output_tokens: u32,
-        concurrency: f64,
+        sharing: Sharing,
         service_ms: u64,
     ) {
         if !self.learn {
             return;
         }
-        let z = Self::features(prompt_tokens, output_tokens, concurrency);
+        let concurrency = sharing.concurrency;
+        let z = Self::features(prompt_tokens, output_tokens, sharing);
         let y = (service_ms as f64).max(MIN_SERVICE_MS);
         let pred = self.predict(&z).max(MIN_SERVICE_MS);
         let physical = y <= MAX_SERVICE_MS
             && prompt_tokens <= MAX_TOKENS
             && output_tokens <= MAX_TOKENS
             && concurrency.is_finite()
-            && concurrency <= 1e6;
+            && concurrency <= 1e6
+            && sharing.others_context.is_finite()
+            && sharing.others_context <= 1e9
+            && sharing.others_prefill.is_finite()
+            && sharing.others_prefill <= 1e9;
         if !(physical && pred.is_finite() && z.iter().all(|v| v.is_finite())) {
             return; // a degenerate observation is skipped rather than poisoning the fit
         }
@@ -308,7 +362,8 @@ impl Estimator {
     pub fn snapshot(&self) -> EstimatorSnapshot {
         let t = &self.theta;
         let (p, o) = REFERENCE_SHAPE;
-        let z = Self::features(p, o, 2.0);
+        let own = f64::from(p) + f64::from(o) / 2.0;
+        let z = Self::features(p, o, Sharing::with(2.0, own));
         let alone: f64 = (0..TERMS).map(|i| t[i] * z[i]).sum();
         let shared: f64 = (0..TERMS).map(|i| t[TERMS + i] * z[TERMS + i]).sum();
         EstimatorSnapshot {
@@ -317,6 +372,8 @@ impl Estimator {
             decode_ms_per_token: t[2] / OUTPUT_SCALE,
             decode_ms_per_1k_context: t[3] / OUTPUT_SCALE,
             batch_slowdown: if alone > 0.0 { shared / alone } else { 0.0 },
+            decode_ms_per_1k_shared_context: t[7] / OUTPUT_SCALE,
+            stall_ms_per_prefill_token: t[8] / PROMPT_SCALE,
             samples: self.samples,
         }
     }

@@ -2,6 +2,13 @@
 
 use super::*;
 
+const ALONE: Sharing = Sharing::ALONE;
+
+/// `k` requests of this shape at once.
+fn sh(k: f64, p: u32, o: u32) -> Sharing {
+    Sharing::with(k, f64::from(p) + f64::from(o) / 2.0)
+}
+
 /// A tiny deterministic PRNG so the tests need no dependency.
 struct XorShift(u64);
 impl XorShift {
@@ -55,7 +62,7 @@ fn starts_at_the_prior() {
     // 200 + 100 x 0.2 + 10 x 20 = 420 ms; first token 200 + 20 + 20 = 240 ms.
     let est = Estimator::new(&prior(200.0, 0.2, 20.0));
     assert_eq!(
-        est.estimate(100, 10, 1.0),
+        est.estimate(100, 10, ALONE),
         Estimate {
             service_ms: 420,
             first_token_ms: 240
@@ -64,11 +71,11 @@ fn starts_at_the_prior() {
     // With a batch_slowdown prior of 0.5, three others in flight add 1.5x: 420 x 2.5.
     let mut p = prior(200.0, 0.2, 20.0);
     p.batch_slowdown = 0.5;
-    assert_eq!(Estimator::new(&p).estimate(100, 10, 4.0).service_ms, 1050);
+    assert_eq!(Estimator::new(&p).estimate(100, 10, sh(4.0, 100, 10)).service_ms, 1050);
     // The context term: 10 output tokens x (100 + 5) context / 1000 x 14 ms = 14.7 ms.
     let mut p = prior(200.0, 0.2, 20.0);
     p.decode_ms_per_1k_context = 14.0;
-    assert_eq!(Estimator::new(&p).estimate(100, 10, 1.0).service_ms, 435);
+    assert_eq!(Estimator::new(&p).estimate(100, 10, ALONE).service_ms, 435);
 }
 
 #[test]
@@ -78,10 +85,10 @@ fn converges_to_a_known_model_within_ten_percent() {
     for _ in 0..300 {
         let (p, o) = (rng.range(10, 8000), rng.range(1, 600));
         let noise = 0.95 + 0.1 * rng.unit(); // +-5%, as real latencies have
-        est.observe(p, o, 1.0, (linear(p, o) * noise) as u64);
+        est.observe(p, o, ALONE, (linear(p, o) * noise) as u64);
     }
     for (p, o) in [(100, 10), (4000, 50), (50, 500), (8000, 300), (1, 1)] {
-        let err = rel(est.estimate(p, o, 1.0).service_ms, linear(p, o));
+        let err = rel(est.estimate(p, o, ALONE).service_ms, linear(p, o));
         assert!(err < 0.10, "p={p} o={o}: err {err} ({:?})", est.snapshot());
     }
     assert_eq!(est.snapshot().samples, 300);
@@ -98,13 +105,13 @@ fn two_shapes_only_stay_stable_and_predict_both() {
     let mut history = Vec::new();
     for i in 0..400 {
         let (p, o, k) = if i % 3 == 0 { batch } else { chat };
-        est.observe(p, o, k, llama(p, o, k) as u64);
+        est.observe(p, o, sh(k, p, o), llama(p, o, k) as u64);
         if i >= 100 {
-            history.push(est.estimate(batch.0, batch.1, batch.2).service_ms);
+            history.push(est.estimate(batch.0, batch.1, sh(batch.2, batch.0, batch.1)).service_ms);
         }
     }
     for (p, o, k) in [chat, batch] {
-        let err = rel(est.estimate(p, o, k).service_ms, llama(p, o, k));
+        let err = rel(est.estimate(p, o, sh(k, p, o)).service_ms, llama(p, o, k));
         assert!(
             err < 0.05,
             "shape {p}/{o}: err {err} ({:?})",
@@ -139,11 +146,11 @@ fn two_shapes_only_stay_stable_and_predict_both() {
 fn an_outlier_does_not_swing_the_model() {
     let mut est = Estimator::new(&prior(5.0, 0.0, 10.0));
     for _ in 0..30 {
-        est.observe(10, 16, 1.0, 165);
+        est.observe(10, 16, ALONE, 165);
     }
-    let before = est.estimate(10, 16, 1.0).service_ms;
-    est.observe(10, 16, 1.0, 90_000);
-    let after = est.estimate(10, 16, 1.0).service_ms;
+    let before = est.estimate(10, 16, ALONE).service_ms;
+    est.observe(10, 16, ALONE, 90_000);
+    let after = est.estimate(10, 16, ALONE).service_ms;
     assert!((160..=170).contains(&before), "{before}");
     assert!(
         after <= before + before / 20,
@@ -151,9 +158,9 @@ fn an_outlier_does_not_swing_the_model() {
     );
     // A real, lasting slowdown (10x) is learned within a few dozen completions.
     for _ in 0..60 {
-        est.observe(10, 16, 1.0, 1_650);
+        est.observe(10, 16, ALONE, 1_650);
     }
-    let slow = est.estimate(10, 16, 1.0).service_ms;
+    let slow = est.estimate(10, 16, ALONE).service_ms;
     assert!(rel(slow, 1650.0) < 0.15, "slowdown learned as {slow} ms");
 }
 
@@ -168,11 +175,11 @@ fn learns_a_server_that_slows_down_under_concurrency() {
         let p = rng.range(20, 1000);
         let o = rng.range(16, 256);
         let k = 1.0 + 3.0 * rng.unit();
-        est.observe(p, o, k, llama(p, o, k) as u64);
+        est.observe(p, o, sh(k, p, o), llama(p, o, k) as u64);
     }
     for k in [1.0, 2.0, 4.0] {
         for (p, o) in [(30, 32), (500, 128), (1000, 256)] {
-            let err = rel(est.estimate(p, o, k).service_ms, llama(p, o, k));
+            let err = rel(est.estimate(p, o, sh(k, p, o)).service_ms, llama(p, o, k));
             assert!(
                 err < 0.10,
                 "p={p} o={o} k={k}: err {err} ({:?})",
@@ -193,10 +200,10 @@ fn a_prior_ten_times_wrong_converges() {
         let mut rng = XorShift(3);
         for _ in 0..150 {
             let (p, o) = (rng.range(10, 4000), rng.range(1, 400));
-            est.observe(p, o, 1.0, linear(p, o) as u64);
+            est.observe(p, o, ALONE, linear(p, o) as u64);
         }
         for (p, o) in [(100, 10), (2000, 200), (50, 400)] {
-            let err = rel(est.estimate(p, o, 1.0).service_ms, linear(p, o));
+            let err = rel(est.estimate(p, o, ALONE).service_ms, linear(p, o));
             assert!(err < 0.10, "prior x{scale}, p={p} o={o}: err {err}");
         }
     }
@@ -213,7 +220,7 @@ fn negative_raw_coefficients_do_not_run_away() {
     for i in 0..400 {
         let (p, o) = shapes[i % 4];
         let y = 1000.0 - 0.4 * f64::from(p) + 10.0 * f64::from(o);
-        est.observe(p, o, 1.0, y as u64);
+        est.observe(p, o, ALONE, y as u64);
     }
     let s = est.snapshot();
     assert!(
@@ -223,17 +230,17 @@ fn negative_raw_coefficients_do_not_run_away() {
     // Without a negative prefill the best fit is off at the extremes, but it stays within
     // the data's range and keeps the output slope: 150 output tokens x 10 ms = 1500 ms.
     for (p, o) in shapes {
-        let got = est.estimate(p, o, 1.0).service_ms;
+        let got = est.estimate(p, o, ALONE).service_ms;
         assert!((600..=3300).contains(&got), "p={p} o={o}: {got} ({s:?})");
     }
-    let slope = est.estimate(1000, 200, 1.0).service_ms as f64
-        - est.estimate(1000, 50, 1.0).service_ms as f64;
+    let slope = est.estimate(1000, 200, ALONE).service_ms as f64
+        - est.estimate(1000, 50, ALONE).service_ms as f64;
     assert!(
         (slope - 1500.0).abs() < 300.0,
         "output slope {slope} ({s:?})"
     );
     // Far outside the data, nothing runs away (no sign flips, no absurd figures).
-    let far = est.estimate(50_000, 2_000, 4.0).service_ms;
+    let far = est.estimate(50_000, 2_000, sh(4.0, 50_000, 2_000)).service_ms;
     assert!(far > 0 && far < 10_000_000, "{far}");
 }
 
@@ -241,9 +248,9 @@ fn negative_raw_coefficients_do_not_run_away() {
 fn identical_requests_still_predict_right() {
     let mut est = Estimator::new(&PriorConfig::default());
     for _ in 0..200 {
-        est.observe(0, 0, 1.0, 800);
+        est.observe(0, 0, ALONE, 800);
     }
-    let got = est.estimate(0, 0, 1.0).service_ms;
+    let got = est.estimate(0, 0, ALONE).service_ms;
     assert!((790..=810).contains(&got), "{got}");
 }
 
@@ -252,20 +259,26 @@ fn frozen_estimator_keeps_priors() {
     let mut p = prior(800.0, 0.0, 0.0);
     p.learn = false;
     let mut est = Estimator::new(&p);
-    est.observe(10, 10, 1.0, 5);
-    assert_eq!(est.estimate(10, 10, 1.0).service_ms, 800);
+    est.observe(10, 10, ALONE, 5);
+    assert_eq!(est.estimate(10, 10, ALONE).service_ms, 800);
 }
 
 #[test]
 fn absurd_observations_do_not_poison_it() {
     let mut est = Estimator::new(&PriorConfig::default());
-    est.observe(u32::MAX, u32::MAX, f64::NAN, u64::MAX);
-    est.observe(0, 0, f64::INFINITY, 0);
-    est.observe(10, 10, -5.0, 100);
-    let e = est.estimate(100, 100, 1.0);
+    let odd = |k: f64, c: f64| Sharing {
+        concurrency: k,
+        others_context: c,
+        others_prefill: c,
+    };
+    est.observe(u32::MAX, u32::MAX, odd(f64::NAN, 0.0), u64::MAX);
+    est.observe(0, 0, odd(f64::INFINITY, f64::NAN), 0);
+    est.observe(10, 10, odd(-5.0, -1.0), 100);
+    est.observe(10, 10, odd(2.0, 1e300), 100);
+    let e = est.estimate(100, 100, ALONE);
     assert!(e.service_ms >= 1 && e.service_ms < 1_000_000, "{e:?}");
     assert!(e.first_token_ms <= e.service_ms);
-    let big = est.estimate(u32::MAX, u32::MAX, 1e300);
+    let big = est.estimate(u32::MAX, u32::MAX, odd(1e300, 1e300));
     assert!(big.first_token_ms <= big.service_ms);
 }
 
@@ -283,13 +296,13 @@ fn stays_exact_over_a_long_replay() {
             rng.range(40, 1_900)
         };
         let truth = (30.0 + 0.05 * f64::from(p) + 15.0 * f64::from(o)).round();
-        let est = e.estimate(p, o, 1.0).service_ms as f64;
+        let est = e.estimate(p, o, ALONE).service_ms as f64;
         assert!(
             (est - truth).abs() <= truth * 0.05 + 2.0,
             "sample {i}: estimate {est} vs {truth} ({:?})",
             e.snapshot()
         );
-        e.observe(p, o, 1.0, truth as u64);
+        e.observe(p, o, ALONE, truth as u64);
     }
 }
 
@@ -340,4 +353,39 @@ fn nonneg_solver_matches_hand_solution() {
     let u = nonneg_quadratic_min(&m, &q, &[0.5; DIM]).unwrap_or([f64::NAN; DIM]);
     assert!((u[0] - 1.0).abs() < 1e-9 && u[1] == 0.0, "{u:?}");
     assert!(u[2..].iter().all(|v| *v == 0.0), "{u:?}");
+}
+
+/// What a request shares the server with matters, not only how many: beside three
+/// long-context batch jobs a request decodes far slower than beside three short chats (every
+/// step reads every sequence's context). Truth: llama's alone cost, plus per other request
+/// 20 ms + 0.5 ms per prompt token + 3 ms per output token, plus 14 ms per output token per
+/// 1000 tokens of the others' context.
+#[test]
+fn learns_that_long_neighbours_slow_more_than_short_ones() {
+    let truth = |p: u32, o: u32, s: Sharing| {
+        let (pf, of) = (f64::from(p), f64::from(o));
+        llama(p, o, 1.0)
+            + (s.concurrency - 1.0) * (20.0 + 0.5 * pf + 3.0 * of)
+            + 14.0 * of * s.others_context / 1000.0
+    };
+    let mut est = Estimator::new(&PriorConfig::default());
+    let mut rng = XorShift(11);
+    for _ in 0..400 {
+        let (p, o) = (rng.range(20, 1000), rng.range(16, 256));
+        let k = f64::from(rng.range(1, 4));
+        let s = Sharing::with(k, f64::from(rng.range(100, 1200)));
+        est.observe(p, o, s, truth(p, o, s) as u64);
+    }
+    let short = Sharing::with(4.0, 100.0);
+    let long = Sharing::with(4.0, 1200.0);
+    for s in [short, long, Sharing::ALONE] {
+        let err = rel(est.estimate(500, 200, s).service_ms, truth(500, 200, s));
+        assert!(err < 0.08, "{s:?}: err {err} ({:?})", est.snapshot());
+    }
+    // 200 output tokens x 3 x 1100 more context x 14 ms / 1000 = 9.24 s slower.
+    let gap = est.estimate(500, 200, long).service_ms as f64
+        - est.estimate(500, 200, short).service_ms as f64;
+    assert!((gap - 9240.0).abs() < 1500.0, "gap {gap} ms");
+    let s = est.snapshot();
+    assert!((s.decode_ms_per_1k_shared_context - 14.0).abs() < 3.0, "{s:?}");
 }

@@ -15,7 +15,9 @@
 //! of classes at priority `>= p`, spread over the pool's slots.
 
 use crate::config::{ConfigError, GateConfig, OverflowMode, PriorConfig};
-use crate::estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot};
+use crate::estimator::{
+    ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing,
+};
 use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError};
 use crate::queue::{ClassQueue, QueueKey};
 use crate::reason::{Action, Reason};
@@ -244,6 +246,8 @@ pub struct Completed {
     /// Mean number of requests in flight on the pool while it ran (itself included); 0 if it
     /// never ran.
     pub concurrency: f64,
+    /// Mean total context (tokens) of the other requests in flight while it ran.
+    pub others_context: f64,
 }
 
 impl Completed {
@@ -357,6 +361,14 @@ struct Job {
     first_token_deadline: Option<Millis>,
     est: Estimate,
     prompt_tokens: u32,
+    /// The estimator's own figure for its service (before the class's correction): what the
+    /// correction learns from at completion.
+    model_service_ms: u64,
+    /// The output length its estimate assumed.
+    expected_output: u32,
+    /// Its context in tokens (prompt and half the expected output): what it adds to the
+    /// attention work of every request it shares the server with.
+    context: f64,
     /// The prompt's characters and model, to learn the token relation at completion.
     prompt_chars: Option<u32>,
     model: Option<String>,
@@ -379,10 +391,14 @@ struct Job {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum JobState {
     Queued,
-    /// Dispatched at `started_at`, when the pool's in-flight integral stood at `busy_at_start`.
+    /// Dispatched at `started_at`, when the pool's in-flight integrals stood at
+    /// `busy_at_start` (count) and `context_at_start` (context).
     InFlight {
         started_at: Millis,
         busy_at_start: u128,
+        context_at_start: f64,
+        /// The pool's count of prompt tokens dispatched, just after its own.
+        prefill_at_start: u64,
     },
 }
 
@@ -478,6 +494,61 @@ struct ClassState {
     probes: u64,
     /// When the class last admitted a request (probes aside).
     last_admit_at: Option<Millis>,
+    /// actual / estimated service of the class's recent completions, against the estimator's
+    /// own figure: the class's empirical correction (see [`ClassState::correction`]).
+    ratios: VecDeque<f64>,
+    /// Prompt tokens of other jobs that started while the class's recent completions ran
+    /// (EWMA): what a newcomer of the class should expect to be held up by.
+    recent_others_prefill: f64,
+}
+
+impl ClassState {
+    /// A per-class empirical model on top of the shared estimator: the median of actual over
+    /// estimated service of the class's last completions. The estimator fits every class's
+    /// requests with one set of coefficients, and a class whose requests the fit serves badly
+    /// (rare long batch jobs among many short chats; what its requests share the server with)
+    /// stays off by the same ratio; this takes that ratio out. 1 until a handful completed;
+    /// kept within [`CORRECTION_RANGE`].
+    fn correction(&self) -> f64 {
+        if self.ratios.len() < CONFIRM_SAMPLES as usize {
+            return 1.0;
+        }
+        let mut v: Vec<f64> = self.ratios.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2].clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
+    }
+
+    /// The share by which a request's wait and service are padded before they are held to its
+    /// deadline: the class's recent median relative error, within [0, MAX_MARGIN] (0 until a
+    /// handful completed, and for a frozen estimator, whose figures are the operator's).
+    fn margin(&self, learning: bool) -> f64 {
+        let e = self.errors.summary();
+        if !learning || e.samples < CONFIRM_SAMPLES {
+            return 0.0;
+        }
+        e.median.clamp(0.0, MAX_MARGIN)
+    }
+
+    /// Record a completion's actual service against the estimator's figure for it.
+    fn learn_ratio(&mut self, model_ms: u64, actual_ms: u64) {
+        let r = actual_ms.max(1) as f64 / model_ms.max(1) as f64;
+        if !r.is_finite() {
+            return;
+        }
+        if self.ratios.len() >= CORRECTION_WINDOW {
+            self.ratios.pop_front();
+        }
+        self.ratios.push_back(r);
+    }
+}
+
+/// Scale an estimate by a class's correction.
+fn scale_estimate(e: Estimate, factor: f64) -> Estimate {
+    let f = |v: u64| ((v as f64) * factor).round().clamp(1.0, 1e15) as u64;
+    Estimate {
+        service_ms: f(e.service_ms),
+        first_token_ms: f(e.first_token_ms).min(f(e.service_ms)),
+    }
 }
 
 #[derive(Debug)]
@@ -500,6 +571,14 @@ struct PoolState {
     /// mean concurrency is the integral's growth over its life divided by its duration.
     busy: u128,
     busy_at: Millis,
+    /// Total context of the jobs in flight now, and its integral over time up to `busy_at`.
+    context_now: f64,
+    context_busy: f64,
+    /// Mean context of each other job in flight during recent completions (EWMA).
+    recent_other_context: f64,
+    /// Prompt tokens of every job dispatched so far (a counter): the prefill work that
+    /// started beside a job is its growth over the job's life.
+    prefill_dispatched: u64,
     /// Mean concurrency of recent completions (EWMA): what a newcomer will likely share the
     /// server with once the pool is in its usual state.
     recent_concurrency: f64,
@@ -533,7 +612,32 @@ impl PoolState {
         self.busy = self
             .busy
             .saturating_add(u128::from(dt) * self.in_flight.len() as u128);
+        self.context_busy += dt as f64 * self.context_now;
         self.busy_at = self.busy_at.max(now);
+    }
+
+    /// What a job dispatched at `started_at` shared the server with until `now`.
+    fn sharing_since(
+        &self,
+        now: Millis,
+        started_at: Millis,
+        (busy_at_start, context_at_start, prefill_at_start): (u128, f64, u64),
+        own_context: f64,
+    ) -> Sharing {
+        let concurrency = self.concurrency_since(now, started_at, busy_at_start);
+        let dt = now.saturating_sub(started_at);
+        let total = if dt == 0 {
+            self.context_now
+        } else {
+            let area =
+                self.context_busy + now.saturating_sub(self.busy_at) as f64 * self.context_now;
+            (area - context_at_start) / dt as f64
+        };
+        Sharing {
+            concurrency,
+            others_context: (total - own_context).max(0.0),
+            others_prefill: self.prefill_dispatched.saturating_sub(prefill_at_start) as f64,
+        }
     }
 
     /// The integral as it stands at `now` (without moving it).
@@ -564,6 +668,22 @@ impl PoolState {
         }
         let now = self.in_flight.len() as f64 + f64::from(count_ahead) + 1.0;
         now.max(self.recent_concurrency).min(slots)
+    }
+
+    /// [`PoolState::expected_concurrency`] with the others' context: each other request as
+    /// long as the longer of what runs now (mean) and what recently ran beside completions.
+    /// `others_prefill`: what the class's recent completions saw start beside them.
+    fn expected_sharing(&self, wait: u64, count_ahead: u32, others_prefill: f64) -> Sharing {
+        let k = self.expected_concurrency(wait, count_ahead);
+        let current = if self.in_flight.is_empty() {
+            0.0
+        } else {
+            self.context_now / self.in_flight.len() as f64
+        };
+        Sharing {
+            others_prefill,
+            ..Sharing::with(k, current.max(self.recent_other_context))
+        }
     }
 
     /// A request's prompt tokens: counted from its characters with the learned relation when
@@ -743,6 +863,11 @@ const CONFIRM_BIAS: f64 = 0.25;
 /// of the last few (one probe that ran far off its estimate is a contradiction).
 const CONFIRM_P90: f64 = 0.5;
 const CONFIRM_RECENT: usize = 3;
+/// The class correction's window (completions) and range.
+const CORRECTION_WINDOW: usize = 32;
+const CORRECTION_RANGE: (f64, f64) = (0.5, 4.0);
+/// The largest margin a class's error pads its requests with.
+const MAX_MARGIN: f64 = 0.5;
 /// Weight of one completion in a pool's recent mean concurrency (EWMA).
 const CONCURRENCY_ALPHA: f64 = 0.1;
 
@@ -767,6 +892,8 @@ struct Eval {
     prompt_tokens: u32,
     /// The class's recent completions confirm its estimates (see `estimate_confirmed`).
     sure: bool,
+    /// The estimator's figure for the request before the class's correction.
+    model_service_ms: u64,
 }
 
 /// How a job's hold is settled when the job ends.
@@ -965,11 +1092,14 @@ impl Gate {
             .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
         let (work_ahead, count_ahead, oldest) = self.ahead(pool, c.priority);
         let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
-        // Its own service, at the concurrency it will likely run at.
-        let concurrency = p.expected_concurrency(wait, count_ahead);
-        let est = p
+        // Its own service, sharing the server as it likely will.
+        let home = &self.classes[self.home(lane).0];
+        let sharing = p.expected_sharing(wait, count_ahead, home.recent_others_prefill);
+        let factor = home.correction();
+        let model_est = p
             .estimator
-            .estimate(prompt_tokens, expected_output, concurrency);
+            .estimate(prompt_tokens, expected_output, sharing);
+        let est = scale_estimate(model_est, factor);
         // Queue age: how long the work this request would wait behind has been waiting. That
         // is the oldest queued job ahead, or, when every slot is busy, how long the pool has
         // gone without freeing one (seed 002: one stuck eval, an empty queue, and a sync
@@ -985,11 +1115,18 @@ impl Gate {
             (None, Some(q)) => {
                 let q = q.round().clamp(0.0, f64::from(u32::MAX)) as u32;
                 let q = req.max_tokens.map_or(q, |m| q.min(m)).max(expected_output);
-                p.estimator.estimate(prompt_tokens, q, concurrency)
+                scale_estimate(p.estimator.estimate(prompt_tokens, q, sharing), factor)
             }
             _ => est,
         };
         let slack_ms = slack(now, 0, deadline, req.first_token_deadline, own);
+        // A promise needs room for the estimates' own error: the wait and the service are
+        // inflated by the class's recent median error before they are held to the deadline
+        // (a request admitted exactly at the edge is dropped by any overrun ahead of it).
+        let margin = home.margin(p.estimator.learns());
+        let padded_wait = wait.saturating_add(
+            ((wait.saturating_add(own.service_ms)) as f64 * margin).round() as u64,
+        );
         let in_flight = p.in_flight.len() as u32;
         let sure = self.estimate_confirmed(lane);
         let mut hard_cap = false;
@@ -1002,7 +1139,7 @@ impl Gate {
             Err(Reason::QueueDepthExceeded)
         } else if self.depth_exceeded(pool, in_flight, count_ahead) {
             Err(Reason::QueueDepthExceeded)
-        } else if slack_ms.is_some_and(|s| i128::from(wait) > i128::from(s)) {
+        } else if slack_ms.is_some_and(|s| i128::from(padded_wait) > i128::from(s)) {
             // A pool with a free slot and an estimator that has barely learned anything: the
             // estimate is the prior, which may be far too pessimistic (a 256-token guess for
             // a request that writes 20). Rejecting would keep it from ever learning, so admit
@@ -1034,6 +1171,7 @@ impl Gate {
             hard_cap,
             prompt_tokens,
             sure,
+            model_service_ms: model_est.service_ms,
         }
     }
 
@@ -1325,6 +1463,9 @@ impl Gate {
                     first_token_deadline: req.first_token_deadline,
                     est: e.est,
                     prompt_tokens: e.prompt_tokens,
+                    context: f64::from(e.prompt_tokens) + f64::from(expected_output) / 2.0,
+                    model_service_ms: e.model_service_ms,
+                    expected_output,
                     prompt_chars: req.prompt_chars,
                     model: req.model.clone(),
                     state: JobState::Queued,
@@ -1619,16 +1760,40 @@ impl Gate {
                 self.events.push_back(ev);
                 return true;
             }
+            // Estimated again now, with what the gate has learned since the job was admitted
+            // (a batch job may have queued for minutes) and what it shares the server with
+            // now: the remaining work that other requests' waits are projected from.
+            let depth_after = self.pool_depth(pool_id);
+            let home = self.home(job.class);
+            let (factor, prefill) = {
+                let h = &self.classes[home.0];
+                (h.correction(), h.recent_others_prefill)
+            };
+            let p = &self.pools[pi];
+            let sharing = p.expected_sharing(0, depth_after, prefill);
+            let model = p
+                .estimator
+                .estimate(job.prompt_tokens, job.expected_output, sharing);
+            let est = scale_estimate(model, factor);
             let pool = &mut self.pools[pi];
             pool.advance_busy(now);
-            pool.in_flight.insert(id, (now, job.est.service_ms));
+            pool.in_flight.insert(id, (now, est.service_ms));
+            pool.context_now += job.context;
+            pool.prefill_dispatched = pool
+                .prefill_dispatched
+                .saturating_add(u64::from(job.prompt_tokens));
             let in_flight = pool.in_flight.len() as u32;
-            let busy_at_start = pool.busy;
+            let (busy_at_start, context_at_start, prefill_at_start) =
+                (pool.busy, pool.context_busy, pool.prefill_dispatched);
             if let Some(j) = self.jobs.get_mut(&id) {
                 j.state = JobState::InFlight {
                     started_at: now,
                     busy_at_start,
+                    context_at_start,
+                    prefill_at_start,
                 };
+                j.est = est;
+                j.model_service_ms = model.service_ms;
             }
             let depth = self.pool_depth(pool_id);
             self.events.push_back(Event::Dispatch {
@@ -1637,7 +1802,7 @@ impl Gate {
                 pool: pool_id,
                 queue_wait_ms: now.saturating_sub(job.arrived_at),
                 deadline_slack_ms: job.slack_after(now, 0),
-                est_service_ms: job.est.service_ms,
+                est_service_ms: est.service_ms,
                 in_flight,
                 depth,
             });
@@ -1695,13 +1860,21 @@ impl Gate {
         let JobState::InFlight {
             started_at,
             busy_at_start,
+            context_at_start,
+            prefill_at_start,
         } = job.state
         else {
             return None;
         };
         let job = self.jobs.remove(&id)?;
         let pool = job.pool;
-        let concurrency = self.pools[pool.0].concurrency_since(now, started_at, busy_at_start);
+        let sharing = self.pools[pool.0].sharing_since(
+            now,
+            started_at,
+            (busy_at_start, context_at_start, prefill_at_start),
+            job.context,
+        );
+        let concurrency = sharing.concurrency;
         // An overflow lane's completions teach its class's output length.
         let home = self.home(job.class);
         let c = &mut self.classes[home.0];
@@ -1712,8 +1885,18 @@ impl Gate {
                 // What admission predicted against what it took: the class's error report,
                 // and the evidence that decides probes and `x-should-retry`.
                 c.errors.record(job.est.service_ms, service_ms);
+                if self.pools[pool.0].estimator.learns() {
+                    c.learn_ratio(job.model_service_ms, service_ms);
+                }
+                c.recent_others_prefill +=
+                    CONCURRENCY_ALPHA * (sharing.others_prefill - c.recent_others_prefill);
                 let p = &mut self.pools[pool.0];
                 p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
+                if concurrency > 1.05 {
+                    let each = sharing.others_context / (concurrency - 1.0);
+                    p.recent_other_context +=
+                        CONCURRENCY_ALPHA * (each - p.recent_other_context);
+                }
                 if let (Some(chars), Some(tokens)) = (job.prompt_chars, done.prompt_tokens) {
                     p.tokens.learn(chars, tokens, job.model.as_deref());
                 }
@@ -1749,7 +1932,7 @@ impl Gate {
                     });
                     self.pools[pool.0]
                         .estimator
-                        .observe(prompt, out, concurrency, service_ms);
+                        .observe(prompt, out, sharing, service_ms);
                 }
                 // A request that generates nothing (embeddings) reports no completion tokens:
                 // it still teaches the overhead and prefill costs. A generating request with
@@ -1757,7 +1940,7 @@ impl Gate {
                 None if job.max_tokens == Some(0) => {
                     self.pools[pool.0]
                         .estimator
-                        .observe(prompt, 0, concurrency, service_ms);
+                        .observe(prompt, 0, sharing, service_ms);
                 }
                 None => {}
             }
@@ -1847,16 +2030,32 @@ impl Gate {
         started_at: Option<Millis>,
         settle: Settle,
     ) -> Completed {
-        let concurrency = match job.state {
+        let sharing = match job.state {
             JobState::InFlight {
                 started_at,
                 busy_at_start,
-            } => self.pools[pool.0].concurrency_since(now, started_at, busy_at_start),
-            JobState::Queued => 0.0,
+                context_at_start,
+                prefill_at_start,
+            } => self.pools[pool.0].sharing_since(
+                now,
+                started_at,
+                (busy_at_start, context_at_start, prefill_at_start),
+                job.context,
+            ),
+            JobState::Queued => Sharing {
+                concurrency: 0.0,
+                ..Sharing::ALONE
+            },
         };
         let p = &mut self.pools[pool.0];
         p.advance_busy(now);
-        p.in_flight.remove(&id);
+        if p.in_flight.remove(&id).is_some() {
+            p.context_now = (p.context_now - job.context).max(0.0);
+            if p.in_flight.is_empty() {
+                // No rounding left behind: an idle pool has no context.
+                p.context_now = 0.0;
+            }
+        }
         let hold = self.settle_hold(now, &job, settle);
         let queue_wait_ms = started_at.unwrap_or(now).saturating_sub(job.arrived_at);
         Completed {
@@ -1873,7 +2072,8 @@ impl Gate {
             depth: self.pool_depth(pool),
             hold,
             est_service_ms: job.est.service_ms,
-            concurrency,
+            concurrency: sharing.concurrency,
+            others_context: sharing.others_context,
         }
     }
 

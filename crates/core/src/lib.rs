@@ -19,7 +19,7 @@ pub mod tokens;
 pub use config::{
     ClassConfig, ConfigError, GateConfig, OverflowMode, PoolConfig, PriorConfig, RetryConfig,
 };
-pub use estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot};
+pub use estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing};
 pub use gate::ops::{DrainClass, DrainPool, DrainStatus};
 pub use gate::reconfigure::ReconfigureReport;
 pub use gate::{

@@ -30,6 +30,9 @@ pub struct JobFacts {
     pub tokens_spent: u64,
     /// Tokens settled as wasted (work for a client that left).
     pub tokens_wasted: u64,
+    /// Refused at arrival for capacity (queue age, depth, projected wait): the in-flight count
+    /// and the depth ahead of it that the decision saw.
+    pub refused_at: Option<(u32, u32)>,
 }
 
 impl JobFacts {
@@ -76,6 +79,17 @@ pub fn parse(text: &str) -> HashMap<u64, JobFacts> {
         }
         let ts = num("ts_ms");
         match action {
+            "reject" => {
+                let reason = v.get("reason").and_then(|r| r.as_str()).unwrap_or("");
+                let capacity = matches!(
+                    reason,
+                    "queue_age_exceeded" | "queue_depth_exceeded" | "projected_wait_exceeds_slack"
+                );
+                if capacity {
+                    let n = |k: &str| num(k).map(|v| v.min(u64::from(u32::MAX)) as u32);
+                    j.refused_at = Some((n("in_flight").unwrap_or(0), n("depth").unwrap_or(0)));
+                }
+            }
             "dispatch" => {
                 j.dispatched_at_ms = ts;
                 j.est_service_ms = num("est_service_ms");
@@ -149,6 +163,28 @@ pub fn estimator_error(
         .collect()
 }
 
+/// Per class (in `classes` order, as [`estimator_error`] pairs them), how many requests were
+/// refused for capacity while a slot was free (fewer than `slots` in flight) and nothing was
+/// queued ahead of them: refusals on the request's own size alone, which a gate that knows
+/// its server should make only for requests that really cannot fit their deadline.
+pub fn refused_on_a_free_slot(
+    jobs: &HashMap<u64, JobFacts>,
+    classes: &[(String, String)],
+    slots: u32,
+) -> Vec<(String, u64)> {
+    classes
+        .iter()
+        .map(|(c, logged)| {
+            let n = jobs
+                .values()
+                .filter(|j| &j.class == logged)
+                .filter(|j| j.refused_at.is_some_and(|(f, d)| f < slots && d == 0))
+                .count() as u64;
+            (c.clone(), n)
+        })
+        .collect()
+}
+
 /// Nearest-rank quantile of sorted, non-empty values.
 fn quantile(sorted: &[f64], q: f64) -> f64 {
     let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
@@ -199,5 +235,25 @@ not json
         assert_eq!((all[0].samples, all[0].median, all[0].p90), (2, 0.0, 0.25));
         let late = estimator_error(&jobs, &classes, 1500);
         assert_eq!((late[0].samples, late[0].p90), (1, 0.0));
+    }
+
+    /// Refusals for capacity with a free slot and nothing ahead are counted; others are not
+    /// (all slots busy, something queued ahead, or a refusal that is not about capacity).
+    #[test]
+    fn refusals_on_a_free_slot_per_class() {
+        let log = r#"{"ts_ms":1,"job_id":5,"job_class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":1,"depth":0}
+{"ts_ms":2,"job_id":6,"job_class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":2,"depth":0}
+{"ts_ms":3,"job_id":7,"job_class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":1,"depth":3}
+{"ts_ms":4,"job_id":8,"job_class":"a","action":"reject","reason":"reject_duplicate","in_flight":0,"depth":0}
+{"ts_ms":5,"job_id":9,"job_class":"b","action":"reject","reason":"queue_age_exceeded","in_flight":0,"depth":0}"#;
+        let jobs = parse(log);
+        let classes: Vec<(String, String)> = ["a", "b"]
+            .iter()
+            .map(|c| (c.to_string(), c.to_string()))
+            .collect();
+        assert_eq!(
+            refused_on_a_free_slot(&jobs, &classes, 2),
+            vec![("a".to_string(), 1), ("b".to_string(), 1)]
+        );
     }
 }

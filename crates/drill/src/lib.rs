@@ -230,6 +230,9 @@ pub struct RunSummary {
     /// Whether upstream time per request came from the gate's decision log (a real
     /// upstream: dispatch to end of each job).
     pub real_accounted: bool,
+    /// Per class, requests refused for capacity while a slot was free and nothing was queued
+    /// ahead of them (from the decision log; empty without one).
+    pub refused_on_free_slot: Vec<(String, u64)>,
 }
 
 /// Tokens one class settled in a run.
@@ -729,6 +732,15 @@ async fn run_mode(
             .as_ref()
             .map_or_else(Vec::new, |j| settled(j, &class_names)),
         real_accounted: false,
+        refused_on_free_slot: jobs.as_ref().map_or_else(Vec::new, |j| {
+            let slots = match &opts.target {
+                Target::Real(RealUpstream {
+                    config: Some(cfg), ..
+                }) => cfg.gate.pools.first().map_or(1, |p| p.max_in_flight),
+                _ => s.upstream.slots,
+            };
+            joblog::refused_on_a_free_slot(j, &class_names, slots)
+        }),
     };
     let mut requests: Vec<RequestResult> = Vec::with_capacity(arrivals.len());
     let mut refusal_times = Vec::new();

@@ -267,9 +267,9 @@ impl Drill {
         );
         let _ = writeln!(
             out,
-            "| run | class | completions measured | median error | p90 error | completed | tokens spent | tokens wasted |"
+            "| run | class | completions measured | median error | p90 error | completed | tokens spent | tokens wasted | refused on a free slot |"
         );
-        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
         for r in &self.summaries {
             for k in &r.settled {
                 let e = r.estimator_error.iter().find(|e| e.class == k.class);
@@ -281,9 +281,14 @@ impl Drill {
                     ),
                     None => ("0".into(), "-".into(), "-".into()),
                 };
+                let free = r
+                    .refused_on_free_slot
+                    .iter()
+                    .find(|(c, _)| c == &k.class)
+                    .map_or(0, |(_, n)| *n);
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {n} | {med} | {p90} | {} | {} | {} |",
+                    "| {} | {} | {n} | {med} | {p90} | {} | {} | {} | {free} |",
                     r.label, k.class, k.completed, k.tokens_spent, k.tokens_wasted
                 );
             }
@@ -292,7 +297,9 @@ impl Drill {
             out,
             "\nError: |est_service_ms at dispatch - actual service| / actual service, over \
              completions dispatched after the first {} s of each run (the warm-up). Tokens: \
-             what the gate settled, from the server's `usage`.\n",
+             what the gate settled, from the server's `usage`. Refused on a free slot: refused \
+             for capacity while fewer requests than slots were in flight and nothing was queued \
+             ahead (the request's own size did not fit its deadline).\n",
             self.error_after_s
         );
         out

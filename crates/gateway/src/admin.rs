@@ -439,6 +439,8 @@ fn estimator(shared: &Shared) -> serde_json::Value {
                 "decode_ms_per_token": p.estimator.decode_ms_per_token,
                 "decode_ms_per_1k_context": p.estimator.decode_ms_per_1k_context,
                 "batch_slowdown": p.estimator.batch_slowdown,
+                "decode_ms_per_1k_shared_context": p.estimator.decode_ms_per_1k_shared_context,
+                "stall_ms_per_prefill_token": p.estimator.stall_ms_per_prefill_token,
                 "chars_per_token": p.chars_per_token,
                 "template_tokens": p.template_tokens,
                 "mean_concurrency": p.mean_concurrency,

@@ -36,6 +36,28 @@ fn concurrency_is_the_mean_in_flight_over_a_jobs_life() {
     assert!(!cc.dispatched && cc.concurrency == 0.0, "{cc:?}");
 }
 
+/// The others' context over a job's life: A (1000-token prompt) runs 0..300, B (200) runs
+/// 100..400. A had B beside it for 200 of its 300 ms: 200 x 200 / 300 = 133.3 tokens; B had A
+/// for 200 of 300: 1000 x 200 / 300 = 666.7.
+#[test]
+fn others_context_is_the_time_mean_of_what_ran_beside() {
+    let mut g = Gate::new(cfg(2, 100.0)).unwrap();
+    let mut ra = req(&g, "prod");
+    ra.prompt_tokens = 1000;
+    let a = g.offer(0, ra);
+    drain(&mut g, 0);
+    let mut rb = req(&g, "prod");
+    rb.prompt_tokens = 200;
+    let b = g.offer(100, rb);
+    drain(&mut g, 100);
+    let ca = g.on_complete(300, a.job_id, done(1000, 0)).unwrap();
+    let cb = g.on_complete(400, b.job_id, done(200, 0)).unwrap();
+    assert!((ca.others_context - 400.0 / 3.0).abs() < 1e-6, "{ca:?}");
+    assert!((cb.others_context - 2000.0 / 3.0).abs() < 1e-6, "{cb:?}");
+    // Idle again: nothing left in flight, no context left over.
+    assert_eq!(g.pools[0].context_now, 0.0);
+}
+
 /// A waiting request is estimated at full concurrency (every slot busy while it runs); one on
 /// a free slot at what runs now plus itself.
 #[test]
@@ -213,4 +235,70 @@ fn shadow_mode_and_frozen_estimators_take_no_probes() {
         }
         assert_eq!(g.snapshot(3000).classes[0].probes, 0);
     }
+}
+
+/// A class the shared fit serves badly is corrected by its own recent record: here the
+/// estimator is frozen at 100 ms (its figures are the operator's: no correction) and then
+/// learning with a prior of 100 ms on a server where every request takes 300 ms. The first
+/// completions teach the shared fit; the class's correction takes out whatever ratio is left.
+#[test]
+fn a_class_is_corrected_by_its_own_record() {
+    let mut c = cfg(1, 100.0);
+    c.classes[0].deadline_ms = None;
+    let mut g = Gate::new(c.clone()).unwrap();
+    for t in 0..10 {
+        let d = g.offer(t * 1000, req(&g, "prod"));
+        drain(&mut g, t * 1000);
+        g.on_complete(t * 1000 + 300, d.job_id, done(1, 1)).unwrap();
+    }
+    // Frozen: the operator's 100 ms stands.
+    assert_eq!(g.offer(20_000, req(&g, "prod")).est_service_ms, 100);
+    // Learning: after ten 300 ms completions the estimate is 300 ms (shared fit and class
+    // correction together), whatever share each took.
+    c.pools[0].prior.learn = true;
+    let mut g = Gate::new(c).unwrap();
+    for t in 0..10 {
+        let d = g.offer(t * 1000, req(&g, "prod"));
+        drain(&mut g, t * 1000);
+        g.on_complete(t * 1000 + 300, d.job_id, done(1, 1)).unwrap();
+    }
+    let est = g.offer(20_000, req(&g, "prod")).est_service_ms;
+    assert!((285..=315).contains(&est), "{est}");
+}
+
+/// Admission keeps room for the estimator's error: with a class whose recent estimates were
+/// off by a median m, a request is admitted only if its wait and service, padded by m, fit
+/// its deadline: one at the unpadded edge is refused.
+#[test]
+fn admission_pads_with_the_class_s_recent_error() {
+    // 1 slot, 1000 ms jobs, learning; completions alternate 800 and 1200 ms.
+    let mut c = cfg(1, 1000.0);
+    c.pools[0].prior.learn = true;
+    c.classes[0].deadline_ms = None;
+    c.classes[0].probe_interval_ms = 0;
+    let mut g = Gate::new(c).unwrap();
+    let mut t = 0;
+    for i in 0..20 {
+        let d = g.offer(t, req(&g, "prod"));
+        drain(&mut g, t);
+        let took = if i % 2 == 0 { 800 } else { 1200 };
+        g.on_complete(t + took, d.job_id, done(1, 1)).unwrap();
+        t += 2000;
+    }
+    let m = g.snapshot(t).classes[0].est_error.median;
+    assert!(m > 0.1 && m <= MAX_MARGIN, "{m}");
+    // One job in flight, just started: a newcomer waits its service, then runs its own.
+    let first = g.offer(t, req(&g, "prod"));
+    drain(&mut g, t);
+    let own = first.est_service_ms;
+    let padded = own + ((2 * own) as f64 * m).round() as u64;
+    let mut r = req(&g, "prod");
+    // Unpadded, wait + own = 2 x own fits exactly; padded it does not.
+    r.deadline = Some(t + 2 * own);
+    let d = g.offer(t, r.clone());
+    assert_eq!(d.reason, Reason::ProjectedWaitExceedsSlack, "{d:?}");
+    assert_eq!(d.projected_wait_ms, own, "the wait reported is the unpadded one");
+    r.deadline = Some(t + own + padded + 2);
+    let d = g.offer(t, r);
+    assert!(d.admitted(), "{d:?}");
 }

@@ -22,7 +22,7 @@ use crate::queue::ClassQueue;
 use crate::tokens::TokenCounter;
 use crate::Millis;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// What a reload changed, for the decision log and the admin API's answer.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -91,6 +91,10 @@ impl Gate {
                         tokens: TokenCounter::new(pc.prior.chars_per_token),
                         busy: 0,
                         busy_at: now,
+                        context_now: 0.0,
+                        context_busy: 0.0,
+                        recent_other_context: 0.0,
+                        prefill_dispatched: 0,
                         recent_concurrency: 1.0,
                         in_flight: BTreeMap::new(),
                         classes: Vec::new(),
@@ -235,6 +239,8 @@ impl Gate {
             last_probe: None,
             probes: 0,
             last_admit_at: None,
+            ratios: VecDeque::new(),
+            recent_others_prefill: 0.0,
         });
         ClassId(self.classes.len() - 1)
     }

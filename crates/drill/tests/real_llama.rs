@@ -1,0 +1,98 @@
+//! Admission quality in front of a real continuous-batching server: llama.cpp's
+//! `llama-server` (4 slots, the random-weight test model, one thread), started by
+//! `scripts/test.sh` (which sets `SLACKGATE_LLAMA_URL`). The gate runs with the default
+//! priors of `deploy/examples/llama-server.toml` and must learn the server; the load is
+//! `scenarios/llama-real.toml` (about twice what the server gets through), shortened to keep
+//! the suite's time down. Gate on against gate off (the same gate with `admit_always`).
+//!
+//! The bounds are looser than BENCHMARKS.md's full 120 s figures (a shorter run has a larger
+//! share of warm-up), but each one fails if the estimator diverges or locks in.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use slackgate_drill::{DrillOptions, RealUpstream, Target};
+use slackgate_gateway::config::Config;
+use slackgate_sim::report::Stats;
+use slackgate_sim::scenario::Scenario;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn class<'a>(d: &'a slackgate_drill::Drill, run: &str, class: &str) -> &'a Stats {
+    let p = d
+        .report
+        .policies
+        .iter()
+        .find(|p| p.policy == run)
+        .expect("run in the report");
+    &p.classes.iter().find(|(c, _)| c == class).expect("class").1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a llama-server: scripts/test.sh starts one and sets SLACKGATE_LLAMA_URL"]
+async fn the_gate_keeps_its_promises_in_front_of_a_real_llama_server() {
+    let url = std::env::var("SLACKGATE_LLAMA_URL").expect(
+        "needs a llama-server: scripts/test.sh starts one and sets SLACKGATE_LLAMA_URL",
+    );
+    let mut s = Scenario::load(&repo().join("scenarios/llama-real.toml")).unwrap();
+    s.duration_s = 60.0;
+    let cfg = Config::from_file(&repo().join("deploy/examples/llama-server.toml")).unwrap();
+    let opts = DrillOptions {
+        target: Target::Real(RealUpstream {
+            url,
+            model: None,
+            chars_per_token: None,
+            config: Some(Box::new(cfg)),
+        }),
+        error_after_s: 20.0,
+        ..DrillOptions::default()
+    };
+    let d = tokio::time::timeout(Duration::from_secs(600), slackgate_drill::run(&s, &opts))
+        .await
+        .expect("the drill ran over 10 minutes")
+        .expect("the drill ran");
+    let md = d.to_markdown();
+    println!("{md}");
+    assert!(d.healthy(), "{md}");
+    let (on, off) = (
+        class(&d, "gate-on", "interactive"),
+        class(&d, "gate-off", "interactive"),
+    );
+    // The promise: what the gate admits finishes in time.
+    assert!(
+        on.admitted_slo_attainment >= 0.97,
+        "admitted interactive on time: {:.1}%\n{md}",
+        on.admitted_slo_attainment * 100.0
+    );
+    // And it buys interactive work against admitting everything.
+    assert!(
+        on.on_time as f64 >= 1.3 * off.on_time as f64,
+        "interactive on time {} vs {} with the gate off\n{md}",
+        on.on_time,
+        off.on_time
+    );
+    // Batch work is not sacrificed for it.
+    let (bon, boff) = (
+        class(&d, "gate-on", "batch"),
+        class(&d, "gate-off", "batch"),
+    );
+    assert!(bon.on_time + 1 >= boff.on_time, "batch {} vs {}\n{md}", bon.on_time, boff.on_time);
+    let gate_on = d.summary("gate-on").unwrap();
+    // Never locked in: nothing interactive refused on a free slot with nothing ahead.
+    let free = gate_on
+        .refused_on_free_slot
+        .iter()
+        .find(|(c, _)| c == "interactive")
+        .map_or(0, |(_, n)| *n);
+    assert_eq!(free, 0, "interactive refused on a free slot\n{md}");
+    // The estimator converged: its median error after the warm-up.
+    let e = gate_on
+        .estimator_error
+        .iter()
+        .find(|e| e.class == "interactive")
+        .expect("interactive completions after the warm-up");
+    assert!(e.median <= 0.3, "median estimator error {:.1}%\n{md}", e.median * 100.0);
+}
