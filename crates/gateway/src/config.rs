@@ -58,7 +58,7 @@ pub const DEFAULT_ADMIN_LISTEN: ([u8; 4], u16) = ([127, 0, 0, 1], 9090);
 
 /// The admin API (`[admin]`): flags, drains, reload, queue and estimator views, on a listener
 /// of its own, behind a bearer token.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AdminConfig {
     /// Where the admin API listens; `None` (no `[admin]` section): no admin listener.
     pub listen: Option<SocketAddr>,
@@ -68,7 +68,33 @@ pub struct AdminConfig {
     pub token_file: Option<PathBuf>,
     /// Allow a non-loopback `listen` address (the admin API can roll back or drain the gate).
     pub allow_remote: bool,
+    /// With `allow_remote`, accept a plain-HTTP listener beyond loopback anyway (the gate
+    /// has no TLS of its own: a bearer token over plain HTTP on a network is readable by
+    /// anyone on the path). Only behind a TLS-terminating proxy or on a trusted network.
+    pub insecure_remote: bool,
+    /// Open admin connections at most, all addresses together.
+    pub max_connections: usize,
+    /// Open admin connections at most from one client address.
+    pub max_connections_per_addr: usize,
 }
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: None,
+            token_file: None,
+            allow_remote: false,
+            insecure_remote: false,
+            max_connections: DEFAULT_ADMIN_MAX_CONNECTIONS,
+            max_connections_per_addr: DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR,
+        }
+    }
+}
+
+/// Default of `admin.max_connections`.
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS: usize = 64;
+/// Default of `admin.max_connections_per_addr`.
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR: usize = 16;
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -76,6 +102,9 @@ struct AdminFile {
     listen: Option<SocketAddr>,
     token_file: Option<PathBuf>,
     allow_remote: bool,
+    insecure_remote: bool,
+    max_connections: Option<usize>,
+    max_connections_per_addr: Option<usize>,
 }
 
 /// Listener and request-path settings.
@@ -130,6 +159,20 @@ pub struct ServerConfig {
     /// How often the config file is checked for changes (ms); 0 turns the watcher off
     /// (SIGHUP and `POST /admin/reload` still reload).
     pub config_poll_ms: u64,
+    /// A request's headers must be complete within this long of its first byte (of the
+    /// accept, for a connection's first request), however slowly they trickle in; the
+    /// connection is closed otherwise (ms). Shrinks under connection overload.
+    pub header_read_timeout_ms: u64,
+    /// A keep-alive connection with no request for this long is closed (ms). Shrinks under
+    /// connection overload.
+    pub idle_timeout_ms: u64,
+    /// Open client connections at most; at the cap the idlest connection not serving a
+    /// request is closed to let a new one in.
+    pub max_connections: usize,
+    /// Open client connections at most from one client IP address; beyond it a new
+    /// connection is closed at once. Behind a proxy every client shares its address: set it
+    /// to `max_connections` there.
+    pub max_connections_per_addr: usize,
 }
 
 impl Default for ServerConfig {
@@ -150,6 +193,10 @@ impl Default for ServerConfig {
             body_read_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,
             config_poll_ms: 1_000,
+            header_read_timeout_ms: 10_000,
+            idle_timeout_ms: 75_000,
+            max_connections: 10_000,
+            max_connections_per_addr: 1_000,
         }
     }
 }
@@ -270,6 +317,11 @@ impl Config {
                 ),
                 token_file: a.token_file,
                 allow_remote: a.allow_remote,
+                insecure_remote: a.insecure_remote,
+                max_connections: a.max_connections.unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS),
+                max_connections_per_addr: a
+                    .max_connections_per_addr
+                    .unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR),
             },
         };
         let cfg = Config {
@@ -334,7 +386,38 @@ impl Config {
         if self.server.body_read_timeout_ms == 0 {
             return Err(err("server.body_read_timeout_ms", "must be at least 1"));
         }
+        if self.server.header_read_timeout_ms == 0 {
+            return Err(err("server.header_read_timeout_ms", "must be at least 1"));
+        }
+        if self.server.idle_timeout_ms == 0 {
+            return Err(err("server.idle_timeout_ms", "must be at least 1"));
+        }
+        if self.server.max_connections == 0 {
+            return Err(err("server.max_connections", "must be at least 1"));
+        }
+        if self.server.max_connections_per_addr == 0 {
+            return Err(err("server.max_connections_per_addr", "must be at least 1"));
+        }
+        if self.admin.listen.is_some() {
+            if self.admin.max_connections == 0 {
+                return Err(err("admin.max_connections", "must be at least 1"));
+            }
+            if self.admin.max_connections_per_addr == 0 {
+                return Err(err("admin.max_connections_per_addr", "must be at least 1"));
+            }
+        }
         if let Some(a) = self.admin.listen {
+            if !a.ip().is_loopback() && self.admin.allow_remote && !self.admin.insecure_remote {
+                return Err(err(
+                    "admin.listen",
+                    &format!(
+                        "{a} is not a loopback address and the admin listener speaks plain HTTP: \
+                         its bearer token would cross the network in the clear. Put it behind a \
+                         TLS-terminating proxy on loopback, or set admin.insecure_remote = true \
+                         to accept the risk"
+                    ),
+                ));
+            }
             if !a.ip().is_loopback() && !self.admin.allow_remote {
                 return Err(err(
                     "admin.listen",

@@ -15,6 +15,7 @@ pub mod admin;
 pub mod admission_api;
 pub mod body;
 pub mod config;
+pub mod connlimit;
 pub mod config_path;
 pub mod control;
 pub mod ledger_store;

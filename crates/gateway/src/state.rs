@@ -17,7 +17,7 @@ use slackgate_core::{
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 /// What a queued request is told when the gate has made up its mind about it.
@@ -154,6 +154,10 @@ pub struct Shared {
     pub store: Arc<dyn LedgerStore>,
     /// Operator controls, reloads and shutdown (see [`crate::control`]).
     pub control: crate::control::Control,
+    /// The proxy listener's open connections and their limits.
+    pub conns: Arc<crate::connlimit::ConnTracker>,
+    /// The admin listener's open connections and their limits.
+    pub admin_conns: Arc<crate::connlimit::ConnTracker>,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -234,6 +238,18 @@ impl Shared {
             server: cfg.server.clone(),
             store,
             control: crate::control::Control::new(cfg),
+            conns: crate::connlimit::ConnTracker::new(crate::connlimit::Limits {
+                header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+                idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
+                max_connections: cfg.server.max_connections,
+                max_connections_per_addr: cfg.server.max_connections_per_addr,
+            }),
+            admin_conns: crate::connlimit::ConnTracker::new(crate::connlimit::Limits {
+                header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+                idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
+                max_connections: cfg.admin.max_connections,
+                max_connections_per_addr: cfg.admin.max_connections_per_addr,
+            }),
         })
     }
 
