@@ -341,7 +341,11 @@ async fn serve(a: ServeArgs) -> Result<()> {
         ),
         None => None,
     };
-    let log = DecisionLog::start(cfg.log.target(), cfg.log.channel_capacity)
+    let log = DecisionLog::start_rotating(
+        cfg.log.target(),
+        cfg.log.channel_capacity,
+        cfg.log.max_bytes,
+    )
         .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
     eprintln!(
         "slackgate: gate listening on http://{addr} (ledger: {})",
@@ -364,9 +368,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
         env_token: std::env::var("SLACKGATE_ADMIN_TOKEN").ok(),
         source,
     };
-    let store =
-        slackgate_gateway::server::open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)
-            .map_err(anyhow::Error::msg)?;
+    let store = slackgate_gateway::server::open_store_pruned(
+        &cfg.server.ledger,
+        cfg.server.ledger_synchronous,
+        Some(cfg.gate.ledger.retention_ms),
+        cfg.server.ledger_prune_interval_ms,
+    )
+    .map_err(anyhow::Error::msg)?;
     let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
     if let Some(at) = gw.admin_addr() {
         let auth = if gw.shared().control.has_token() {
@@ -403,6 +411,10 @@ async fn signals(gw: &Gateway) {
                 tokio::select! {
                     _ = &mut stop => return,
                     Some(()) = hup.recv() => {
+                        // logrotate's postrotate: the log file was renamed; write a new one.
+                        if let Err(e) = gw.shared().log.reopen().await {
+                            eprintln!("slackgate: SIGHUP: cannot reopen the decision log: {e}");
+                        }
                         match gw.shared().reload_from_source("signal:SIGHUP") {
                             Ok(o) => eprintln!("slackgate: config reloaded (generation {})", o.generation),
                             Err(e) => eprintln!("slackgate: SIGHUP reload refused: {e}"),

@@ -137,6 +137,8 @@ pub struct ServerConfig {
     /// `synchronous` for the SQLite ledger: `normal` (survives a process crash) or `full`
     /// (also survives power loss).
     pub ledger_synchronous: crate::ledger_store::Synchronous,
+    /// How often the SQLite ledger prunes settled keys past `ledger.retention_ms` (ms).
+    pub ledger_prune_interval_ms: u64,
     /// Take the tenant from an `X-Tenant` header instead of the bearer key. Only behind a
     /// proxy that sets it: otherwise any client could choose a fresh tenant and escape its
     /// grant.
@@ -187,6 +189,7 @@ impl Default for ServerConfig {
             stream_usage: true,
             ledger: "slackgate-ledger.db".into(),
             ledger_synchronous: crate::ledger_store::Synchronous::default(),
+            ledger_prune_interval_ms: 60_000,
             trust_tenant_header: false,
             trust_size_hint: false,
             client_write_timeout_ms: 30_000,
@@ -210,6 +213,9 @@ pub struct LogConfig {
     /// Lines buffered between the request path and the writer; beyond it lines are dropped
     /// (and counted) rather than slowing requests down.
     pub channel_capacity: usize,
+    /// A log file past this many bytes is renamed to `<path>.1` (replacing it) and a new one
+    /// started; 0: never (rotate with logrotate and SIGHUP instead).
+    pub max_bytes: u64,
 }
 
 impl Default for LogConfig {
@@ -217,6 +223,7 @@ impl Default for LogConfig {
         LogConfig {
             path: "-".into(),
             channel_capacity: 65_536,
+            max_bytes: 0,
         }
     }
 }
@@ -385,6 +392,12 @@ impl Config {
         }
         if self.server.body_read_timeout_ms == 0 {
             return Err(err("server.body_read_timeout_ms", "must be at least 1"));
+        }
+        if !(1..=86_400_000).contains(&self.server.ledger_prune_interval_ms) {
+            return Err(err(
+                "server.ledger_prune_interval_ms",
+                "must be between 1 and 86400000",
+            ));
         }
         if self.server.header_read_timeout_ms == 0 {
             return Err(err("server.header_read_timeout_ms", "must be at least 1"));

@@ -220,7 +220,12 @@ pub async fn run_with(
         listener,
         cfg,
         log,
-        open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)?,
+        open_store_pruned(
+            &cfg.server.ledger,
+            cfg.server.ledger_synchronous,
+            Some(cfg.gate.ledger.retention_ms),
+            cfg.server.ledger_prune_interval_ms,
+        )?,
         opts,
     )?;
     shutdown.await;
@@ -233,11 +238,24 @@ pub fn open_store(
     spec: &str,
     synchronous: crate::ledger_store::Synchronous,
 ) -> Result<Arc<dyn LedgerStore>, String> {
+    open_store_pruned(spec, synchronous, None, 60_000)
+}
+
+/// [`open_store`], pruning a SQLite ledger's settled keys past `retention_ms` every
+/// `prune_interval_ms` (see [`crate::ledger_store::prune`]).
+pub fn open_store_pruned(
+    spec: &str,
+    synchronous: crate::ledger_store::Synchronous,
+    retention_ms: Option<u64>,
+    prune_interval_ms: u64,
+) -> Result<Arc<dyn LedgerStore>, String> {
     if spec == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
     }
     let opts = SqliteOptions {
         synchronous,
+        retention_ms,
+        prune_interval_ms,
         ..SqliteOptions::default()
     };
     let store = SqliteStore::open(std::path::Path::new(spec), opts)
