@@ -346,7 +346,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         cfg.log.channel_capacity,
         cfg.log.max_bytes,
     )
-        .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
+    .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
     eprintln!(
         "slackgate: gate listening on http://{addr} (ledger: {})",
         cfg.server.ledger

@@ -468,7 +468,10 @@ impl Drop for ResponseGuard {
 }
 
 /// `body`, marking the connection idle once it is dropped.
-pub fn guard_body(body: crate::response::ResBody, guard: ResponseGuard) -> crate::response::ResBody {
+pub fn guard_body(
+    body: crate::response::ResBody,
+    guard: ResponseGuard,
+) -> crate::response::ResBody {
     use http_body_util::BodyExt;
     GuardedBody {
         inner: body,
@@ -528,7 +531,10 @@ mod tests {
         assert_eq!(t.admit(ip(1)).err(), Some(CloseReason::PerAddrCap));
         assert!(t.admit(ip(2)).is_ok(), "another address is not affected");
         drop(a);
-        assert!(t.admit(ip(1)).is_ok(), "a closed connection frees its place");
+        assert!(
+            t.admit(ip(1)).is_ok(),
+            "a closed connection frees its place"
+        );
         assert_eq!(t.closed(CloseReason::PerAddrCap), 1);
     }
 

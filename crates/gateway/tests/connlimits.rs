@@ -121,7 +121,8 @@ async fn slowloris(from: IpAddr, to: SocketAddr) -> Option<Duration> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_beyond_the_per_address_cap_is_closed_and_does_not_slow_other_clients() {
     let up = stub(4, "tokens:prefill_us=0,decode_us=500").await;
-    let server = "header_read_timeout_ms = 1000\nmax_connections_per_addr = 8\nmax_connections = 1000";
+    let server =
+        "header_read_timeout_ms = 1000\nmax_connections_per_addr = 8\nmax_connections = 1000";
     let g = TestGate::start(
         &two_class_config(4, 1.0, 0.0, 1.0, false, server),
         up.local_addr(),
@@ -161,7 +162,10 @@ async fn slowloris_beyond_the_per_address_cap_is_closed_and_does_not_slow_other_
     }
     closed.sort();
     // Beyond the cap: closed at accept. Within it: closed at the header timeout, not before.
-    let refused = closed.iter().filter(|t| **t < Duration::from_millis(500)).count();
+    let refused = closed
+        .iter()
+        .filter(|t| **t < Duration::from_millis(500))
+        .count();
     let timed_out: Vec<_> = closed
         .iter()
         .filter(|t| **t >= Duration::from_millis(950))
@@ -173,7 +177,10 @@ async fn slowloris_beyond_the_per_address_cap_is_closed_and_does_not_slow_other_
         "closed within the header timeout (and the reaper's slack): {closed:?}"
     );
     // The cap held: 8 slow ones and the client's own connection at most.
-    assert!(most_open <= 9, "open connections during the attack: {most_open}");
+    assert!(
+        most_open <= 9,
+        "open connections during the attack: {most_open}"
+    );
     assert_eq!(conns.closed(CloseReason::PerAddrCap), 8);
     assert_eq!(conns.closed(CloseReason::HeaderTimeout), 8);
     // Loose: the slow connections cost the other client nothing noticeable.
@@ -207,7 +214,10 @@ async fn at_the_total_cap_the_idlest_connection_is_closed_to_let_a_new_client_in
     let mut held = Vec::new();
     for _ in 0..4 {
         let (mut send, task) = client_from(ip(1), g.addr).await;
-        assert_eq!(roundtrip(&mut send, get_req("/healthz")).await, StatusCode::OK);
+        assert_eq!(
+            roundtrip(&mut send, get_req("/healthz")).await,
+            StatusCode::OK
+        );
         held.push((send, task));
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -216,7 +226,10 @@ async fn at_the_total_cap_the_idlest_connection_is_closed_to_let_a_new_client_in
 
     // A new client gets in...
     let (mut fresh, _fresh_task) = client_from(ip(2), g.addr).await;
-    assert_eq!(roundtrip(&mut fresh, get_req("/healthz")).await, StatusCode::OK);
+    assert_eq!(
+        roundtrip(&mut fresh, get_req("/healthz")).await,
+        StatusCode::OK
+    );
     // ...in place of the idlest connection, which the gate closed.
     let (first_send, first_task) = held.remove(0);
     timeout(Duration::from_secs(2), first_task)
@@ -246,7 +259,10 @@ async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
     .await;
     let (mut send, task) = client_from(ip(1), g.addr).await;
     let start = Instant::now();
-    assert_eq!(roundtrip(&mut send, get_req("/healthz")).await, StatusCode::OK);
+    assert_eq!(
+        roundtrip(&mut send, get_req("/healthz")).await,
+        StatusCode::OK
+    );
     timeout(Duration::from_secs(3), task)
         .await
         .expect("closed when idle")

@@ -85,7 +85,11 @@ fn pruning_deletes_only_old_settled_and_generated_keys_and_keeps_tenant_totals()
     let pruned = prune_all(&mut conn, NOW, RETENTION).unwrap();
     // 40 old + 40 generated per tenant, three tenants.
     assert_eq!(pruned, 240);
-    assert_eq!(prune_all(&mut conn, NOW, RETENTION).unwrap(), 0, "idempotent");
+    assert_eq!(
+        prune_all(&mut conn, NOW, RETENTION).unwrap(),
+        0,
+        "idempotent"
+    );
     drop(conn);
 
     let store = SqliteStore::open(&path, SqliteOptions::default()).unwrap();
@@ -94,7 +98,10 @@ fn pruning_deletes_only_old_settled_and_generated_keys_and_keeps_tenant_totals()
     assert!(keys.iter().all(|k| !k.starts_with("old-")));
     assert!(keys.iter().all(|k| !k.starts_with("gen-1a2b")));
     assert_eq!(keys.iter().filter(|k| k.starts_with("held-")).count(), 120);
-    assert_eq!(keys.iter().filter(|k| k.starts_with("recent-")).count(), 120);
+    assert_eq!(
+        keys.iter().filter(|k| k.starts_with("recent-")).count(),
+        120
+    );
     assert_eq!(
         keys.iter().filter(|k| k.starts_with(CARRY_PREFIX)).count(),
         3,

@@ -94,7 +94,10 @@ async fn the_writer_rotates_at_max_bytes() {
         seq * line_len
     );
     let current = std::fs::metadata(&path).unwrap().len();
-    assert!(current < max + 20 * line_len + 1, "current file {current} bytes");
+    assert!(
+        current < max + 20 * line_len + 1,
+        "current file {current} bytes"
+    );
     // The last rotated file and the current one hold the newest lines, in order, unsplit.
     let mut tail = seqs(&dir.join("decisions.jsonl.1"));
     tail.extend(seqs(&path));

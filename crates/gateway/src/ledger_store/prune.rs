@@ -49,7 +49,11 @@ ON CONFLICT (key) DO UPDATE SET
 /// Prune one batch of settled rows older than `now_ms - retention_ms` (and settled
 /// generated keys of any age), folding their tokens into the tenants' carry rows. Returns
 /// how many rows were deleted; call again while it returns [`PRUNE_BATCH`].
-pub fn prune_batch(conn: &mut Connection, now_ms: u64, retention_ms: u64) -> rusqlite::Result<usize> {
+pub fn prune_batch(
+    conn: &mut Connection,
+    now_ms: u64,
+    retention_ms: u64,
+) -> rusqlite::Result<usize> {
     let horizon = i64::try_from(now_ms.saturating_sub(retention_ms)).unwrap_or(i64::MAX);
     let now = i64::try_from(now_ms).unwrap_or(i64::MAX);
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;

@@ -155,11 +155,10 @@ impl SqliteStore {
                 // that must never hold up the writer for long.
                 let mut last_prune = std::time::Instant::now();
                 let mut logged = false;
-                while let Err(mpsc::RecvTimeoutError::Timeout) =
-                    stop_rx.recv_timeout(Duration::from_millis(200).min(Duration::from_millis(
-                        opts.prune_interval_ms.max(1),
-                    )))
-                {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(
+                    Duration::from_millis(200)
+                        .min(Duration::from_millis(opts.prune_interval_ms.max(1))),
+                ) {
                     if let Some(retention) = opts.retention_ms {
                         if last_prune.elapsed() >= Duration::from_millis(opts.prune_interval_ms) {
                             last_prune = std::time::Instant::now();
