@@ -126,7 +126,8 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     if let Some(k) = &b.idempotency_key {
         check_key(k)?;
     }
-    // Tenants are ids, hashed like the proxy's (`t:<fnv>`), so grants apply the same way.
+    // Tenants are ids, hashed like the proxy's `X-Tenant` (`t:<keyed hash>`), so grants
+    // apply the same way.
     if b.tenant
         .as_ref()
         .is_some_and(|t| t.is_empty() || t.len() > 256)
@@ -136,7 +137,7 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     let tenant = b
         .tenant
         .as_deref()
-        .map(|t| format!("t:{}", crate::request_info::fnv_hex(t.as_bytes())));
+        .map(|t| shared.tenants.id("t", t.as_bytes()));
     check_tokens("tokens", b.tokens)?;
     if b.slack_ms
         .is_some_and(|s| s == 0 || s > crate::request_info::MAX_DEADLINE_MS)
@@ -213,8 +214,14 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
                 json!({"action": "budget_exhausted", "idempotency_key": d.idempotency_key,
                        "remaining": remaining, "requested": requested}),
             ),
+            // During shutdown: 503 like the proxy's, so a worker tries another replica
+            // rather than waiting for this one.
             None => (
-                StatusCode::TOO_MANY_REQUESTS,
+                if d.reason == Reason::ShuttingDown {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::TOO_MANY_REQUESTS
+                },
                 json!({"action": "reject_unreserved", "idempotency_key": d.idempotency_key,
                        "projected_wait_s": finish_ms as f64 / 1000.0,
                        "projected_wait_ms": finish_ms,

@@ -137,6 +137,10 @@ pub struct ServerConfig {
     /// `synchronous` for the SQLite ledger: `normal` (survives a process crash) or `full`
     /// (also survives power loss).
     pub ledger_synchronous: crate::ledger_store::Synchronous,
+    /// The secret tenant ids are hashed under (32 hex digits); none: generated once and kept
+    /// in the ledger file. Set it to keep ids stable across ledger files or with the memory
+    /// ledger (grants name tenants by id).
+    pub tenant_hash_key: Option<String>,
     /// How often the SQLite ledger prunes settled keys past `ledger.retention_ms` (ms).
     pub ledger_prune_interval_ms: u64,
     /// Take the tenant from an `X-Tenant` header instead of the bearer key. Only behind a
@@ -190,6 +194,7 @@ impl Default for ServerConfig {
             ledger: "slackgate-ledger.db".into(),
             ledger_synchronous: crate::ledger_store::Synchronous::default(),
             ledger_prune_interval_ms: 60_000,
+            tenant_hash_key: None,
             trust_tenant_header: false,
             trust_size_hint: false,
             client_write_timeout_ms: 30_000,
@@ -398,6 +403,9 @@ impl Config {
                 "server.ledger_prune_interval_ms",
                 "must be between 1 and 86400000",
             ));
+        }
+        if let Some(k) = &self.server.tenant_hash_key {
+            crate::tenant::parse_key(k).map_err(|m| err("server.tenant_hash_key", &m))?;
         }
         if self.server.header_read_timeout_ms == 0 {
             return Err(err("server.header_read_timeout_ms", "must be at least 1"));

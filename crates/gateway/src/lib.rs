@@ -28,6 +28,7 @@ pub mod stall;
 pub mod state;
 pub mod stats;
 pub mod telemetry;
+pub mod tenant;
 pub mod upstream;
 
 pub use config::Config;

@@ -42,6 +42,10 @@ pub trait LedgerStore: Send + Sync + 'static {
     fn flush(&self) -> Result<(), StoreError>;
     /// Writes queued and not yet durable, records written, batches committed, write errors (for metrics).
     fn stats(&self) -> StoreStats;
+    /// The secret tenant ids are hashed under when the config sets none: generated the first
+    /// time and kept with the records, so ids survive a restart
+    /// ([`crate::tenant`]).
+    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError>;
     /// [`LedgerStore::flush`] for async callers (the request path): resolves when everything
     /// written so far is durable, without parking a thread per waiter. The default runs
     /// `flush` on tokio's blocking pool.

@@ -122,6 +122,8 @@ pub struct SqliteStore {
     /// Stops the checkpointer thread (dropping it wakes the thread at once).
     checkpoint_stop: Option<mpsc::Sender<()>>,
     checkpointer: Option<JoinHandle<()>>,
+    /// The tenant hash secret kept in the file's `meta` table.
+    tenant_key: [u8; crate::tenant::KEY_BYTES],
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -138,6 +140,7 @@ impl SqliteStore {
     /// the file is not writable or not a SQLite database, or its schema is newer than ours.
     pub fn open(path: &Path, opts: SqliteOptions) -> Result<SqliteStore, StoreError> {
         let conn = open_connection(path, &opts)?;
+        let tenant_key = tenant_key(&conn, path)?;
         // Checkpoints (copying the WAL back into the database, with an fsync) must not stall
         // the writer, which every request waits on: the writer never checkpoints itself; a
         // separate connection runs a non-blocking PASSIVE checkpoint every 200 ms.
@@ -203,6 +206,7 @@ impl SqliteStore {
             counters,
             checkpoint_stop: Some(checkpoint_stop),
             checkpointer: Some(checkpointer),
+            tenant_key,
         })
     }
 
@@ -259,6 +263,35 @@ impl LedgerStore for SqliteStore {
     fn stats(&self) -> StoreStats {
         self.counters.snapshot()
     }
+
+    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+        Ok(self.tenant_key)
+    }
+}
+
+/// The tenant hash secret in the `meta` table, generated and stored the first time. `INSERT
+/// OR IGNORE` then a read: two processes opening a new file at once agree on one key.
+fn tenant_key(
+    conn: &Connection,
+    path: &Path,
+) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+    let fresh = crate::tenant::key_hex(&crate::tenant::random_key());
+    conn.execute(
+        "INSERT OR IGNORE INTO meta (name, value) VALUES ('tenant_hash_key', ?1)",
+        [&fresh],
+    )
+    .map_err(|e| classify(path, "store the tenant hash key", e))?;
+    let hex: String = conn
+        .query_row(
+            "SELECT value FROM meta WHERE name = 'tenant_hash_key'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| classify(path, "read the tenant hash key", e))?;
+    crate::tenant::parse_key(&hex).map_err(|why| StoreError::Open {
+        path: path.to_owned(),
+        reason: format!("meta.tenant_hash_key is damaged: {why}"),
+    })
 }
 
 impl Drop for SqliteStore {
@@ -331,11 +364,13 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
         conn.execute_batch(SCHEMA)
             .map_err(|e| classify(path, "create schema", e))?;
     }
-    // For the pruner's scan by age. An extra index leaves the schema readable by older
-    // builds, so the schema version stays. The WAL file is truncated back to 16 MiB after a
+    // For the pruner's scan by age, and the store's own settings (the tenant hash key). An
+    // extra index and table leave the schema readable by older builds, so the schema version
+    // stays. The WAL file is truncated back to 16 MiB after a
     // checkpoint rather than keeping its largest size for ever.
     conn.execute_batch(
         "CREATE INDEX IF NOT EXISTS holds_by_update ON holds (updated_at_ms);
+         CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL);
          PRAGMA journal_size_limit = 16777216;",
     )
     .map_err(|e| classify(path, "create the pruning index", e))?;
