@@ -297,6 +297,17 @@ impl Gate {
     }
 }
 
+fn live_after_has(cfg: &GateConfig, name: &str) -> bool {
+    cfg.classes.iter().any(|c| c.name == name)
+}
+
+fn unknown_pool(name: &str) -> ConfigError {
+    ConfigError {
+        path: "classes".into(),
+        message: format!("unknown pool {name:?}"),
+    }
+}
+
 #[cfg(test)]
 mod lane_reuse_tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -373,16 +384,5 @@ mod lane_reuse_tests {
         g.reconfigure(300, third).unwrap();
         assert_eq!(g.lane_count(), lanes + 1, "no growth once the work ended");
         assert_eq!(g.live_jobs(), 0);
-    }
-}
-
-fn live_after_has(cfg: &GateConfig, name: &str) -> bool {
-    cfg.classes.iter().any(|c| c.name == name)
-}
-
-fn unknown_pool(name: &str) -> ConfigError {
-    ConfigError {
-        path: "classes".into(),
-        message: format!("unknown pool {name:?}"),
     }
 }
