@@ -7,7 +7,8 @@
 //! logged), [`proxy`] (the request path), [`body`] (the body wrapper that releases a slot
 //! exactly once), [`response`] (every response the gate writes), [`telemetry`] (decision
 //! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle), [`stall`] (the
-//! write-stall guard that disconnects clients that stop reading).
+//! write-stall guard that disconnects clients that stop reading), [`connlimit`] (header and
+//! idle timeouts, connection caps, overload), [`tenant`] (keyed tenant ids).
 
 #![forbid(unsafe_code)]
 
