@@ -304,3 +304,36 @@ async fn the_admin_listener_has_its_own_caps() {
     );
     drop((a, b));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn near_the_cap_the_header_timeout_shrinks() {
+    let up = stub(1, "tokens:prefill_us=0,decode_us=500").await;
+    // A 3 s header timeout; at the cap of 10 it shrinks to a tenth.
+    let server = "header_read_timeout_ms = 3000\nmax_connections = 10";
+    let g = TestGate::start(
+        &two_class_config(1, 1.0, 0.0, 1.0, false, server),
+        up.local_addr(),
+        "connlimits-overload",
+    )
+    .await;
+    // Ten silent connections fill the cap.
+    let start = Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..10 {
+        silent.push(connect_from(ip(5), g.addr).await);
+    }
+    let mut closed_after = Vec::new();
+    for mut s in silent {
+        let mut buf = [0u8; 16];
+        let r = timeout(WAIT, s.read(&mut buf)).await;
+        assert!(matches!(r, Ok(Ok(0) | Err(_))), "closed: {r:?}");
+        closed_after.push(start.elapsed());
+    }
+    let last = closed_after.iter().max().copied().unwrap_or_default();
+    // Closed at about 300 ms (a tenth of 3 s), well before the configured 3 s.
+    assert!(
+        last >= Duration::from_millis(250) && last < Duration::from_millis(2000),
+        "closed after {closed_after:?}"
+    );
+    assert_eq!(g.gate.shared().conns.closed(CloseReason::HeaderTimeout), 10);
+}
