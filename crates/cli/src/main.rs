@@ -5,6 +5,7 @@
 //!   [--admin-listen ADDR]` (SIGHUP reloads the config; SIGTERM drains and stops)
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC [--idle-close-ms N]`
 //! - `slackgate check --config FILE`
+//! - `slackgate tenant-id [--config FILE] [--ledger PATH] [--header] [KEY ...]`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
 //! - `slackgate drill SCENARIO.toml [--time-scale F] [--real-upstream URL] [--json] [--out DIR]`
 //! - `slackgate calibrate --upstream URL [--model NAME] [--slots N] [--quick]`
@@ -50,6 +51,23 @@ enum Command {
     Drill(drill::DrillArgs),
     /// Measure a model server's cost curve (alone and under concurrency) and print priors.
     Calibrate(calibrate::CalibrateArgs),
+    /// Print the tenant id the gate logs for API keys (to write `ledger.grants`): hashed
+    /// under `server.tenant_hash_key`, or the secret kept in the ledger file.
+    TenantId {
+        /// The gate's TOML file (its `server.tenant_hash_key`, else its `server.ledger`).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The ledger file holding the generated secret (overrides the config's).
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+        /// The values are `X-Tenant` headers or reservation-API tenants (`t:`), not bearer
+        /// keys (`k:`).
+        #[arg(long)]
+        header: bool,
+        /// API keys (or tenants); none: read one per line from stdin, which keeps them out of
+        /// the shell history.
+        keys: Vec<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -166,8 +184,69 @@ fn main() -> Result<()> {
         Command::Serve(a) => rt.block_on(serve(a)),
         Command::Stub(a) => rt.block_on(stub(a)),
         Command::Check { config } => check(&config),
+        Command::TenantId {
+            config,
+            ledger,
+            header,
+            keys,
+        } => tenant_id(config.as_deref(), ledger.as_deref(), header, keys),
         Command::Sim(_) | Command::Drill(_) | Command::Calibrate(_) => Ok(()),
     }
+}
+
+fn tenant_id(
+    config: Option<&std::path::Path>,
+    ledger: Option<&std::path::Path>,
+    header: bool,
+    keys: Vec<String>,
+) -> Result<()> {
+    use slackgate_gateway::ledger_store::{LedgerStore, SqliteOptions, SqliteStore};
+    use slackgate_gateway::tenant;
+    let cfg = match config {
+        Some(p) => Config::from_file(p).with_context(|| format!("{} is not valid", p.display()))?,
+        None => Config::default(),
+    };
+    let key = match (&cfg.server.tenant_hash_key, ledger) {
+        (Some(hex), None) => {
+            tenant::parse_key(hex).map_err(|e| anyhow::anyhow!("server.tenant_hash_key: {e}"))?
+        }
+        (_, path) => {
+            let path = path.map_or_else(|| PathBuf::from(&cfg.server.ledger), PathBuf::from);
+            if cfg.server.ledger == "memory" && ledger.is_none() {
+                bail!(
+                    "the config keeps the ledger in memory and sets no server.tenant_hash_key: \
+                     its tenant ids change at every start"
+                );
+            }
+            if !path.exists() {
+                bail!(
+                    "{} does not exist: start the gate once (it generates the secret there), \
+                     or set server.tenant_hash_key",
+                    path.display()
+                );
+            }
+            SqliteStore::open(&path, SqliteOptions::default())
+                .and_then(|s| s.tenant_hash_key())
+                .with_context(|| {
+                    format!("cannot read the tenant hash key from {}", path.display())
+                })?
+        }
+    };
+    let hasher = tenant::TenantHasher::new(key);
+    let kind = if header { "t" } else { "k" };
+    let keys = if keys.is_empty() {
+        std::io::stdin()
+            .lines()
+            .map_while(std::result::Result::ok)
+            .filter(|l| !l.trim().is_empty())
+            .collect()
+    } else {
+        keys
+    };
+    for k in keys {
+        println!("{}", hasher.id(kind, k.trim().as_bytes()));
+    }
+    Ok(())
 }
 
 fn check(path: &std::path::Path) -> Result<()> {
@@ -341,8 +420,12 @@ async fn serve(a: ServeArgs) -> Result<()> {
         ),
         None => None,
     };
-    let log = DecisionLog::start(cfg.log.target(), cfg.log.channel_capacity)
-        .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
+    let log = DecisionLog::start_rotating(
+        cfg.log.target(),
+        cfg.log.channel_capacity,
+        cfg.log.max_bytes,
+    )
+    .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
     eprintln!(
         "slackgate: gate listening on http://{addr} (ledger: {})",
         cfg.server.ledger
@@ -364,9 +447,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
         env_token: std::env::var("SLACKGATE_ADMIN_TOKEN").ok(),
         source,
     };
-    let store =
-        slackgate_gateway::server::open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)
-            .map_err(anyhow::Error::msg)?;
+    let store = slackgate_gateway::server::open_store_pruned(
+        &cfg.server.ledger,
+        cfg.server.ledger_synchronous,
+        Some(cfg.gate.ledger.retention_ms),
+        cfg.server.ledger_prune_interval_ms,
+    )
+    .map_err(anyhow::Error::msg)?;
     let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
     if let Some(at) = gw.admin_addr() {
         let auth = if gw.shared().control.has_token() {
@@ -403,6 +490,10 @@ async fn signals(gw: &Gateway) {
                 tokio::select! {
                     _ = &mut stop => return,
                     Some(()) = hup.recv() => {
+                        // logrotate's postrotate: the log file was renamed; write a new one.
+                        if let Err(e) = gw.shared().log.reopen().await {
+                            eprintln!("slackgate: SIGHUP: cannot reopen the decision log: {e}");
+                        }
                         match gw.shared().reload_from_source("signal:SIGHUP") {
                             Ok(o) => eprintln!("slackgate: config reloaded (generation {})", o.generation),
                             Err(e) => eprintln!("slackgate: SIGHUP reload refused: {e}"),

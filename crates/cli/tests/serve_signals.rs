@@ -606,3 +606,47 @@ async fn serve_runs_the_admin_api_with_the_token_from_the_environment() {
     assert!(serve.wait(Duration::from_secs(10)).unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reopens_the_decision_log_after_logrotate_renamed_it() {
+    let up = stub("fixed:1ms").await;
+    let dir = temp_dir("logrotate");
+    let cfg = dir.join("slackgate.toml");
+    std::fs::write(&cfg, config(&dir, up.local_addr(), 1, 1000)).unwrap();
+    let mut serve = Serve::start(&cfg);
+    let addr = serve.addr;
+    let (status, _) = http(addr, "POST", "/v1/chat/completions", &[], chat())
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    // logrotate: rename, then SIGHUP.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !log_lines(&dir).iter().any(|l| l["action"] == "complete") && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let rotated = dir.join("gate.log.1");
+    std::fs::rename(dir.join("gate.log"), &rotated).unwrap();
+    serve.signal("HUP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !dir.join("gate.log").exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(dir.join("gate.log").exists(), "a new log file after SIGHUP");
+    let (status, _) = http(addr, "POST", "/v1/chat/completions", &[], chat())
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    serve.signal("TERM");
+    assert!(serve
+        .wait(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+    // The first request's lines went to the rotated file, the second's to the new one.
+    let old = std::fs::read_to_string(&rotated).unwrap();
+    let new = log_lines(&dir);
+    assert!(old.contains("\"complete\""), "{old}");
+    assert!(
+        new.iter().any(|l| l["action"] == "complete"),
+        "the second request is logged in the new file: {new:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

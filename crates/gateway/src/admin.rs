@@ -20,6 +20,7 @@
 //! is one decision-log line (`action: "flag"` or `"reload"`) naming the actor: the
 //! `x-admin-actor` header (else `admin`) and the peer address.
 
+use crate::connlimit::{guard_body, ResponseGuard, Tracked};
 use crate::control::ControlError;
 use crate::response::{self, ResBody};
 use crate::state::Shared;
@@ -40,14 +41,18 @@ use tokio::task::JoinSet;
 
 /// Largest admin request body: the controls take a few hundred bytes.
 pub const MAX_ADMIN_BODY: usize = 64 * 1024;
-/// Longest time to receive an admin request's body or headers.
+/// Longest time to receive an admin request's body.
 const ADMIN_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest life of one admin connection, whatever it does.
+const ADMIN_CONNECTION_LIMIT: Duration = Duration::from_secs(60);
 /// Most classes one drain request may name.
 const MAX_DRAIN_CLASSES: usize = 256;
 
 /// Serve the admin API on `listener` until `stop` turns true.
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let mut conns = JoinSet::new();
+    // The same connection limits as the proxy's, with the admin listener's own caps.
+    let reaper = tokio::spawn(Arc::clone(&shared.admin_conns).reaper());
     loop {
         tokio::select! {
             _ = stop.changed() => break,
@@ -57,24 +62,36 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     continue;
                 };
+                let Ok(guard) = shared.admin_conns.admit(peer.ip()) else {
+                    continue;
+                };
                 let shared = Arc::clone(&shared);
                 conns.spawn(async move {
                     let _ = stream.set_nodelay(true);
+                    let state = Arc::clone(guard.state());
+                    let svc_state = Arc::clone(&state);
                     let svc = service_fn(move |req| {
                         let shared = Arc::clone(&shared);
+                        let busy = ResponseGuard::new(Arc::clone(&svc_state));
                         async move {
-                            Ok::<_, std::convert::Infallible>(route(&shared, req, peer).await)
+                            let resp = route(&shared, req, peer).await;
+                            Ok::<_, std::convert::Infallible>(resp.map(|b| guard_body(b, busy)))
                         }
                     });
                     let conn = hyper::server::conn::http1::Builder::new()
                         .timer(TokioTimer::new())
-                        .header_read_timeout(ADMIN_READ_TIMEOUT)
-                        .serve_connection(TokioIo::new(stream), svc);
-                    let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
+                        .header_read_timeout(None)
+                        .serve_connection(TokioIo::new(Tracked::new(stream, Arc::clone(&state))), svc);
+                    tokio::select! {
+                        _ = tokio::time::timeout(ADMIN_CONNECTION_LIMIT, conn) => {}
+                        _ = state.closed() => {}
+                    }
+                    drop(guard);
                 });
             }
         }
     }
+    reaper.abort();
     conns.shutdown().await;
 }
 

@@ -65,13 +65,17 @@ fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, BadRequest> {
     })
 }
 
-fn check_key(key: &str) -> Result<(), BadRequest> {
+/// Check a key a client names. A new reservation may not use the gate's own `gen-` prefix;
+/// a commit or cancel may (`settling`): it is how a worker settles a reservation it made
+/// without a key, under the key the gate generated and answered with. A proxied request's
+/// generated key is refused there anyway (`not_a_reservation`).
+fn check_key(key: &str, settling: bool) -> Result<(), BadRequest> {
     if key.is_empty() || key.len() > MAX_KEY_LEN || key.chars().any(char::is_control) {
         return Err(invalid(format!(
             "idempotency_key must be 1..={MAX_KEY_LEN} bytes of printable text"
         )));
     }
-    if key.starts_with(crate::request_info::GENERATED_KEY_PREFIX) {
+    if !settling && key.starts_with(crate::request_info::GENERATED_KEY_PREFIX) {
         return Err(invalid(
             "idempotency keys starting with \"gen-\" are reserved for keys the gate generates",
         ));
@@ -110,23 +114,31 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Res
                 Ok(b) => b,
                 Err(e) => return body_failure(&shared, &path, None, e),
             };
-            let result = match path.as_str() {
-                "/admission/v1/reserve" => reserve(&shared, &bytes).await,
-                "/admission/v1/commit" => settle(&shared, &bytes, true).await,
-                _ => settle(&shared, &bytes, false).await,
-            };
-            result.unwrap_or_else(|e| bad_request(&shared, &path, None, e))
+            handle_body(&shared, &path, &bytes).await
         }
         _ => response::not_found(&path),
     }
 }
 
+/// Answer a `POST` to `/admission/v1/reserve`, `/commit` or `/cancel` whose body has been
+/// read (`path` without a trailing slash; any other path is `cancel`). Public for the fuzz
+/// harness, which drives the bodies without sockets.
+pub async fn handle_body(shared: &Arc<Shared>, path: &str, bytes: &[u8]) -> Response<ResBody> {
+    let result = match path {
+        "/admission/v1/reserve" => reserve(shared, bytes).await,
+        "/admission/v1/commit" => settle(shared, bytes, true).await,
+        _ => settle(shared, bytes, false).await,
+    };
+    result.unwrap_or_else(|e| bad_request(shared, path, None, e))
+}
+
 async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>, BadRequest> {
     let b: ReserveBody = parse(bytes)?;
     if let Some(k) = &b.idempotency_key {
-        check_key(k)?;
+        check_key(k, false)?;
     }
-    // Tenants are ids, hashed like the proxy's (`t:<fnv>`), so grants apply the same way.
+    // Tenants are ids, hashed like the proxy's `X-Tenant` (`t:<keyed hash>`), so grants
+    // apply the same way.
     if b.tenant
         .as_ref()
         .is_some_and(|t| t.is_empty() || t.len() > 256)
@@ -136,7 +148,7 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     let tenant = b
         .tenant
         .as_deref()
-        .map(|t| format!("t:{}", crate::request_info::fnv_hex(t.as_bytes())));
+        .map(|t| shared.tenants.id("t", t.as_bytes()));
     check_tokens("tokens", b.tokens)?;
     if b.slack_ms
         .is_some_and(|s| s == 0 || s > crate::request_info::MAX_DEADLINE_MS)
@@ -213,8 +225,14 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
                 json!({"action": "budget_exhausted", "idempotency_key": d.idempotency_key,
                        "remaining": remaining, "requested": requested}),
             ),
+            // During shutdown: 503 like the proxy's, so a worker tries another replica
+            // rather than waiting for this one.
             None => (
-                StatusCode::TOO_MANY_REQUESTS,
+                if d.reason == Reason::ShuttingDown {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::TOO_MANY_REQUESTS
+                },
                 json!({"action": "reject_unreserved", "idempotency_key": d.idempotency_key,
                        "projected_wait_s": finish_ms as f64 / 1000.0,
                        "projected_wait_ms": finish_ms,
@@ -235,7 +253,7 @@ async fn settle(
     commit: bool,
 ) -> Result<Response<ResBody>, BadRequest> {
     let b: SettleBody = parse(bytes)?;
-    check_key(&b.idempotency_key)?;
+    check_key(&b.idempotency_key, true)?;
     let given = if commit {
         b.tokens_spent.or(b.tokens)
     } else {

@@ -58,7 +58,7 @@ pub const DEFAULT_ADMIN_LISTEN: ([u8; 4], u16) = ([127, 0, 0, 1], 9090);
 
 /// The admin API (`[admin]`): flags, drains, reload, queue and estimator views, on a listener
 /// of its own, behind a bearer token.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AdminConfig {
     /// Where the admin API listens; `None` (no `[admin]` section): no admin listener.
     pub listen: Option<SocketAddr>,
@@ -68,7 +68,33 @@ pub struct AdminConfig {
     pub token_file: Option<PathBuf>,
     /// Allow a non-loopback `listen` address (the admin API can roll back or drain the gate).
     pub allow_remote: bool,
+    /// With `allow_remote`, accept a plain-HTTP listener beyond loopback anyway (the gate
+    /// has no TLS of its own: a bearer token over plain HTTP on a network is readable by
+    /// anyone on the path). Only behind a TLS-terminating proxy or on a trusted network.
+    pub insecure_remote: bool,
+    /// Open admin connections at most, all addresses together.
+    pub max_connections: usize,
+    /// Open admin connections at most from one client address.
+    pub max_connections_per_addr: usize,
 }
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: None,
+            token_file: None,
+            allow_remote: false,
+            insecure_remote: false,
+            max_connections: DEFAULT_ADMIN_MAX_CONNECTIONS,
+            max_connections_per_addr: DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR,
+        }
+    }
+}
+
+/// Default of `admin.max_connections`.
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS: usize = 64;
+/// Default of `admin.max_connections_per_addr`.
+pub const DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR: usize = 16;
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -76,6 +102,9 @@ struct AdminFile {
     listen: Option<SocketAddr>,
     token_file: Option<PathBuf>,
     allow_remote: bool,
+    insecure_remote: bool,
+    max_connections: Option<usize>,
+    max_connections_per_addr: Option<usize>,
 }
 
 /// Listener and request-path settings.
@@ -108,6 +137,12 @@ pub struct ServerConfig {
     /// `synchronous` for the SQLite ledger: `normal` (survives a process crash) or `full`
     /// (also survives power loss).
     pub ledger_synchronous: crate::ledger_store::Synchronous,
+    /// The secret tenant ids are hashed under (32 hex digits); none: generated once and kept
+    /// in the ledger file. Set it to keep ids stable across ledger files or with the memory
+    /// ledger (grants name tenants by id).
+    pub tenant_hash_key: Option<String>,
+    /// How often the SQLite ledger prunes settled keys past `ledger.retention_ms` (ms).
+    pub ledger_prune_interval_ms: u64,
     /// Take the tenant from an `X-Tenant` header instead of the bearer key. Only behind a
     /// proxy that sets it: otherwise any client could choose a fresh tenant and escape its
     /// grant.
@@ -130,6 +165,20 @@ pub struct ServerConfig {
     /// How often the config file is checked for changes (ms); 0 turns the watcher off
     /// (SIGHUP and `POST /admin/reload` still reload).
     pub config_poll_ms: u64,
+    /// A request's headers must be complete within this long of its first byte (of the
+    /// accept, for a connection's first request), however slowly they trickle in; the
+    /// connection is closed otherwise (ms). Shrinks under connection overload.
+    pub header_read_timeout_ms: u64,
+    /// A keep-alive connection with no request for this long is closed (ms). Shrinks under
+    /// connection overload.
+    pub idle_timeout_ms: u64,
+    /// Open client connections at most; at the cap the idlest connection not serving a
+    /// request is closed to let a new one in.
+    pub max_connections: usize,
+    /// Open client connections at most from one client IP address; beyond it a new
+    /// connection is closed at once. Behind a proxy every client shares its address: set it
+    /// to `max_connections` there.
+    pub max_connections_per_addr: usize,
 }
 
 impl Default for ServerConfig {
@@ -144,12 +193,18 @@ impl Default for ServerConfig {
             stream_usage: true,
             ledger: "slackgate-ledger.db".into(),
             ledger_synchronous: crate::ledger_store::Synchronous::default(),
+            ledger_prune_interval_ms: 60_000,
+            tenant_hash_key: None,
             trust_tenant_header: false,
             trust_size_hint: false,
             client_write_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
             shutdown_grace_ms: 30_000,
             config_poll_ms: 1_000,
+            header_read_timeout_ms: 10_000,
+            idle_timeout_ms: 75_000,
+            max_connections: 10_000,
+            max_connections_per_addr: 1_000,
         }
     }
 }
@@ -163,6 +218,9 @@ pub struct LogConfig {
     /// Lines buffered between the request path and the writer; beyond it lines are dropped
     /// (and counted) rather than slowing requests down.
     pub channel_capacity: usize,
+    /// A log file past this many bytes is renamed to `<path>.1` (replacing it) and a new one
+    /// started; 0: never (rotate with logrotate and SIGHUP instead).
+    pub max_bytes: u64,
 }
 
 impl Default for LogConfig {
@@ -170,6 +228,7 @@ impl Default for LogConfig {
         LogConfig {
             path: "-".into(),
             channel_capacity: 65_536,
+            max_bytes: 0,
         }
     }
 }
@@ -270,6 +329,11 @@ impl Config {
                 ),
                 token_file: a.token_file,
                 allow_remote: a.allow_remote,
+                insecure_remote: a.insecure_remote,
+                max_connections: a.max_connections.unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS),
+                max_connections_per_addr: a
+                    .max_connections_per_addr
+                    .unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR),
             },
         };
         let cfg = Config {
@@ -334,7 +398,47 @@ impl Config {
         if self.server.body_read_timeout_ms == 0 {
             return Err(err("server.body_read_timeout_ms", "must be at least 1"));
         }
+        if !(1..=86_400_000).contains(&self.server.ledger_prune_interval_ms) {
+            return Err(err(
+                "server.ledger_prune_interval_ms",
+                "must be between 1 and 86400000",
+            ));
+        }
+        if let Some(k) = &self.server.tenant_hash_key {
+            crate::tenant::parse_key(k).map_err(|m| err("server.tenant_hash_key", &m))?;
+        }
+        if self.server.header_read_timeout_ms == 0 {
+            return Err(err("server.header_read_timeout_ms", "must be at least 1"));
+        }
+        if self.server.idle_timeout_ms == 0 {
+            return Err(err("server.idle_timeout_ms", "must be at least 1"));
+        }
+        if self.server.max_connections == 0 {
+            return Err(err("server.max_connections", "must be at least 1"));
+        }
+        if self.server.max_connections_per_addr == 0 {
+            return Err(err("server.max_connections_per_addr", "must be at least 1"));
+        }
+        if self.admin.listen.is_some() {
+            if self.admin.max_connections == 0 {
+                return Err(err("admin.max_connections", "must be at least 1"));
+            }
+            if self.admin.max_connections_per_addr == 0 {
+                return Err(err("admin.max_connections_per_addr", "must be at least 1"));
+            }
+        }
         if let Some(a) = self.admin.listen {
+            if !a.ip().is_loopback() && self.admin.allow_remote && !self.admin.insecure_remote {
+                return Err(err(
+                    "admin.listen",
+                    &format!(
+                        "{a} is not a loopback address and the admin listener speaks plain HTTP: \
+                         its bearer token would cross the network in the clear. Put it behind a \
+                         TLS-terminating proxy on loopback, or set admin.insecure_remote = true \
+                         to accept the risk"
+                    ),
+                ));
+            }
             if !a.ip().is_loopback() && !self.admin.allow_remote {
                 return Err(err(
                     "admin.listen",

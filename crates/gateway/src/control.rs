@@ -626,9 +626,16 @@ impl Shared {
         if cfg.log != old.log {
             restart_required.push("log".to_string());
         }
-        if cfg.admin.listen != old.admin.listen || cfg.admin.allow_remote != old.admin.allow_remote
+        if cfg.admin.listen != old.admin.listen
+            || cfg.admin.allow_remote != old.admin.allow_remote
+            || cfg.admin.insecure_remote != old.admin.insecure_remote
         {
             restart_required.push("admin.listen".to_string());
+        }
+        if cfg.admin.max_connections != old.admin.max_connections
+            || cfg.admin.max_connections_per_addr != old.admin.max_connections_per_addr
+        {
+            restart_required.push("admin.max_connections".to_string());
         }
         *lock(&self.control.file) = cfg;
         let generation = self.control.generation.fetch_add(1, Ordering::Relaxed) + 1;

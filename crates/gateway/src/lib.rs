@@ -7,7 +7,8 @@
 //! logged), [`proxy`] (the request path), [`body`] (the body wrapper that releases a slot
 //! exactly once), [`response`] (every response the gate writes), [`telemetry`] (decision
 //! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle), [`stall`] (the
-//! write-stall guard that disconnects clients that stop reading).
+//! write-stall guard that disconnects clients that stop reading), [`connlimit`] (header and
+//! idle timeouts, connection caps, overload), [`tenant`] (keyed tenant ids).
 
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,7 @@ pub mod admission_api;
 pub mod body;
 pub mod config;
 pub mod config_path;
+pub mod connlimit;
 pub mod control;
 pub mod ledger_store;
 pub mod metrics;
@@ -27,6 +29,7 @@ pub mod stall;
 pub mod state;
 pub mod stats;
 pub mod telemetry;
+pub mod tenant;
 pub mod upstream;
 
 pub use config::Config;

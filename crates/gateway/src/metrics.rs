@@ -408,6 +408,13 @@ impl Metrics {
             "Decision log lines dropped (writer too slow or gone).",
             std::iter::once((String::new(), log.dropped.load(Ordering::Relaxed) as f64)),
         );
+        family(
+            o,
+            "slackgate_log_rotations_total",
+            "counter",
+            "Decision log file reopened (SIGHUP) or rotated (log.max_bytes).",
+            std::iter::once((String::new(), log.rotations.load(Ordering::Relaxed) as f64)),
+        );
 
         self.with(|m| {
             family(
@@ -590,6 +597,20 @@ pub fn render_ledger(
         "counter",
         "Ledger records given up on after a failed retry.",
         one(st.records_lost as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_store_rows_pruned_total",
+        "counter",
+        "Settled ledger rows deleted by the pruner (past ledger.retention_ms, or generated keys).",
+        one(st.rows_pruned as f64),
+    );
+    family(
+        o,
+        "slackgate_ledger_store_prune_errors_total",
+        "counter",
+        "Ledger pruning runs that failed.",
+        one(st.prune_errors as f64),
     );
 }
 

@@ -217,11 +217,15 @@ pub async fn admitted(
         .get("x-job-class")
         .and_then(|v| v.to_str().ok())
         .map(|s| s.chars().take(64).collect::<String>());
-    let hinfo =
-        match parse_headers_with(&parts.headers, now_epoch, shared.server.trust_tenant_header) {
-            Ok(h) => h,
-            Err(e) => return bad_request(&shared, &path, raw_label, e),
-        };
+    let hinfo = match parse_headers_with(
+        &parts.headers,
+        now_epoch,
+        shared.server.trust_tenant_header,
+        &shared.tenants,
+    ) {
+        Ok(h) => h,
+        Err(e) => return bad_request(&shared, &path, raw_label, e),
+    };
     let mut bytes = match read_body(&shared, body, &parts.headers).await {
         Ok(b) => b,
         Err(e) => return body_failure(&shared, &path, raw_label, e),

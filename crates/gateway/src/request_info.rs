@@ -102,17 +102,25 @@ fn relative(name: &str, h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
 }
 
 /// Read the gate's headers. `now_epoch_ms` bounds absolute deadlines to a sane window.
+/// Tenant ids are hashed under an all-zero key here: for tests and tools, not for serving.
 pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, BadRequest> {
-    parse_headers_with(h, now_epoch_ms, false)
+    parse_headers_with(
+        h,
+        now_epoch_ms,
+        false,
+        &crate::tenant::TenantHasher::new([0; crate::tenant::KEY_BYTES]),
+    )
 }
 
 /// [`parse_headers`], trusting an `X-Tenant` header over the bearer key when
 /// `trust_tenant_header` (set `server.trust_tenant_header` only behind a proxy that sets it:
-/// otherwise any client could pick a fresh tenant and escape its grant).
+/// otherwise any client could pick a fresh tenant and escape its grant); tenant ids are
+/// hashed with `tenants`.
 pub fn parse_headers_with(
     h: &HeaderMap,
     now_epoch_ms: u64,
     trust_tenant_header: bool,
+    tenants: &crate::tenant::TenantHasher,
 ) -> Result<HeaderInfo, BadRequest> {
     let mut info = HeaderInfo {
         deadline_in_ms: relative("x-deadline-ms", h)?,
@@ -140,7 +148,7 @@ pub fn parse_headers_with(
         .get("x-tenant")
         .filter(|_| trust_tenant_header)
         .and_then(|v| v.to_str().ok())
-        .map(|s| format!("t:{}", fnv_hex(s.trim().as_bytes())))
+        .map(|s| tenants.id("t", s.trim().as_bytes()))
         .or_else(|| {
             h.get(http::header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
@@ -148,7 +156,7 @@ pub fn parse_headers_with(
                     s.strip_prefix("Bearer ")
                         .or_else(|| s.strip_prefix("bearer "))
                 })
-                .map(|key| format!("k:{}", fnv_hex(key.trim().as_bytes())))
+                .map(|key| tenants.id("k", key.trim().as_bytes()))
         });
     // The key a hold is placed under: never truncated (two long keys sharing a prefix must
     // not collide), so an over-long or non-text key is refused.
@@ -197,17 +205,6 @@ pub fn parse_headers_with(
         info.expected_output_tokens = Some(n);
     }
     Ok(info)
-}
-
-/// FNV-1a 64: a stable, dependency-free hash so a tenant id never reveals the API key and is
-/// the same across versions and machines.
-pub fn fnv_hex(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    format!("{h:016x}")
 }
 
 /// What the JSON body says.

@@ -15,6 +15,7 @@
 //! ([`crate::admin`]) and a watcher that reloads the config file when it changes.
 
 use crate::config::Config;
+use crate::connlimit::{guard_body, ConnGuard, ResponseGuard, Tracked};
 use crate::control::ConfigSource;
 use crate::ledger_store::{LedgerStore, MemoryStore, SqliteOptions, SqliteStore};
 use crate::proxy;
@@ -33,9 +34,6 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
-
-/// Longest time a client may take to send a request's headers.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Route one request.
 ///
@@ -64,6 +62,10 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             let mut body = shared.metrics.render(&snap, shared.log.counters());
             crate::metrics::render_ledger(&mut body, &ledger, &shared.store.stats());
             crate::metrics::render_controls(&mut body, shared.control.generation());
+            crate::connlimit::render_all(
+                &mut body,
+                &[("proxy", &shared.conns), ("admin", &shared.admin_conns)],
+            );
             response::text("text/plain; version=0.0.4", body)
         }
         (&Method::GET, "/stats") => response::json(&crate::stats::stats(&shared)),
@@ -218,7 +220,12 @@ pub async fn run_with(
         listener,
         cfg,
         log,
-        open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)?,
+        open_store_pruned(
+            &cfg.server.ledger,
+            cfg.server.ledger_synchronous,
+            Some(cfg.gate.ledger.retention_ms),
+            cfg.server.ledger_prune_interval_ms,
+        )?,
         opts,
     )?;
     shutdown.await;
@@ -231,11 +238,24 @@ pub fn open_store(
     spec: &str,
     synchronous: crate::ledger_store::Synchronous,
 ) -> Result<Arc<dyn LedgerStore>, String> {
+    open_store_pruned(spec, synchronous, None, 60_000)
+}
+
+/// [`open_store`], pruning a SQLite ledger's settled keys past `retention_ms` every
+/// `prune_interval_ms` (see [`crate::ledger_store::prune`]).
+pub fn open_store_pruned(
+    spec: &str,
+    synchronous: crate::ledger_store::Synchronous,
+    retention_ms: Option<u64>,
+    prune_interval_ms: u64,
+) -> Result<Arc<dyn LedgerStore>, String> {
     if spec == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
     }
     let opts = SqliteOptions {
         synchronous,
+        retention_ms,
+        prune_interval_ms,
         ..SqliteOptions::default()
     };
     let store = SqliteStore::open(std::path::Path::new(spec), opts)
@@ -247,6 +267,8 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     // The ticker runs until the very end: jobs still queued during the grace period must be
     // dropped when their slack dies, as at any other time.
     let ticker = tokio::spawn(tick_loop(Arc::clone(&shared)));
+    // Header and idle timeouts, off the request path (see `crate::connlimit`).
+    let reaper = tokio::spawn(Arc::clone(&shared.conns).reaper());
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {
@@ -254,7 +276,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
             // Reap finished connection tasks so the set does not grow with every connection.
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
             accepted = listener.accept() => {
-                let (stream, _) = match accepted {
+                let (stream, peer) = match accepted {
                     Ok(a) => a,
                     // Out of file descriptors and the like: back off briefly, keep serving.
                     Err(_) => {
@@ -262,7 +284,11 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
                         continue;
                     }
                 };
-                conns.spawn(connection(stream, Arc::clone(&shared), stopped.clone()));
+                // Over a connection cap: dropping the stream closes it at once (counted).
+                let Ok(guard) = shared.conns.admit(peer.ip()) else {
+                    continue;
+                };
+                conns.spawn(connection(stream, guard, Arc::clone(&shared), stopped.clone()));
             }
         }
     }
@@ -289,6 +315,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
         conns.shutdown().await;
     }
     ticker.abort();
+    reaper.abort();
 }
 
 /// Reload the config file whenever its content changes. It is read again by path at every
@@ -366,22 +393,36 @@ impl Debounce {
     }
 }
 
-/// Serve one client connection until it closes, or until shutdown once its response is done.
+/// Serve one client connection until it closes, until the connection limits close it, or
+/// until shutdown once its response is done.
 async fn connection(
     stream: tokio::net::TcpStream,
+    guard: ConnGuard,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
     let write_timeout = Duration::from_millis(shared.server.client_write_timeout_ms);
-    let io = TokioIo::new(WriteStallGuard::new(stream, write_timeout));
+    let state = Arc::clone(guard.state());
+    let io = TokioIo::new(Tracked::new(
+        WriteStallGuard::new(stream, write_timeout),
+        Arc::clone(&state),
+    ));
+    let svc_state = Arc::clone(&state);
     let svc = service_fn(move |req| {
         let shared = Arc::clone(&shared);
-        async move { Ok::<_, std::convert::Infallible>(route(shared, req).await) }
+        // Busy from the moment the headers are in until the response body is dropped.
+        let busy = ResponseGuard::new(Arc::clone(&svc_state));
+        async move {
+            let resp = route(shared, req).await;
+            Ok::<_, std::convert::Infallible>(resp.map(|b| guard_body(b, busy)))
+        }
     });
+    // Header and idle timeouts are the tracker's (they shrink under overload); hyper's own
+    // fixed one is off.
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .header_read_timeout(None)
         .serve_connection(io, svc);
     tokio::pin!(conn);
     // A connection accepted just as the stop signal went out may never see the change.
@@ -392,11 +433,17 @@ async fn connection(
     }
     tokio::select! {
         _ = conn.as_mut() => {}
+        // Closed by a limit: dropping the connection closes the socket.
+        _ = state.closed() => {}
         _ = stop.changed() => {
             conn.as_mut().graceful_shutdown();
-            let _ = conn.await;
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = state.closed() => {}
+            }
         }
     }
+    drop(guard);
 }
 
 async fn tick_loop(shared: Arc<Shared>) {

@@ -17,7 +17,7 @@ use slackgate_core::{
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 /// What a queued request is told when the gate has made up its mind about it.
@@ -154,6 +154,12 @@ pub struct Shared {
     pub store: Arc<dyn LedgerStore>,
     /// Operator controls, reloads and shutdown (see [`crate::control`]).
     pub control: crate::control::Control,
+    /// Hashes API keys and `X-Tenant` values into tenant ids.
+    pub tenants: crate::tenant::TenantHasher,
+    /// The proxy listener's open connections and their limits.
+    pub conns: Arc<crate::connlimit::ConnTracker>,
+    /// The admin listener's open connections and their limits.
+    pub admin_conns: Arc<crate::connlimit::ConnTracker>,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -218,6 +224,14 @@ impl Shared {
             crate::upstream::parse_base(url).map_err(|e| format!("pools[{i}].upstream: {e}"))?;
         }
         let upstreams = crate::control::pool_upstreams(&gate);
+        let tenant_key = match &cfg.server.tenant_hash_key {
+            Some(hex) => {
+                crate::tenant::parse_key(hex).map_err(|e| format!("server.tenant_hash_key: {e}"))?
+            }
+            None => store
+                .tenant_hash_key()
+                .map_err(|e| format!("cannot read the tenant hash key: {e}"))?,
+        };
         Ok(Shared {
             core: Mutex::new(CoreState {
                 gate,
@@ -234,6 +248,19 @@ impl Shared {
             server: cfg.server.clone(),
             store,
             control: crate::control::Control::new(cfg),
+            tenants: crate::tenant::TenantHasher::new(tenant_key),
+            conns: crate::connlimit::ConnTracker::new(crate::connlimit::Limits {
+                header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+                idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
+                max_connections: cfg.server.max_connections,
+                max_connections_per_addr: cfg.server.max_connections_per_addr,
+            }),
+            admin_conns: crate::connlimit::ConnTracker::new(crate::connlimit::Limits {
+                header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
+                idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
+                max_connections: cfg.admin.max_connections,
+                max_connections_per_addr: cfg.admin.max_connections_per_addr,
+            }),
         })
     }
 
@@ -356,6 +383,11 @@ impl Shared {
                 after.tokens_wasted.saturating_sub(before.tokens_wasted),
             )
         })
+    }
+
+    /// Lanes in the core's table, live and retired (reloads reuse freed ones).
+    pub fn lane_count(&self) -> usize {
+        self.with_core(|st, _, _| st.gate.lane_count())
     }
 
     /// Ledger totals and the projected wait a default request would see, for `/stats`.

@@ -4,6 +4,11 @@
 //! bounded channel: a slow disk or a blocked stdout pipe must never slow admission down. When
 //! the channel is full the line is dropped and counted (`slackgate_log_dropped_total`), so an
 //! operator can see the log is incomplete rather than find out during a post-mortem.
+//!
+//! A log file can be rotated two ways, both handled by the writer task between batches, so
+//! no line is split or lost: [`DecisionLog::reopen`] (on SIGHUP, after logrotate renamed the
+//! file: the writer reopens the path, creating a new file) and `log.max_bytes` (the writer
+//! itself renames the file to `<path>.1`, replacing an older one, and starts a new one).
 
 use crate::config::LogTarget;
 use serde::Serialize;
@@ -97,6 +102,8 @@ pub struct LogLine {
 enum Msg {
     Line(String),
     Flush(oneshot::Sender<()>),
+    /// Reopen the file by its path; answer whether it worked.
+    Reopen(oneshot::Sender<std::io::Result<()>>),
 }
 
 /// Handle for writing decision lines; cheap to share.
@@ -113,31 +120,62 @@ pub struct LogCounters {
     pub written: AtomicU64,
     /// Lines dropped because the channel was full (or the writer died).
     pub dropped: AtomicU64,
+    /// Times the log file was reopened or rotated.
+    pub rotations: AtomicU64,
 }
 
 impl DecisionLog {
     /// Start the writer task for `target`. Must be called inside a tokio runtime.
     pub fn start(target: LogTarget, capacity: usize) -> std::io::Result<DecisionLog> {
+        DecisionLog::start_rotating(target, capacity, 0)
+    }
+
+    /// [`DecisionLog::start`], rotating a log file to `<path>.1` once it exceeds `max_bytes`
+    /// (0: never; rotate with [`DecisionLog::reopen`] instead).
+    pub fn start_rotating(
+        target: LogTarget,
+        capacity: usize,
+        max_bytes: u64,
+    ) -> std::io::Result<DecisionLog> {
         let counters = Arc::new(LogCounters::default());
-        let sink: Box<dyn tokio::io::AsyncWrite + Send + Unpin> = match &target {
+        let (sink, file): (Box<dyn tokio::io::AsyncWrite + Send + Unpin>, _) = match &target {
             LogTarget::Off => {
                 return Ok(DecisionLog { tx: None, counters });
             }
-            LogTarget::Stdout => Box::new(tokio::io::stdout()),
+            LogTarget::Stdout => (Box::new(tokio::io::stdout()), None),
             LogTarget::File(path) => {
-                let f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?;
-                Box::new(tokio::fs::File::from_std(f))
+                let (f, size) = open_append(path)?;
+                (
+                    Box::new(tokio::fs::File::from_std(f)),
+                    Some(LogFile {
+                        path: path.clone(),
+                        size,
+                        max_bytes,
+                    }),
+                )
             }
         };
         let (tx, rx) = mpsc::channel(capacity.max(1));
-        tokio::spawn(writer(rx, sink, counters.clone()));
+        tokio::spawn(writer(rx, sink, file, counters.clone()));
         Ok(DecisionLog {
             tx: Some(tx),
             counters,
         })
+    }
+
+    /// Close the log file and open its path again (creating it), after what was queued
+    /// before is written: for logrotate's `postrotate` (SIGHUP). A log to stdout or off has
+    /// nothing to reopen (`Ok`).
+    pub async fn reopen(&self) -> std::io::Result<()> {
+        let Some(tx) = &self.tx else {
+            return Ok(());
+        };
+        let (ack, done) = oneshot::channel();
+        if tx.send(Msg::Reopen(ack)).await.is_err() {
+            return Err(std::io::Error::other("the decision log writer has stopped"));
+        }
+        done.await
+            .unwrap_or_else(|_| Err(std::io::Error::other("the decision log writer has stopped")))
     }
 
     /// A log that writes nothing (tests, `--log off`).
@@ -183,38 +221,112 @@ impl DecisionLog {
     }
 }
 
+/// The log file the writer appends to, for rotation.
+struct LogFile {
+    path: std::path::PathBuf,
+    /// Bytes in the file now (as far as this process knows).
+    size: u64,
+    /// Rotate past this size; 0: never.
+    max_bytes: u64,
+}
+
+/// Open `path` for appending, creating it; with its current size.
+fn open_append(path: &std::path::Path) -> std::io::Result<(std::fs::File, u64)> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+    Ok((f, size))
+}
+
+/// The log file after a reopen (or a rotation, when `rotate`): the new sink, or the error
+/// (the old sink is kept then, so lines still go somewhere).
+async fn reopen_file(
+    sink: &mut Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    file: &mut LogFile,
+    rotate: bool,
+) -> std::io::Result<()> {
+    let _ = sink.flush().await;
+    if rotate {
+        let mut old = file.path.clone().into_os_string();
+        old.push(".1");
+        std::fs::rename(&file.path, &old)?;
+    }
+    let (f, size) = open_append(&file.path)?;
+    *sink = Box::new(tokio::fs::File::from_std(f));
+    file.size = size;
+    Ok(())
+}
+
 async fn writer(
     mut rx: mpsc::Receiver<Msg>,
     mut sink: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    mut file: Option<LogFile>,
     counters: Arc<LogCounters>,
 ) {
     let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
     while let Some(msg) = rx.recv().await {
         let mut acks = Vec::new();
+        let mut reopens = Vec::new();
         let mut lines: u64 = 0;
-        let mut take = |m: Msg, buf: &mut Vec<u8>| match m {
-            Msg::Line(s) => {
-                buf.extend_from_slice(s.as_bytes());
-                lines += 1;
+        let mut next = Some(msg);
+        // Batch whatever else is already waiting into one write; a reopen ends the batch, so
+        // the lines queued before it go to the old file and the ones after to the new.
+        while let Some(m) = next.take() {
+            match m {
+                Msg::Line(s) => {
+                    buf.extend_from_slice(s.as_bytes());
+                    lines += 1;
+                }
+                Msg::Flush(ack) => acks.push(ack),
+                Msg::Reopen(ack) => {
+                    reopens.push(ack);
+                    break;
+                }
             }
-            Msg::Flush(ack) => acks.push(ack),
-        };
-        take(msg, &mut buf);
-        // Batch whatever else is already waiting into one write.
-        while buf.len() < 1024 * 1024 {
-            match rx.try_recv() {
-                Ok(m) => take(m, &mut buf),
-                Err(_) => break,
+            if buf.len() >= 1024 * 1024 {
+                break;
             }
+            next = rx.try_recv().ok();
         }
         // A line counts as written only once the write succeeded; a failed batch (closed
         // pipe, full disk) counts as dropped only, so the two counters never overlap.
-        if sink.write_all(&buf).await.is_ok() && sink.flush().await.is_ok() {
-            counters.written.fetch_add(lines, Ordering::Relaxed);
-        } else {
-            counters.dropped.fetch_add(lines, Ordering::Relaxed);
+        if !buf.is_empty() {
+            if sink.write_all(&buf).await.is_ok() && sink.flush().await.is_ok() {
+                counters.written.fetch_add(lines, Ordering::Relaxed);
+                if let Some(f) = file.as_mut() {
+                    f.size += buf.len() as u64;
+                }
+            } else {
+                counters.dropped.fetch_add(lines, Ordering::Relaxed);
+            }
         }
         buf.clear();
+        if let Some(f) = file.as_mut() {
+            if f.max_bytes > 0 && f.size >= f.max_bytes {
+                match reopen_file(&mut sink, f, true).await {
+                    Ok(()) => {
+                        counters.rotations.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // Keep writing where we are; try again after the next batch.
+                    Err(e) => eprintln!(
+                        "slackgate: cannot rotate the decision log {}: {e}",
+                        f.path.display()
+                    ),
+                }
+            }
+        }
+        for ack in reopens {
+            let answer = match file.as_mut() {
+                Some(f) => reopen_file(&mut sink, f, false).await,
+                None => Ok(()),
+            };
+            if answer.is_ok() {
+                counters.rotations.fetch_add(1, Ordering::Relaxed);
+            }
+            let _ = ack.send(answer);
+        }
         for ack in acks {
             let _ = ack.send(());
         }

@@ -11,6 +11,12 @@
 //! entries vanish from snapshots once empty. A class moved to another pool leaves its queued
 //! work where it was admitted (a retired lane there) and takes new work on the new pool.
 //!
+//! A retired lane's slot is freed once nothing refers to it (no queued or in-flight job, no
+//! busy overflow lane learning into it): the next lane a reload creates takes that slot
+//! instead of growing the table, so renaming classes back and forth, reload after reload,
+//! keeps the lanes (and the per-decision scans over them) bounded by the live classes plus
+//! those still finishing work.
+//!
 //! A pool's learned estimator survives the reload unless its `prior` or its `upstream`
 //! changed (a new model or new defaults mean the old figures no longer apply). A class's
 //! learned output length survives too.
@@ -123,13 +129,14 @@ impl Gate {
             .map(|c| c.name.clone())
             .collect();
         let mut wanted: BTreeSet<usize> = BTreeSet::new();
+        let mut free = self.free_lanes(&cfg, &pool_ids);
         let mut primaries = Vec::with_capacity(cfg.classes.len());
         for c in &cfg.classes {
             let pool = pool_ids
                 .get(c.pool.as_str())
                 .copied()
                 .ok_or_else(|| unknown_pool(&c.pool))?;
-            let id = self.lane(&c.name, pool, c.expected_output_tokens);
+            let id = self.lane(&c.name, pool, c.expected_output_tokens, &mut free);
             let l = &mut self.classes[id.0];
             l.priority = c.priority;
             l.enabled = c.enabled;
@@ -150,7 +157,7 @@ impl Gate {
                 .get(o.as_str())
                 .copied()
                 .ok_or_else(|| unknown_pool(o))?;
-            let id = self.lane(&c.name, pool, None);
+            let id = self.lane(&c.name, pool, None, &mut free);
             let l = &mut self.classes[id.0];
             l.priority = c.priority;
             l.enabled = true;
@@ -209,8 +216,53 @@ impl Gate {
         Ok(report)
     }
 
-    /// The lane of class `name` on `pool`, created if it does not exist yet.
-    fn lane(&mut self, name: &str, pool: PoolId, expected_output: Option<u32>) -> ClassId {
+    /// Lanes whose slot a new lane may take: not kept by `cfg` (so retired by this reload
+    /// or an earlier one), with no job on them and no lane with jobs learning into them
+    /// (an overflow lane's completions teach its class's lane). Lowest ids first.
+    fn free_lanes(&self, cfg: &GateConfig, pool_ids: &HashMap<&str, PoolId>) -> Vec<usize> {
+        let mut kept: BTreeSet<(&str, PoolId)> = BTreeSet::new();
+        for c in &cfg.classes {
+            for pool in std::iter::once(&c.pool).chain(c.overflow_pool.as_ref()) {
+                if let Some(&p) = pool_ids.get(pool.as_str()) {
+                    kept.insert((c.name.as_str(), p));
+                }
+            }
+        }
+        let mut busy: BTreeSet<usize> = BTreeSet::new();
+        for j in self.jobs.values() {
+            busy.insert(j.class.0);
+            busy.insert(self.home(j.class).0);
+        }
+        let mut free: Vec<usize> = self
+            .classes
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| {
+                !busy.contains(i)
+                    && l.queue.is_empty()
+                    && !kept.contains(&(l.name.as_str(), l.pool))
+            })
+            .map(|(i, _)| i)
+            .collect();
+        // Popped from the end: reverse so the lowest id is reused first.
+        free.reverse();
+        free
+    }
+
+    /// Lanes in the table, live and retired (for tests and the admin views).
+    pub fn lane_count(&self) -> usize {
+        self.classes.len()
+    }
+
+    /// The lane of class `name` on `pool`, created if it does not exist yet: in a freed
+    /// slot from `free` when there is one, else appended.
+    fn lane(
+        &mut self,
+        name: &str,
+        pool: PoolId,
+        expected_output: Option<u32>,
+        free: &mut Vec<usize>,
+    ) -> ClassId {
         if let Some(i) = self
             .classes
             .iter()
@@ -218,7 +270,7 @@ impl Gate {
         {
             return ClassId(i);
         }
-        self.classes.push(ClassState {
+        let fresh = ClassState {
             name: name.to_string(),
             pool,
             priority: 0,
@@ -241,7 +293,12 @@ impl Gate {
             last_admit_at: None,
             ratios: VecDeque::new(),
             recent_others_prefill: 0.0,
-        });
+        };
+        if let Some(i) = free.pop() {
+            self.classes[i] = fresh;
+            return ClassId(i);
+        }
+        self.classes.push(fresh);
         ClassId(self.classes.len() - 1)
     }
 }
@@ -254,5 +311,84 @@ fn unknown_pool(name: &str) -> ConfigError {
     ConfigError {
         path: "classes".into(),
         message: format!("unknown pool {name:?}"),
+    }
+}
+
+#[cfg(test)]
+mod lane_reuse_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::super::tests::{cfg, drain, req};
+    use super::super::*;
+
+    fn renamed(base: &GateConfig, from: &str, to: &str) -> GateConfig {
+        let mut c = base.clone();
+        for class in &mut c.classes {
+            if class.name == from {
+                class.name = to.to_string();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn renaming_a_class_back_and_forth_does_not_grow_the_lanes() {
+        let base = cfg(1, 100.0);
+        let mut g = Gate::new(base.clone()).unwrap();
+        let start = g.lane_count();
+        for i in 0..200u64 {
+            let (from, to) = if i % 2 == 0 {
+                ("probe", "batch")
+            } else {
+                ("batch", "probe")
+            };
+            let next = renamed(g.config(), from, to);
+            g.reconfigure(i, next).unwrap();
+        }
+        assert!(
+            g.lane_count() <= start + 1,
+            "{} lanes after 200 renames (started with {start})",
+            g.lane_count()
+        );
+        // The live classes still work.
+        assert_eq!(
+            g.classify(Some("prod"))
+                .map(|c| g.class_name(c).to_string()),
+            Some("prod".into())
+        );
+        assert!(g.classify(Some("probe")).is_some());
+    }
+
+    #[test]
+    fn a_retired_lane_with_work_is_not_reused_until_the_work_ends() {
+        let base = cfg(1, 100.0);
+        let mut g = Gate::new(base.clone()).unwrap();
+        // One probe job running, one queued behind it.
+        let running = g.offer(0, req(&g, "probe")).job_id;
+        drain(&mut g, 0);
+        let queued = g.offer(0, req(&g, "probe")).job_id;
+        assert_eq!(g.live_jobs(), 2);
+        let lanes = g.lane_count();
+        // Rename probe -> batch: the old lane is busy, so the new class gets a new slot.
+        g.reconfigure(1, renamed(&base, "probe", "batch")).unwrap();
+        assert_eq!(g.lane_count(), lanes + 1);
+        // Rename again (batch -> other): probe's lane is still busy; batch's is free.
+        let again = renamed(g.config(), "batch", "other");
+        g.reconfigure(2, again).unwrap();
+        assert_eq!(g.lane_count(), lanes + 1, "batch's empty lane was reused");
+        let snap = g.snapshot(2);
+        assert!(snap.classes.iter().any(|c| c.name == "probe" && c.retired));
+        // The retired probe jobs still run to their end.
+        g.on_complete(100, running, Completion::default()).unwrap();
+        let ev = drain(&mut g, 100);
+        assert!(
+            matches!(ev[..], [Event::Dispatch { job_id, .. }] if job_id == queued),
+            "{ev:?}"
+        );
+        g.on_complete(200, queued, Completion::default()).unwrap();
+        // Now probe's lane is free: the next new class takes it.
+        let third = renamed(g.config(), "other", "third");
+        g.reconfigure(300, third).unwrap();
+        assert_eq!(g.lane_count(), lanes + 1, "no growth once the work ended");
+        assert_eq!(g.live_jobs(), 0);
     }
 }

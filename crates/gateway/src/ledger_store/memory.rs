@@ -19,6 +19,8 @@ pub struct MemoryStore {
 struct Inner {
     records: Mutex<HashMap<String, HoldRecord>>,
     counters: Counters,
+    /// Generated at first use; clones share it, like the records.
+    tenant_key: std::sync::OnceLock<[u8; crate::tenant::KEY_BYTES]>,
 }
 
 impl MemoryStore {
@@ -82,6 +84,10 @@ impl LedgerStore for MemoryStore {
 
     fn stats(&self) -> StoreStats {
         self.inner.counters.snapshot()
+    }
+
+    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+        Ok(*self.inner.tenant_key.get_or_init(crate::tenant::random_key))
     }
 }
 

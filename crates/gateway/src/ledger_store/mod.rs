@@ -18,6 +18,7 @@
 //! [`SqliteStore`] (the default: one file an operator can open with `sqlite3`).
 
 mod memory;
+pub mod prune;
 mod sqlite;
 mod writer;
 
@@ -41,6 +42,10 @@ pub trait LedgerStore: Send + Sync + 'static {
     fn flush(&self) -> Result<(), StoreError>;
     /// Writes queued and not yet durable, records written, batches committed, write errors (for metrics).
     fn stats(&self) -> StoreStats;
+    /// The secret tenant ids are hashed under when the config sets none: generated the first
+    /// time and kept with the records, so ids survive a restart
+    /// ([`crate::tenant`]).
+    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError>;
     /// [`LedgerStore::flush`] for async callers (the request path): resolves when everything
     /// written so far is durable, without parking a thread per waiter. The default runs
     /// `flush` on tokio's blocking pool.
@@ -74,6 +79,10 @@ pub struct StoreStats {
     pub records_lost: u64,
     /// Rows skipped by `load` because they were unreadable (unknown state, negative numbers).
     pub rows_skipped: u64,
+    /// Settled rows deleted by the pruner (their tokens folded into carry rows).
+    pub rows_pruned: u64,
+    /// Pruning runs that failed (retried at the next interval).
+    pub prune_errors: u64,
 }
 
 /// Why a store could not open, load or flush. Every variant that concerns a file names it.
@@ -140,6 +149,8 @@ pub(crate) struct Counters {
     pub(crate) write_errors: AtomicU64,
     pub(crate) records_lost: AtomicU64,
     pub(crate) rows_skipped: AtomicU64,
+    pub(crate) rows_pruned: AtomicU64,
+    pub(crate) prune_errors: AtomicU64,
 }
 
 impl Counters {
@@ -152,6 +163,8 @@ impl Counters {
             write_errors: self.write_errors.load(Ordering::Relaxed),
             records_lost: self.records_lost.load(Ordering::Relaxed),
             rows_skipped: self.rows_skipped.load(Ordering::Relaxed),
+            rows_pruned: self.rows_pruned.load(Ordering::Relaxed),
+            prune_errors: self.prune_errors.load(Ordering::Relaxed),
         }
     }
 

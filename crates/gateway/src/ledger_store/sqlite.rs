@@ -93,6 +93,11 @@ pub struct SqliteOptions {
     pub busy_timeout_ms: u64,
     /// Most records one group commit takes from the queue.
     pub batch_max: usize,
+    /// Prune settled keys older than this (`ledger.retention_ms`), and settled generated keys
+    /// of any age (see [`super::prune`]); `None` never prunes.
+    pub retention_ms: Option<u64>,
+    /// How often the pruner runs (ms).
+    pub prune_interval_ms: u64,
 }
 
 impl Default for SqliteOptions {
@@ -101,6 +106,8 @@ impl Default for SqliteOptions {
             synchronous: Synchronous::Normal,
             busy_timeout_ms: 5_000,
             batch_max: 4_096,
+            retention_ms: None,
+            prune_interval_ms: 60_000,
         }
     }
 }
@@ -115,6 +122,8 @@ pub struct SqliteStore {
     /// Stops the checkpointer thread (dropping it wakes the thread at once).
     checkpoint_stop: Option<mpsc::Sender<()>>,
     checkpointer: Option<JoinHandle<()>>,
+    /// The tenant hash secret kept in the file's `meta` table.
+    tenant_key: [u8; crate::tenant::KEY_BYTES],
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -131,19 +140,48 @@ impl SqliteStore {
     /// the file is not writable or not a SQLite database, or its schema is newer than ours.
     pub fn open(path: &Path, opts: SqliteOptions) -> Result<SqliteStore, StoreError> {
         let conn = open_connection(path, &opts)?;
+        let tenant_key = tenant_key(&conn, path)?;
         // Checkpoints (copying the WAL back into the database, with an fsync) must not stall
         // the writer, which every request waits on: the writer never checkpoints itself; a
         // separate connection runs a non-blocking PASSIVE checkpoint every 200 ms.
         conn.pragma_update(None, "wal_autocheckpoint", 0)
             .map_err(|e| classify(path, "set wal_autocheckpoint", e))?;
-        let checkpoint_conn = open_connection(path, &opts)?;
+        let mut checkpoint_conn = open_connection(path, &opts)?;
+        let counters = Arc::new(Counters::default());
+        let pruner_counters = Arc::clone(&counters);
+        let prune_path = path.to_owned();
         let (checkpoint_stop, stop_rx) = mpsc::channel::<()>();
         let checkpointer = std::thread::Builder::new()
             .name("ledger-checkpoint".to_owned())
             .spawn(move || {
-                while let Err(mpsc::RecvTimeoutError::Timeout) =
-                    stop_rx.recv_timeout(Duration::from_millis(200))
-                {
+                // Pruning shares this thread and connection: both are background upkeep
+                // that must never hold up the writer for long.
+                let mut last_prune = std::time::Instant::now();
+                let mut logged = false;
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(
+                    Duration::from_millis(200)
+                        .min(Duration::from_millis(opts.prune_interval_ms.max(1))),
+                ) {
+                    if let Some(retention) = opts.retention_ms {
+                        if last_prune.elapsed() >= Duration::from_millis(opts.prune_interval_ms) {
+                            last_prune = std::time::Instant::now();
+                            let now = crate::telemetry::epoch_ms();
+                            match super::prune::prune_all(&mut checkpoint_conn, now, retention) {
+                                Ok(n) => Counters::add(&pruner_counters.rows_pruned, n),
+                                Err(e) => {
+                                    Counters::add(&pruner_counters.prune_errors, 1);
+                                    if !logged {
+                                        logged = true;
+                                        eprintln!(
+                                            "slackgate: ledger store {}: pruning failed: {e} \
+                                             [later failures are only counted]",
+                                            prune_path.display()
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
                     let _ =
                         checkpoint_conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
                 }
@@ -152,7 +190,6 @@ impl SqliteStore {
                 path: path.to_owned(),
                 reason: format!("cannot start the checkpoint thread: {e}"),
             })?;
-        let counters = Arc::new(Counters::default());
         let (tx, rx) = mpsc::channel();
         let writer = Writer::new(conn, path.to_owned(), Arc::clone(&counters), opts.batch_max);
         let handle = std::thread::Builder::new()
@@ -169,6 +206,7 @@ impl SqliteStore {
             counters,
             checkpoint_stop: Some(checkpoint_stop),
             checkpointer: Some(checkpointer),
+            tenant_key,
         })
     }
 
@@ -225,6 +263,35 @@ impl LedgerStore for SqliteStore {
     fn stats(&self) -> StoreStats {
         self.counters.snapshot()
     }
+
+    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+        Ok(self.tenant_key)
+    }
+}
+
+/// The tenant hash secret in the `meta` table, generated and stored the first time. `INSERT
+/// OR IGNORE` then a read: two processes opening a new file at once agree on one key.
+fn tenant_key(
+    conn: &Connection,
+    path: &Path,
+) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+    let fresh = crate::tenant::key_hex(&crate::tenant::random_key());
+    conn.execute(
+        "INSERT OR IGNORE INTO meta (name, value) VALUES ('tenant_hash_key', ?1)",
+        [&fresh],
+    )
+    .map_err(|e| classify(path, "store the tenant hash key", e))?;
+    let hex: String = conn
+        .query_row(
+            "SELECT value FROM meta WHERE name = 'tenant_hash_key'",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(|e| classify(path, "read the tenant hash key", e))?;
+    crate::tenant::parse_key(&hex).map_err(|why| StoreError::Open {
+        path: path.to_owned(),
+        reason: format!("meta.tenant_hash_key is damaged: {why}"),
+    })
 }
 
 impl Drop for SqliteStore {
@@ -297,6 +364,16 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
         conn.execute_batch(SCHEMA)
             .map_err(|e| classify(path, "create schema", e))?;
     }
+    // For the pruner's scan by age, and the store's own settings (the tenant hash key). An
+    // extra index and table leave the schema readable by older builds, so the schema version
+    // stays. The WAL file is truncated back to 16 MiB after a
+    // checkpoint rather than keeping its largest size for ever.
+    conn.execute_batch(
+        "CREATE INDEX IF NOT EXISTS holds_by_update ON holds (updated_at_ms);
+         CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL);
+         PRAGMA journal_size_limit = 16777216;",
+    )
+    .map_err(|e| classify(path, "create the pruning index", e))?;
     Ok(conn)
 }
 
