@@ -92,7 +92,9 @@ const WARMUP_SAMPLES: u64 = 5;
 /// Smallest prior scale per coefficient (in scaled units: ms, ms per 1000 prompt tokens, ms per
 /// 100 output tokens, ms per 100 output tokens per 1000 context): a prior of zero must still let
 /// the data move its coefficient.
-const MIN_SCALE: [f64; DIM] = [50.0, 100.0, 500.0, 1000.0, 50.0, 100.0, 500.0, 1000.0, 100.0];
+const MIN_SCALE: [f64; DIM] = [
+    50.0, 100.0, 500.0, 1000.0, 50.0, 100.0, 500.0, 1000.0, 100.0,
+];
 /// The request shape at which [`EstimatorSnapshot::batch_slowdown`] is read off.
 const REFERENCE_SHAPE: (u32, u32) = (500, 100);
 
@@ -252,7 +254,11 @@ impl Estimator {
             .max(MIN_SERVICE_MS);
         // The first token comes after the prompt and one decode step.
         let first = self
-            .predict(&Self::features(prompt_tokens, output_tokens.min(1), sharing))
+            .predict(&Self::features(
+                prompt_tokens,
+                output_tokens.min(1),
+                sharing,
+            ))
             .max(MIN_SERVICE_MS)
             .min(total);
         Estimate {

@@ -71,7 +71,12 @@ fn starts_at_the_prior() {
     // With a batch_slowdown prior of 0.5, three others in flight add 1.5x: 420 x 2.5.
     let mut p = prior(200.0, 0.2, 20.0);
     p.batch_slowdown = 0.5;
-    assert_eq!(Estimator::new(&p).estimate(100, 10, sh(4.0, 100, 10)).service_ms, 1050);
+    assert_eq!(
+        Estimator::new(&p)
+            .estimate(100, 10, sh(4.0, 100, 10))
+            .service_ms,
+        1050
+    );
     // The context term: 10 output tokens x (100 + 5) context / 1000 x 14 ms = 14.7 ms.
     let mut p = prior(200.0, 0.2, 20.0);
     p.decode_ms_per_1k_context = 14.0;
@@ -107,7 +112,10 @@ fn two_shapes_only_stay_stable_and_predict_both() {
         let (p, o, k) = if i % 3 == 0 { batch } else { chat };
         est.observe(p, o, sh(k, p, o), llama(p, o, k) as u64);
         if i >= 100 {
-            history.push(est.estimate(batch.0, batch.1, sh(batch.2, batch.0, batch.1)).service_ms);
+            history.push(
+                est.estimate(batch.0, batch.1, sh(batch.2, batch.0, batch.1))
+                    .service_ms,
+            );
         }
     }
     for (p, o, k) in [chat, batch] {
@@ -240,7 +248,9 @@ fn negative_raw_coefficients_do_not_run_away() {
         "output slope {slope} ({s:?})"
     );
     // Far outside the data, nothing runs away (no sign flips, no absurd figures).
-    let far = est.estimate(50_000, 2_000, sh(4.0, 50_000, 2_000)).service_ms;
+    let far = est
+        .estimate(50_000, 2_000, sh(4.0, 50_000, 2_000))
+        .service_ms;
     assert!(far > 0 && far < 10_000_000, "{far}");
 }
 
@@ -387,5 +397,8 @@ fn learns_that_long_neighbours_slow_more_than_short_ones() {
         - est.estimate(500, 200, short).service_ms as f64;
     assert!((gap - 9240.0).abs() < 1500.0, "gap {gap} ms");
     let s = est.snapshot();
-    assert!((s.decode_ms_per_1k_shared_context - 14.0).abs() < 3.0, "{s:?}");
+    assert!(
+        (s.decode_ms_per_1k_shared_context - 14.0).abs() < 3.0,
+        "{s:?}"
+    );
 }

@@ -1126,9 +1126,8 @@ impl Gate {
         // inflated by the class's recent p90 error before they are held to the deadline
         // (a request admitted exactly at the edge is dropped by any overrun ahead of it).
         let margin = home.margin(p.estimator.learns());
-        let padded_wait = wait.saturating_add(
-            ((wait.saturating_add(own.service_ms)) as f64 * margin).round() as u64,
-        );
+        let padded_wait = wait
+            .saturating_add(((wait.saturating_add(own.service_ms)) as f64 * margin).round() as u64);
         let in_flight = p.in_flight.len() as u32;
         let sure = self.estimate_confirmed(lane);
         let mut hard_cap = false;
@@ -1896,8 +1895,7 @@ impl Gate {
                 p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
                 if concurrency > 1.05 {
                     let each = sharing.others_context / (concurrency - 1.0);
-                    p.recent_other_context +=
-                        CONCURRENCY_ALPHA * (each - p.recent_other_context);
+                    p.recent_other_context += CONCURRENCY_ALPHA * (each - p.recent_other_context);
                 }
                 if let (Some(chars), Some(tokens)) = (job.prompt_chars, done.prompt_tokens) {
                     p.tokens.learn(chars, tokens, job.model.as_deref());

@@ -34,9 +34,8 @@ fn class<'a>(d: &'a slackgate_drill::Drill, run: &str, class: &str) -> &'a Stats
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a llama-server: scripts/test.sh starts one and sets SLACKGATE_LLAMA_URL"]
 async fn the_gate_keeps_its_promises_in_front_of_a_real_llama_server() {
-    let url = std::env::var("SLACKGATE_LLAMA_URL").expect(
-        "needs a llama-server: scripts/test.sh starts one and sets SLACKGATE_LLAMA_URL",
-    );
+    let url = std::env::var("SLACKGATE_LLAMA_URL")
+        .expect("needs a llama-server: scripts/test.sh starts one and sets SLACKGATE_LLAMA_URL");
     let mut s = Scenario::load(&repo().join("scenarios/llama-real.toml")).unwrap();
     s.duration_s = 60.0;
     let cfg = Config::from_file(&repo().join("deploy/examples/llama-server.toml")).unwrap();
@@ -102,5 +101,9 @@ async fn the_gate_keeps_its_promises_in_front_of_a_real_llama_server() {
         .iter()
         .find(|e| e.class == "interactive")
         .expect("interactive completions after the warm-up");
-    assert!(e.median <= 0.3, "median estimator error {:.1}%\n{md}", e.median * 100.0);
+    assert!(
+        e.median <= 0.3,
+        "median estimator error {:.1}%\n{md}",
+        e.median * 100.0
+    );
 }

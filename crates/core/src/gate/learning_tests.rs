@@ -298,7 +298,10 @@ fn admission_pads_with_the_class_s_recent_error() {
     r.deadline = Some(t + 2 * own);
     let d = g.offer(t, r.clone());
     assert_eq!(d.reason, Reason::ProjectedWaitExceedsSlack, "{d:?}");
-    assert_eq!(d.projected_wait_ms, own, "the wait reported is the unpadded one");
+    assert_eq!(
+        d.projected_wait_ms, own,
+        "the wait reported is the unpadded one"
+    );
     r.deadline = Some(t + own + padded + 2);
     let d = g.offer(t, r);
     assert!(d.admitted(), "{d:?}");
