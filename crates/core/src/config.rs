@@ -177,9 +177,9 @@ pub struct ClassConfig {
     /// this serves more requests on time, at the price of refusing some already admitted.
     pub displace_within_ms: Option<u64>,
     /// Never lock in: when a request of this class is refused only because its own estimate
-    /// exceeds its deadline while a slot is free, and recent completions of the class do not
-    /// confirm that estimate, one such request per this many ms (and at most one in flight)
-    /// is admitted as a `probe` to measure it. 0 turns probing off.
+    /// exceeds its deadline while a slot is free, and nothing of the class was admitted for
+    /// this many ms, it is admitted as a `probe` to measure the estimate (at most one in
+    /// flight). 0 turns probing off.
     pub probe_interval_ms: u64,
 }
 

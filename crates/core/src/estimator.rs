@@ -26,12 +26,12 @@
 //! - **The total is fitted, with the constraint inside the fit.** Each completion adds its
 //!   features and its observed time to exponentially forgotten normal equations; the
 //!   coefficients are the non-negative least-squares solution of those equations (an active-set
-//!   solve of an 8x8 problem), never an unconstrained fit clipped per term afterwards: clipping a
+//!   solve of a 9x9 problem), never an unconstrained fit clipped per term afterwards: clipping a
 //!   negative coefficient to zero destroys a fit that was right at the observed shapes.
 //! - **Shrunk towards the priors.** A ridge term pulls every coefficient towards its configured
 //!   prior with 0.3% of the weight the data carry about it. Where the data identify a coefficient
 //!   (several request shapes) the data win at once; where they cannot (real traffic comes in a
-//!   few shapes, which leave some directions of the eight unobserved) the prior holds that
+//!   few shapes, which leave some directions of the nine unobserved) the prior holds that
 //!   direction, so predictions for an unseen shape stay near the prior's instead of swinging.
 //! - **Relative error, robust to outliers.** Each completion is weighted by one over its
 //!   prediction squared, so a 200 ms request counts as much as a 12 s one (what matters is the

@@ -99,7 +99,7 @@ fn converges_to_a_known_model_within_ten_percent() {
     assert_eq!(est.snapshot().samples, 300);
 }
 
-/// Real traffic comes in a few shapes. Two shapes cannot pin eight coefficients, yet the
+/// Real traffic comes in a few shapes. Two shapes cannot pin nine coefficients, yet the
 /// estimate must predict both shapes and stay put (no coefficient swinging from one
 /// completion to the next), and an unseen shape must stay within reach of the prior.
 #[test]

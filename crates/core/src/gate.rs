@@ -241,7 +241,9 @@ pub struct Completed {
     pub depth: u32,
     /// The job's hold as settled in the ledger (spent or wasted tokens).
     pub hold: Option<HoldRecord>,
-    /// The service time the gate estimated for it at admission.
+    /// The service time the gate estimated for it when it was dispatched (admission's
+    /// estimate, refreshed with what was learned while it queued and what it then shared the
+    /// server with); for a job that never ran, admission's.
     pub est_service_ms: u64,
     /// Mean number of requests in flight on the pool while it ran (itself included); 0 if it
     /// never ran.
@@ -500,6 +502,27 @@ struct ClassState {
     /// Prompt tokens of other jobs that started while the class's recent completions ran
     /// (EWMA): what a newcomer of the class should expect to be held up by.
     recent_others_prefill: f64,
+    /// What admission reads of `errors` and `ratios`, kept current at each completion.
+    record: ClassRecord,
+}
+
+/// A class's record as admission reads it (see [`ClassState::refresh_record`]).
+#[derive(Clone, Copy, Debug)]
+struct ClassRecord {
+    errors: ErrorSummary,
+    /// The largest relative error among the last [`CONFIRM_RECENT`] completions.
+    recent_worst: f64,
+    correction: f64,
+}
+
+impl Default for ClassRecord {
+    fn default() -> Self {
+        ClassRecord {
+            errors: ErrorSummary::default(),
+            recent_worst: 0.0,
+            correction: 1.0,
+        }
+    }
 }
 
 impl ClassState {
@@ -510,12 +533,24 @@ impl ClassState {
     /// stays off by the same ratio; this takes that ratio out. 1 until a handful completed;
     /// kept within [`CORRECTION_RANGE`].
     fn correction(&self) -> f64 {
-        if self.ratios.len() < CONFIRM_SAMPLES as usize {
-            return 1.0;
-        }
-        let mut v: Vec<f64> = self.ratios.iter().copied().collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2].clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
+        self.record.correction
+    }
+
+    /// Recompute the figures admission reads on every offer ([`ClassRecord`]) from the
+    /// class's windows: once per completion, not per decision (they sort).
+    fn refresh_record(&mut self) {
+        let correction = if self.ratios.len() < CONFIRM_SAMPLES as usize {
+            1.0
+        } else {
+            let mut v: Vec<f64> = self.ratios.iter().copied().collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2].clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
+        };
+        self.record = ClassRecord {
+            errors: self.errors.summary(),
+            recent_worst: self.errors.recent_max(CONFIRM_RECENT),
+            correction,
+        };
     }
 
     /// The share by which a request's wait and service are padded before they are held to its
@@ -524,7 +559,7 @@ impl ClassState {
     /// are the operator's). The median was tried first: against a real llama-server it left
     /// 3.6% of admitted interactive requests late or dropped (`docs/config.md`).
     fn margin(&self, learning: bool) -> f64 {
-        let e = self.errors.summary();
+        let e = self.record.errors;
         if !learning || e.samples < CONFIRM_SAMPLES {
             return 0.0;
         }
@@ -668,8 +703,13 @@ impl PoolState {
         if wait > 0 {
             return slots;
         }
-        let now = self.in_flight.len() as f64 + f64::from(count_ahead) + 1.0;
-        now.max(self.recent_concurrency).min(slots)
+        let others = self.in_flight.len() as f64 + f64::from(count_ahead);
+        if others == 0.0 {
+            // An idle pool: alone, whatever ran before (the recent mean is history and only
+            // decays with completions, which an idle pool does not have).
+            return 1.0;
+        }
+        (others + 1.0).max(self.recent_concurrency).min(slots)
     }
 
     /// [`PoolState::expected_concurrency`] with the others' context: each other request as
@@ -896,6 +936,9 @@ struct Eval {
     sure: bool,
     /// The estimator's figure for the request before the class's correction.
     model_service_ms: u64,
+    /// Its own service does not fit its deadline even with nothing ahead, at the concurrency
+    /// it would run at now.
+    hopeless: bool,
 }
 
 /// How a job's hold is settled when the job ends.
@@ -1113,21 +1156,46 @@ impl Gate {
         // an upper quantile of its class's outputs, not just the mean (its work in the queue
         // still counts at the mean: that is what many jobs add up to).
         let learned_q = self.classes[self.home(lane).0].output_q;
-        let own = match (req.expected_output_tokens, learned_q) {
+        let own_output = match (req.expected_output_tokens, learned_q) {
             (None, Some(q)) => {
                 let q = q.round().clamp(0.0, f64::from(u32::MAX)) as u32;
-                let q = req.max_tokens.map_or(q, |m| q.min(m)).max(expected_output);
-                scale_estimate(p.estimator.estimate(prompt_tokens, q, sharing), factor)
+                req.max_tokens.map_or(q, |m| q.min(m)).max(expected_output)
             }
-            _ => est,
+            _ => expected_output,
+        };
+        let own = if own_output == expected_output {
+            est
+        } else {
+            scale_estimate(
+                p.estimator.estimate(prompt_tokens, own_output, sharing),
+                factor,
+            )
         };
         let slack_ms = slack(now, 0, deadline, req.first_token_deadline, own);
         // A promise needs room for the estimates' own error: the wait and the service are
         // inflated by the class's recent p90 error before they are held to the deadline
         // (a request admitted exactly at the edge is dropped by any overrun ahead of it).
         let margin = home.margin(p.estimator.learns());
-        let padded_wait = wait
-            .saturating_add(((wait.saturating_add(own.service_ms)) as f64 * margin).round() as u64);
+        let padded_slack = slack(
+            now,
+            0,
+            deadline,
+            req.first_token_deadline,
+            scale_estimate(own, 1.0 + margin),
+        );
+        let padded_wait = (wait as f64 * (1.0 + margin)).round().min(1e15) as u64;
+        // Too big for its own deadline even where it would run now with nothing ahead (not at
+        // the full concurrency a waiting request is estimated at): a retry cannot help.
+        let own_now = scale_estimate(
+            p.estimator.estimate(
+                prompt_tokens,
+                own_output,
+                p.expected_sharing(0, 0, home.recent_others_prefill),
+            ),
+            factor,
+        );
+        let hopeless =
+            slack(now, 0, deadline, req.first_token_deadline, own_now).is_some_and(|s| s < 0);
         let in_flight = p.in_flight.len() as u32;
         let sure = self.estimate_confirmed(lane);
         let mut hard_cap = false;
@@ -1140,7 +1208,7 @@ impl Gate {
             Err(Reason::QueueDepthExceeded)
         } else if self.depth_exceeded(pool, in_flight, count_ahead) {
             Err(Reason::QueueDepthExceeded)
-        } else if slack_ms.is_some_and(|s| i128::from(padded_wait) > i128::from(s)) {
+        } else if padded_slack.is_some_and(|s| i128::from(padded_wait) > i128::from(s)) {
             // A pool with a free slot and an estimator that has barely learned anything: the
             // estimate is the prior, which may be far too pessimistic (a 256-token guess for
             // a request that writes 20). Rejecting would keep it from ever learning, so admit
@@ -1173,24 +1241,26 @@ impl Gate {
             prompt_tokens,
             sure,
             model_service_ms: model_est.service_ms,
+            hopeless,
         }
     }
 
     /// The class's recent completions confirm its estimates: enough of them, unbiased and
-    /// close, none of the very last far off (or the estimator is frozen). Only then is a request refused as too big for its own deadline told not to retry
-    /// (`x-should-retry: false`), and never probed.
-    /// A frozen estimator (`learn = false`) holds the operator's own figures: trusted as such.
+    /// close, none of the very last far off. Only then is a request refused as too big for its
+    /// own deadline told not to retry (`x-should-retry: false`). Probes do not depend on it: a
+    /// class's record can be confirmed and stale (its outputs drift while it is refused). A
+    /// frozen estimator (`learn = false`) holds the operator's own figures: trusted as such.
     fn estimate_confirmed(&self, lane: ClassId) -> bool {
         let pool = &self.pools[self.classes[lane.0].pool.0];
         if !pool.estimator.learns() {
             return true;
         }
-        let errors = &self.classes[self.home(lane).0].errors;
-        let e = errors.summary();
+        let r = &self.classes[self.home(lane).0].record;
+        let e = r.errors;
         e.samples >= CONFIRM_SAMPLES
             && e.bias.abs() <= CONFIRM_BIAS
             && e.p90 <= CONFIRM_P90
-            && errors.recent_max(CONFIRM_RECENT) <= CONFIRM_P90
+            && r.recent_worst <= CONFIRM_P90
     }
 
     /// A probe of the class may be admitted now: probing is on, the estimator learns (a probe
@@ -1322,7 +1392,7 @@ impl Gate {
                     e.slack_ms,
                     e.count_ahead,
                     primary_pool,
-                    e.sure,
+                    e.hopeless && e.sure,
                 );
                 d.retry_after_ms = Some(after);
                 d.should_retry = retry;
@@ -1524,7 +1594,7 @@ impl Gate {
                     e.slack_ms,
                     e.count_ahead,
                     primary_pool,
-                    e.sure,
+                    e.hopeless && e.sure,
                 );
                 d.retry_after_ms = Some(after);
                 // With an absolute deadline the slack shrinks exactly as fast as the queue
@@ -1595,7 +1665,7 @@ impl Gate {
             budget,
             count,
             job.pool,
-            true,
+            false,
         );
         let mut ev = self.drop_event(now, id, &job, job.pool, 0, Reason::Displaced);
         if let Event::Drop {
@@ -1619,10 +1689,12 @@ impl Gate {
         }
     }
 
-    /// Retry-After from the projected drain time: how long until the wait would fit. `sure`:
-    /// the class's recent completions confirm its estimates, so a request too big for its own
-    /// deadline is told not to retry; without that evidence it may (a probe may correct the
-    /// estimate meanwhile).
+    /// Retry-After from the projected drain time: how long until the wait would fit.
+    /// `hopeless`: the request is too big for its own deadline even on the server as it is now
+    /// with nothing ahead, and the class's recent completions confirm the estimate: it is told
+    /// not to retry. Without that evidence it may (a probe may correct the estimate
+    /// meanwhile), and one that only a full server makes too slow is told when the queue
+    /// drains.
     #[allow(clippy::too_many_arguments)]
     fn retry_after(
         &self,
@@ -1632,7 +1704,7 @@ impl Gate {
         slack_ms: Option<i64>,
         count_ahead: u32,
         pool: PoolId,
-        sure: bool,
+        hopeless: bool,
     ) -> (u64, bool) {
         let r = &self.cfg.retry;
         let need = match reason {
@@ -1647,7 +1719,7 @@ impl Gate {
             Reason::ProjectedWaitExceedsSlack => match slack_ms {
                 // Even an empty queue cannot make this deadline: retrying the same request
                 // is pointless, if the estimate is to be trusted.
-                Some(s) if s < 0 && sure => return (r.hopeless_retry_after_ms, false),
+                Some(_) if hopeless => return (r.hopeless_retry_after_ms, false),
                 Some(s) if s < 0 => wait,
                 Some(s) => wait.saturating_sub(s as u64),
                 None => wait,
@@ -1883,14 +1955,18 @@ impl Gate {
         if done.ok {
             let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
             if done.completion_tokens.is_some() || job.max_tokens == Some(0) {
-                // What admission predicted against what it took: the class's error report,
-                // and the evidence that decides probes and `x-should-retry`.
-                c.errors.record(job.est.service_ms, service_ms);
-                if self.pools[pool.0].estimator.learns() {
-                    c.learn_ratio(job.model_service_ms, service_ms);
+                // The estimate in force while it ran against what it took: the class's error
+                // report, its padding and the evidence behind `x-should-retry`. Its own pool's
+                // only: an overflow lane's pool has an estimator of its own.
+                if job.class == home || c.pool == pool {
+                    c.errors.record(job.est.service_ms, service_ms);
+                    if self.pools[pool.0].estimator.learns() {
+                        c.learn_ratio(job.model_service_ms, service_ms);
+                    }
+                    c.recent_others_prefill +=
+                        CONCURRENCY_ALPHA * (sharing.others_prefill - c.recent_others_prefill);
+                    c.refresh_record();
                 }
-                c.recent_others_prefill +=
-                    CONCURRENCY_ALPHA * (sharing.others_prefill - c.recent_others_prefill);
                 let p = &mut self.pools[pool.0];
                 p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
                 if concurrency > 1.05 {
@@ -2204,7 +2280,7 @@ impl Gate {
                     retired: c.retired,
                     deadline_ms: home.default_deadline_ms,
                     max_queue_age_ms: c.max_queue_age_ms,
-                    est_error: home.errors.summary(),
+                    est_error: home.record.errors,
                     probes: home.probes,
                 }
             })

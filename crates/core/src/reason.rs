@@ -68,8 +68,9 @@ pub enum Reason {
     /// otherwise have been rejected (`displace_within_ms`); it was never sent upstream.
     Displaced,
     /// Admitted on a free slot although its own estimate said it could not make its deadline,
-    /// because recent completions of its class do not confirm that estimate: a bounded share
-    /// (`probe_interval_ms`) that measures it, so the gate never locks itself in.
+    /// because nothing of its class was admitted for `probe_interval_ms`: a bounded share that
+    /// measures the estimate, so the gate never locks itself in (such a request may well be
+    /// late: that is the price, one per interval at most).
     Probe,
 }
 

