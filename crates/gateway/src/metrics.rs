@@ -207,16 +207,21 @@ impl Metrics {
         // The estimator's own report of its error, per class, over its recent completions.
         let class_label = |c: &ClassSnapshot| format!("class=\"{}\"", esc(&c.name));
         let errors = || switches().filter(|c| c.est_error.samples > 0);
+        // Two gauges, not a `quantile` label: that label belongs to summaries (promtool).
         family(
             o,
-            "slackgate_estimate_error_ratio",
+            "slackgate_estimate_error_median_ratio",
             "gauge",
-            "|estimated - actual| / actual service time of the class's recent completions, \
-             at the median and the 90th percentile.",
-            errors().flat_map(|c| {
-                [("0.5", c.est_error.median), ("0.9", c.est_error.p90)]
-                    .map(|(q, v)| (format!("{},quantile=\"{q}\"", class_label(c)), v))
-            }),
+            "Median |estimated - actual| / actual service time of the class's recent completions.",
+            errors().map(|c| (class_label(c), c.est_error.median)),
+        );
+        family(
+            o,
+            "slackgate_estimate_error_p90_ratio",
+            "gauge",
+            "90th percentile of |estimated - actual| / actual service time of the class's \
+             recent completions.",
+            errors().map(|c| (class_label(c), c.est_error.p90)),
         );
         family(
             o,

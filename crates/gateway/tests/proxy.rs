@@ -960,12 +960,11 @@ async fn passthrough_health_metrics_and_stats() {
         let signed = l.starts_with("slackgate_estimate_bias_ratio");
         assert!(v.is_finite() && (signed || v >= 0.0), "bad sample {l}");
     }
-    // Four completions: the class's estimate error is reported at both quantiles.
-    assert!(metric(
-        &m,
-        "slackgate_estimate_error_ratio{class=\"interactive\",quantile=\"0.9\"}"
-    )
-    .is_some());
+    // Four completions: the class's estimate error is reported, median and p90.
+    for name in ["median", "p90"] {
+        let series = format!("slackgate_estimate_error_{name}_ratio{{class=\"interactive\"}}");
+        assert!(metric(&m, &series).is_some(), "{series}");
+    }
 
     let st = g.stats().await;
     let classes = st["gate"]["classes"].as_array().unwrap();
