@@ -32,12 +32,10 @@ fi
 # it (users bring their own). Point at it when this checkout is elsewhere; tests that need it
 # fail loudly when it cannot be found.
 if [ -z "${SLACKGATE_TRACES:-}" ]; then
-  for d in "$PWD/../shared/traces" /work/shared/traces; do
-    if [ -f "$d/azure_llm_2023_code.csv" ]; then
-      export SLACKGATE_TRACES="$(cd "$d" && pwd)"
-      break
-    fi
-  done
+  d="$PWD/../shared/traces"
+  if [ -f "$d/azure_llm_2023_code.csv" ]; then
+    export SLACKGATE_TRACES="$(cd "$d" && pwd)"
+  fi
 fi
 echo "test.sh: traces from ${SLACKGATE_TRACES:-<relative to scenarios/>}" >&2
 
