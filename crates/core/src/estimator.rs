@@ -359,11 +359,6 @@ impl Estimator {
         self.learn
     }
 
-    /// Completions learned from.
-    pub fn samples(&self) -> u64 {
-        self.samples
-    }
-
     /// The current model in operator units.
     pub fn snapshot(&self) -> EstimatorSnapshot {
         let t = &self.theta;

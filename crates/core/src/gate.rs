@@ -1185,17 +1185,20 @@ impl Gate {
         );
         let padded_wait = (wait as f64 * (1.0 + margin)).round().min(1e15) as u64;
         // Too big for its own deadline even where it would run now with nothing ahead (not at
-        // the full concurrency a waiting request is estimated at): a retry cannot help.
-        let own_now = scale_estimate(
-            p.estimator.estimate(
-                prompt_tokens,
-                own_output,
-                p.expected_sharing(0, 0, home.recent_others_prefill),
-            ),
-            factor,
-        );
-        let hopeless =
-            slack(now, 0, deadline, req.first_token_deadline, own_now).is_some_and(|s| s < 0);
+        // the full concurrency a waiting request is estimated at): a retry cannot help. Only
+        // asked when it does not fit as estimated: with non-negative coefficients an estimate
+        // never grows as sharing shrinks, so one that fits there fits here.
+        let hopeless = slack_ms.is_some_and(|s| s < 0) && {
+            let own_now = scale_estimate(
+                p.estimator.estimate(
+                    prompt_tokens,
+                    own_output,
+                    p.expected_sharing(0, 0, home.recent_others_prefill),
+                ),
+                factor,
+            );
+            slack(now, 0, deadline, req.first_token_deadline, own_now).is_some_and(|s| s < 0)
+        };
         let in_flight = p.in_flight.len() as u32;
         let sure = self.estimate_confirmed(lane);
         let mut hard_cap = false;
@@ -2308,8 +2311,8 @@ impl Gate {
                 learning: p.prior.learn,
                 warming_up: p.estimator.warming_up(),
                 retired: p.retired,
-                chars_per_token: p.tokens.snapshot().0,
-                template_tokens: p.tokens.snapshot().1,
+                chars_per_token: p.tokens.chars_per_token(),
+                template_tokens: p.tokens.template_tokens(),
                 mean_concurrency: p.recent_concurrency,
             })
             .collect();

@@ -157,9 +157,14 @@ impl TokenCounter {
         }
     }
 
-    /// The pool-wide characters per token and template tokens now.
-    pub fn snapshot(&self) -> (f64, f64) {
-        (CHAR_UNIT / self.pool.per_unit, self.pool.template)
+    /// The pool-wide characters per token now.
+    pub fn chars_per_token(&self) -> f64 {
+        CHAR_UNIT / self.pool.per_unit
+    }
+
+    /// The pool-wide tokens the chat template adds to every prompt now.
+    pub fn template_tokens(&self) -> f64 {
+        self.pool.template
     }
 }
 
@@ -193,7 +198,7 @@ mod tests {
                 "{c} chars: {got} vs {want}"
             );
         }
-        let (ratio, template) = t.snapshot();
+        let (ratio, template) = (t.chars_per_token(), t.template_tokens());
         assert!((ratio - 1.2).abs() < 0.1, "{ratio}");
         assert!((template - 12.0).abs() < 3.0, "{template}");
     }
@@ -208,7 +213,7 @@ mod tests {
         }
         let got = t.tokens(120, None);
         assert!((95..=105).contains(&got), "{got}");
-        let (ratio, template) = t.snapshot();
+        let (ratio, template) = (t.chars_per_token(), t.template_tokens());
         assert!(ratio >= 0.25 && template >= 0.0);
     }
 
@@ -237,7 +242,7 @@ mod tests {
         t.learn(1, u32::MAX, None);
         let n = t.tokens(1000, None);
         assert!(n >= 1, "{n}");
-        let (ratio, _) = t.snapshot();
+        let ratio = t.chars_per_token();
         assert!((0.25..=64.0).contains(&ratio), "{ratio}");
     }
 }

@@ -6,7 +6,7 @@
 //! dashboards in `deploy/` use them.
 
 use crate::telemetry::LogCounters;
-use slackgate_core::{ClassSnapshot, GateSnapshot, PoolSnapshot};
+use slackgate_core::{ClassSnapshot, ErrorSummary, GateSnapshot, PoolSnapshot};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -207,30 +207,37 @@ impl Metrics {
         // The estimator's own report of its error, per class, over its recent completions.
         let class_label = |c: &ClassSnapshot| format!("class=\"{}\"", esc(&c.name));
         let errors = || switches().filter(|c| c.est_error.samples > 0);
-        // Two gauges, not a `quantile` label: that label belongs to summaries (promtool).
-        family(
-            o,
-            "slackgate_estimate_error_median_ratio",
-            "gauge",
-            "Median |estimated - actual| / actual service time of the class's recent completions.",
-            errors().map(|c| (class_label(c), c.est_error.median)),
-        );
-        family(
-            o,
-            "slackgate_estimate_error_p90_ratio",
-            "gauge",
-            "90th percentile of |estimated - actual| / actual service time of the class's \
-             recent completions.",
-            errors().map(|c| (class_label(c), c.est_error.p90)),
-        );
-        family(
-            o,
-            "slackgate_estimate_bias_ratio",
-            "gauge",
-            "Median (estimated - actual) / actual service time of the class's recent \
-             completions (above 0: estimates run long).",
-            errors().map(|c| (class_label(c), c.est_error.bias)),
-        );
+        // Separate gauges, not a `quantile` label: that label belongs to summaries (promtool).
+        type ErrorGauge = (&'static str, &'static str, fn(&ErrorSummary) -> f64);
+        let error_gauges: [ErrorGauge; 3] = [
+            (
+                "slackgate_estimate_error_median_ratio",
+                "Median |estimated - actual| / actual service time of the class's recent \
+                 completions.",
+                |e| e.median,
+            ),
+            (
+                "slackgate_estimate_error_p90_ratio",
+                "90th percentile of |estimated - actual| / actual service time of the class's \
+                 recent completions.",
+                |e| e.p90,
+            ),
+            (
+                "slackgate_estimate_bias_ratio",
+                "Median (estimated - actual) / actual service time of the class's recent \
+                 completions (above 0: estimates run long).",
+                |e| e.bias,
+            ),
+        ];
+        for (name, help, value) in error_gauges {
+            family(
+                o,
+                name,
+                "gauge",
+                help,
+                errors().map(|c| (class_label(c), value(&c.est_error))),
+            );
+        }
         family(
             o,
             "slackgate_probes_total",
