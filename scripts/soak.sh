@@ -144,20 +144,26 @@ metric() { curl -sf "http://127.0.0.1:$GATE/metrics" | awk -v m="$1" '$1 == m { 
 rss_kb() { awk '/^VmRSS/ { print $2 }' "/proc/$GATE_PID/status"; }
 fds() { ls "/proc/$GATE_PID/fd" | wc -l; }
 ledger_bytes() { cat "$WORK"/ledger.db* 2>/dev/null | wc -c; }
+db_bytes() { stat -c %s "$WORK/ledger.db" 2>/dev/null || echo 0; }
+wal_bytes() { stat -c %s "$WORK/ledger.db-wal" 2>/dev/null || echo 0; }
 sample() {
-  printf '%-6s %10s %6s %12s %12s %6s %9s  %s\n' "$1" "$(rss_kb)" "$(fds)" "$(ledger_bytes)" \
+  printf '%-6s %10s %6s %12s %10s %10s %12s %6s %9s  %s\n' "$1" "$(rss_kb)" "$(fds)" "$(ledger_bytes)" \
+    "$(db_bytes)" "$(wal_bytes)" \
     "$(metric slackgate_ledger_tokens_held)" "$(metric slackgate_ledger_holds)" \
     "$(metric slackgate_ledger_store_rows_pruned_total)" "$(cat "$WORK/tally.json" 2>/dev/null || echo '{}')"
 }
 
 echo "soak: $MINUTES min at $RATE req/s (stub capacity 25 req/s), gate pid $GATE_PID, binary $BIN"
-printf '%-6s %10s %6s %12s %12s %6s %9s  %s\n' minute rss_kb fds ledger_bytes tokens_held holds pruned load
+printf '%-6s %10s %6s %12s %10s %10s %12s %6s %9s  %s\n' minute rss_kb fds ledger_bytes db_bytes wal_bytes \
+  tokens_held holds pruned load
 sample 0
 RSS=()
+LEDGER=()
 for m in $(seq 1 "$MINUTES"); do
   sleep 60
   sample "$m"
   RSS+=("$(rss_kb)")
+  LEDGER+=("$(ledger_bytes)")
 done
 wait "$LOAD_PID" 2>/dev/null || true
 # Drain: nothing should stay held once the load stops (reservations commit, proxied holds
@@ -175,6 +181,12 @@ if [ "$MINUTES" -gt 5 ]; then
 import sys
 a, b = int(sys.argv[1]), int(sys.argv[2])
 print(f"RSS growth after minute 5: {a} kB -> {b} kB ({(b - a) / a * 100:+.2f}%)")
+PY
+  python3 - "${LEDGER[@]:4}" <<'PY'
+import sys
+sizes = [int(x) for x in sys.argv[1:]]
+print(f"ledger (db + WAL) from minute 5: {sizes[0]} -> {sizes[-1]} bytes, largest {max(sizes)}, "
+      f"smallest {min(sizes)} ({(sizes[-1] - sizes[0]) / sizes[0] * 100:+.2f}%)")
 PY
 fi
 echo "held at the end: tokens $(metric slackgate_ledger_tokens_held), holds $(metric slackgate_ledger_holds); decision log lines dropped: $(metric slackgate_log_dropped_total)"

@@ -167,7 +167,22 @@ impl SqliteStore {
                             last_prune = std::time::Instant::now();
                             let now = crate::telemetry::epoch_ms();
                             match super::prune::prune_all(&mut checkpoint_conn, now, retention) {
-                                Ok(n) => Counters::add(&pruner_counters.rows_pruned, n),
+                                Ok(n) => {
+                                    Counters::add(&pruner_counters.rows_pruned, n);
+                                    if n > 0 {
+                                        // A passive checkpoint never shrinks the WAL: it
+                                        // keeps its high-water mark (up to
+                                        // `journal_size_limit`). After a round that freed
+                                        // rows, copy it back and cut it to zero, so the
+                                        // files' size follows the live rows. It waits for
+                                        // the writer's current batch, a few ms at most.
+                                        let _ = checkpoint_conn.query_row(
+                                            "PRAGMA wal_checkpoint(TRUNCATE)",
+                                            [],
+                                            |_| Ok(()),
+                                        );
+                                    }
+                                }
                                 Err(e) => {
                                     Counters::add(&pruner_counters.prune_errors, 1);
                                     if !logged {
