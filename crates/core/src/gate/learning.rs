@@ -1,0 +1,260 @@
+//! The end of a job: completion (which teaches the estimator, the class's output length and
+//! error record, and the token counter), cancellation, and the settlement of its hold.
+
+use super::*;
+
+/// How a job's hold is settled when the job ends.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Settle {
+    /// Done: tokens spent.
+    Commit(u64),
+    /// Cancelled: tokens wasted.
+    Cancel(u64),
+    /// The ledger already expired it.
+    AlreadyExpired,
+}
+
+impl Gate {
+    /// Record the first token of a dispatched job (for time-to-first-token figures).
+    pub fn on_first_token(&mut self, now: Millis, id: JobId) {
+        let now = self.clock(now);
+        if let Some(j) = self.jobs.get_mut(&id) {
+            if j.first_token_at.is_none() && matches!(j.state, JobState::InFlight { .. }) {
+                j.first_token_at = Some(now);
+            }
+        }
+    }
+
+    /// A dispatched job's response ended. Frees its slot and teaches the estimator. Returns
+    /// `None` for an unknown or already-ended job, so a second call can never free twice.
+    pub fn on_complete(&mut self, now: Millis, id: JobId, done: Completion) -> Option<Completed> {
+        let now = self.clock(now);
+        let job = self.jobs.get(&id)?;
+        let JobState::InFlight {
+            started_at,
+            busy_at_start,
+            context_at_start,
+            prefill_at_start,
+        } = job.state
+        else {
+            return None;
+        };
+        let job = self.jobs.remove(&id)?;
+        let pool = job.pool;
+        let sharing = self.pools[pool.0].sharing_since(
+            now,
+            started_at,
+            (busy_at_start, context_at_start, prefill_at_start),
+            job.context,
+        );
+        let concurrency = sharing.concurrency;
+        // An overflow lane's completions teach its class's output length.
+        let home = self.home(job.class);
+        let c = &mut self.classes[home.0];
+        let service_ms = now.saturating_sub(started_at);
+        if done.ok {
+            let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
+            if done.completion_tokens.is_some() || job.max_tokens == Some(0) {
+                // The estimate in force while it ran against what it took: the class's error
+                // report, its padding and the evidence behind `x-should-retry`. Its own pool's
+                // only: an overflow lane's pool has an estimator of its own.
+                if job.class == home || c.pool == pool {
+                    c.errors.record(job.est.service_ms, service_ms);
+                    if self.pools[pool.0].estimator.learns() {
+                        c.learn_ratio(job.model_service_ms, service_ms);
+                    }
+                    c.recent_others_prefill +=
+                        CONCURRENCY_ALPHA * (sharing.others_prefill - c.recent_others_prefill);
+                    c.refresh_record();
+                }
+                let p = &mut self.pools[pool.0];
+                p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
+                if concurrency > 1.05 {
+                    let each = sharing.others_context / (concurrency - 1.0);
+                    p.recent_other_context += CONCURRENCY_ALPHA * (each - p.recent_other_context);
+                }
+                if let (Some(chars), Some(tokens)) = (job.prompt_chars, done.prompt_tokens) {
+                    p.tokens.learn(chars, tokens, job.model.as_deref());
+                }
+            }
+            let c = &mut self.classes[home.0];
+            match done.completion_tokens {
+                Some(out) => {
+                    let v = f64::from(out);
+                    c.expected_output = Some(match c.expected_output {
+                        Some(prev) => prev + EWMA_ALPHA * (v - prev),
+                        None => v,
+                    });
+                    // Stochastic quantile tracking: up by (1 - q) steps when an output is
+                    // above the estimate, down by q steps when not; it settles where a
+                    // fraction q of outputs lie below. The step scales with the larger of
+                    // the mean and the quantile itself: scaled by the mean alone, a class
+                    // whose outputs shrank (1000 tokens to 10) would take thousands of
+                    // completions to bring its quantile down, refusing work meanwhile.
+                    let scale = c.expected_output.unwrap_or(v).max(c.output_q.unwrap_or(v));
+                    let step = QUANTILE_STEP * scale.max(1.0);
+                    let below = if v <= c.output_q.unwrap_or(v) {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    // Its down steps are small (a tenth of the up steps), so after the class's
+                    // outputs shrink it would lag for hundreds of completions: it is kept
+                    // within a few times the mean, which follows at once.
+                    let cap = QUANTILE_MAX_RATIO * c.expected_output.unwrap_or(v).max(1.0);
+                    c.output_q = Some(match c.output_q {
+                        Some(q) => (q + step * (OUTPUT_QUANTILE - below)).clamp(0.0, cap),
+                        None => v,
+                    });
+                    self.pools[pool.0]
+                        .estimator
+                        .observe(prompt, out, sharing, service_ms);
+                }
+                // A request that generates nothing (embeddings) reports no completion tokens:
+                // it still teaches the overhead and prefill costs. A generating request with
+                // no usage teaches nothing (its output length is unknown).
+                None if job.max_tokens == Some(0) => {
+                    self.pools[pool.0]
+                        .estimator
+                        .observe(prompt, 0, sharing, service_ms);
+                }
+                None => {}
+            }
+        }
+        // Settle the hold: spent per the upstream's usage (or, without usage, what was held);
+        // a failed response spent nothing billable and wasted what it streamed.
+        let settle = if done.ok {
+            let spent = match (done.prompt_tokens, done.completion_tokens) {
+                (None, None) => self.ledger.get(&job.key).map_or(0, |r| r.tokens_held),
+                (p, c) => u64::from(p.unwrap_or(job.prompt_tokens)) + u64::from(c.unwrap_or(0)),
+            };
+            Settle::Commit(spent)
+        } else {
+            Settle::Cancel(u64::from(done.completion_tokens.unwrap_or(0)))
+        };
+        Some(self.finish(now, id, job, pool, Some(started_at), settle))
+    }
+
+    /// The client went away (or the caller gave up): release the job's queue place or slot
+    /// and settle its hold as cancelled. Returns `None` for an unknown or already-ended job.
+    pub fn cancel(&mut self, now: Millis, id: JobId) -> Option<Completed> {
+        self.cancel_wasted(now, id, 0)
+    }
+
+    /// [`Gate::cancel`], recording `wasted` tokens generated for the vanished client.
+    pub fn cancel_wasted(&mut self, now: Millis, id: JobId, wasted: u64) -> Option<Completed> {
+        let now = self.clock(now);
+        let (job, pool, started) = self.take_job(id)?;
+        Some(self.finish(now, id, job, pool, started, Settle::Cancel(wasted)))
+    }
+
+    /// Remove a live job from the gate's books: out of its queue if queued. Returns it, its
+    /// pool and when it was dispatched (if it was); the caller `finish`es it.
+    pub(super) fn take_job(&mut self, id: JobId) -> Option<(Job, PoolId, Option<Millis>)> {
+        let job = self.jobs.remove(&id)?;
+        let pool = job.pool;
+        let started = match job.state {
+            JobState::Queued => {
+                self.unqueue(id, &job);
+                None
+            }
+            JobState::InFlight { started_at, .. } => Some(started_at),
+        };
+        Some((job, pool, started))
+    }
+
+    /// Settle a job's hold in the ledger and forget its key; returns the settled record.
+    pub(super) fn settle_hold(
+        &mut self,
+        now: Millis,
+        job: &Job,
+        settle: Settle,
+    ) -> Option<HoldRecord> {
+        if self
+            .keys
+            .get(&job.key)
+            .is_some_and(|j| !self.jobs.contains_key(j))
+        {
+            self.keys.remove(&job.key);
+        }
+        let r = match settle {
+            Settle::Commit(spent) => self.ledger.commit(now, &job.key, spent),
+            Settle::Cancel(wasted) => self.ledger.cancel(now, &job.key, wasted),
+            Settle::AlreadyExpired => return self.ledger.get(&job.key).cloned(),
+        };
+        // A generated key is persisted like any other but not remembered: nobody can replay
+        // it, and keeping it for the retention would only cost memory.
+        if job.generated_key && matches!(r, Ok(_) | Err(SettleError::HoldExpired(_))) {
+            self.ledger.forget(&job.key);
+        }
+        match r {
+            Ok(r) => {
+                self.ledger_out.push(r.clone());
+                Some(r)
+            }
+            // Expired on the way (its TTL passed): that is its settlement, and it must be
+            // persisted like any other.
+            Err(SettleError::HoldExpired(r)) => {
+                self.ledger_out.push((*r).clone());
+                Some(*r)
+            }
+            Err(_) => None,
+        }
+    }
+
+    pub(super) fn finish(
+        &mut self,
+        now: Millis,
+        id: JobId,
+        job: Job,
+        pool: PoolId,
+        started_at: Option<Millis>,
+        settle: Settle,
+    ) -> Completed {
+        let sharing = match job.state {
+            JobState::InFlight {
+                started_at,
+                busy_at_start,
+                context_at_start,
+                prefill_at_start,
+            } => self.pools[pool.0].sharing_since(
+                now,
+                started_at,
+                (busy_at_start, context_at_start, prefill_at_start),
+                job.context,
+            ),
+            JobState::Queued => Sharing {
+                concurrency: 0.0,
+                ..Sharing::ALONE
+            },
+        };
+        let p = &mut self.pools[pool.0];
+        p.advance_busy(now);
+        if p.in_flight.remove(&id).is_some() {
+            p.context_now = (p.context_now - job.context).max(0.0);
+            if p.in_flight.is_empty() {
+                // No rounding left behind: an idle pool has no context.
+                p.context_now = 0.0;
+            }
+        }
+        let hold = self.settle_hold(now, &job, settle);
+        let queue_wait_ms = started_at.unwrap_or(now).saturating_sub(job.arrived_at);
+        Completed {
+            job_id: id,
+            class: job.class,
+            pool,
+            dispatched: started_at.is_some(),
+            queue_wait_ms,
+            service_ms: started_at.map_or(0, |s| now.saturating_sub(s)),
+            turnaround_ms: now.saturating_sub(job.arrived_at),
+            time_to_first_token_ms: job.first_token_at.map(|t| t.saturating_sub(job.arrived_at)),
+            deadline_slack_ms: job.deadline.map(|d| signed_diff(d, now)),
+            in_flight: self.pools[pool.0].in_flight.len() as u32,
+            depth: self.pool_depth(pool),
+            hold,
+            est_service_ms: job.est.service_ms,
+            concurrency: sharing.concurrency,
+            others_context: sharing.others_context,
+        }
+    }
+}

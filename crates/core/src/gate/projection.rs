@@ -1,0 +1,330 @@
+//! Pure arithmetic of waits: how long a request would wait for a slot (water filling of the
+//! queued work over the slots' free times), its slack against a deadline, how many requests it
+//! will share the server with, and the jitter that spreads Retry-Afters. Nothing here changes
+//! the gate; every function is O(classes) or O(slots).
+
+use super::*;
+
+pub(super) fn slack(
+    now: Millis,
+    wait: u64,
+    deadline: Option<Millis>,
+    first_token_deadline: Option<Millis>,
+    est: Estimate,
+) -> Option<i64> {
+    let start = now.saturating_add(wait);
+    let whole = deadline.map(|d| signed_diff(d, start.saturating_add(est.service_ms)));
+    let first =
+        first_token_deadline.map(|d| signed_diff(d, start.saturating_add(est.first_token_ms)));
+    match (whole, first) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+pub(super) fn signed_diff(a: Millis, b: Millis) -> i64 {
+    let d = i128::from(a) - i128::from(b);
+    d.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
+}
+
+/// Scale an estimate by a class's correction.
+pub(super) fn scale_estimate(e: Estimate, factor: f64) -> Estimate {
+    let f = |v: u64| ((v as f64) * factor).round().clamp(1.0, 1e15) as u64;
+    Estimate {
+        service_ms: f(e.service_ms),
+        first_token_ms: f(e.first_token_ms).min(f(e.service_ms)),
+    }
+}
+
+/// Estimated time left of one in-flight job: its estimate minus what it has run. A job past
+/// its estimate is treated as likely to run about as long again as it has overrun (a stuck
+/// slot must look stuck, not about to free), and never as done: an eighth of its estimate is
+/// the floor once it has overrun. A job still inside its estimate gets no floor: padding
+/// the last seconds of every running job would make a later re-check (`tick`) see waits
+/// that the admission did not, and drop work that was going to make it.
+pub(super) fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
+    let elapsed = now.saturating_sub(started);
+    if elapsed < est {
+        return est - elapsed;
+    }
+    (elapsed - est).max(est / 8).max(1)
+}
+
+/// Slot counts up to this are handled on the stack when projecting a wait.
+pub(super) const STACK_SLOTS: usize = 64;
+
+impl PoolState {
+    /// Bring the in-flight integral up to `now`; call before the in-flight set changes.
+    pub(super) fn advance_busy(&mut self, now: Millis) {
+        let dt = now.saturating_sub(self.busy_at);
+        self.busy = self
+            .busy
+            .saturating_add(u128::from(dt) * self.in_flight.len() as u128);
+        self.context_busy += dt as f64 * self.context_now;
+        self.busy_at = self.busy_at.max(now);
+    }
+
+    /// What a job dispatched at `started_at` shared the server with until `now`.
+    pub(super) fn sharing_since(
+        &self,
+        now: Millis,
+        started_at: Millis,
+        (busy_at_start, context_at_start, prefill_at_start): (u128, f64, u64),
+        own_context: f64,
+    ) -> Sharing {
+        let concurrency = self.concurrency_since(now, started_at, busy_at_start);
+        let dt = now.saturating_sub(started_at);
+        let total = if dt == 0 {
+            self.context_now
+        } else {
+            let area =
+                self.context_busy + now.saturating_sub(self.busy_at) as f64 * self.context_now;
+            (area - context_at_start) / dt as f64
+        };
+        Sharing {
+            concurrency,
+            others_context: (total - own_context).max(0.0),
+            others_prefill: self.prefill_dispatched.saturating_sub(prefill_at_start) as f64,
+        }
+    }
+
+    /// The integral as it stands at `now` (without moving it).
+    pub(super) fn busy_until(&self, now: Millis) -> u128 {
+        let dt = now.saturating_sub(self.busy_at);
+        self.busy
+            .saturating_add(u128::from(dt) * self.in_flight.len() as u128)
+    }
+
+    /// Mean in-flight count (at least 1: the job itself) over a job's life so far.
+    pub(super) fn concurrency_since(
+        &self,
+        now: Millis,
+        started_at: Millis,
+        busy_at_start: u128,
+    ) -> f64 {
+        let dt = now.saturating_sub(started_at);
+        if dt == 0 {
+            return (self.in_flight.len() as f64).max(1.0);
+        }
+        let area = self.busy_until(now).saturating_sub(busy_at_start);
+        (area as f64 / dt as f64).max(1.0)
+    }
+
+    /// How many requests a newcomer will share the server with while it runs: every slot's
+    /// worth when it has to wait for one (the pool is saturated), otherwise what runs now plus
+    /// what is queued ahead and itself, or the recent usual if that is more (others arrive
+    /// while it runs); never more than the slots.
+    pub(super) fn expected_concurrency(&self, wait: u64, count_ahead: u32) -> f64 {
+        let slots = f64::from(self.slots.max(1));
+        if wait > 0 {
+            return slots;
+        }
+        let others = self.in_flight.len() as f64 + f64::from(count_ahead);
+        if others == 0.0 {
+            // An idle pool: alone, whatever ran before (the recent mean is history and only
+            // decays with completions, which an idle pool does not have).
+            return 1.0;
+        }
+        (others + 1.0).max(self.recent_concurrency).min(slots)
+    }
+
+    /// [`PoolState::expected_concurrency`] with the others' context: each other request as
+    /// long as the longer of what runs now (mean) and what recently ran beside completions.
+    /// `others_prefill`: what the class's recent completions saw start beside them.
+    pub(super) fn expected_sharing(
+        &self,
+        wait: u64,
+        count_ahead: u32,
+        others_prefill: f64,
+    ) -> Sharing {
+        let k = self.expected_concurrency(wait, count_ahead);
+        let current = if self.in_flight.is_empty() {
+            0.0
+        } else {
+            self.context_now / self.in_flight.len() as f64
+        };
+        Sharing {
+            others_prefill,
+            ..Sharing::with(k, current.max(self.recent_other_context))
+        }
+    }
+
+    /// A request's prompt tokens: counted from its characters with the learned relation when
+    /// the gateway gave them, else as the caller estimated.
+    pub(super) fn prompt_tokens(&self, req: &Request) -> u32 {
+        match req.prompt_chars {
+            Some(chars) => self.tokens.tokens(chars, req.model.as_deref()),
+            None => req.prompt_tokens,
+        }
+    }
+
+    /// Estimated work left of all in-flight jobs (saturating: a few slots stuck for ages must
+    /// not wrap to a short wait).
+    pub(super) fn in_flight_remaining(&self, now: Millis) -> u64 {
+        self.in_flight
+            .values()
+            .map(|&(started, est)| remaining(now, started, est))
+            .fold(0, u64::saturating_add)
+    }
+
+    /// When a slot is free for a job behind `work_ahead` ms of queued work: "water filling"
+    /// over the slots. Each slot is free after its in-flight job's remaining time (free slots
+    /// at once); the queued work ahead pours into the slots as they free up; the job starts
+    /// when that work is absorbed. A long job thus only takes its own slot out of the
+    /// picture instead of being averaged over every slot. O(slots).
+    pub(super) fn wait_for_slot(&self, now: Millis, work_ahead: u64) -> u64 {
+        let n = self.slot_count();
+        let mut stack = [0u64; STACK_SLOTS];
+        let mut heap = Vec::new();
+        let r: &mut [u64] = if n <= STACK_SLOTS {
+            &mut stack[..n]
+        } else {
+            heap.resize(n, 0);
+            &mut heap
+        };
+        self.free_times(now, r);
+        water_fill(r, work_ahead)
+    }
+
+    /// Entries [`PoolState::free_times`] needs: one per slot, or per in-flight job if more
+    /// run than there are slots (slots lowered under load).
+    pub(super) fn slot_count(&self) -> usize {
+        (self.slots as usize).max(1).max(self.in_flight.len())
+    }
+
+    /// When each slot frees, from now, sorted: in-flight jobs' remaining times, 0 for free
+    /// slots. `r` has [`PoolState::slot_count`] entries.
+    pub(super) fn free_times(&self, now: Millis, r: &mut [u64]) {
+        r.fill(0);
+        for (slot, &(started, est)) in r.iter_mut().zip(self.in_flight.values()) {
+            *slot = remaining(now, started, est);
+        }
+        r.sort_unstable();
+    }
+
+    /// How long the pool has failed to free a slot: when every slot is busy, the age of the
+    /// youngest in-flight job (all of them have held their slot at least that long); 0 when a
+    /// slot is free.
+    pub(super) fn slot_age(&self, now: Millis) -> u64 {
+        if (self.in_flight.len() as u32) < self.slots {
+            return 0;
+        }
+        self.in_flight
+            .values()
+            .map(|&(started, _)| now.saturating_sub(started))
+            .min()
+            .unwrap_or(0)
+    }
+}
+
+/// Spread rejected clients out: add 0 to `percent`% to a Retry-After, deterministically from
+/// the job id (splitmix64), so clients rejected together do not return in lockstep and the
+/// same inputs still give the same decisions.
+pub(super) fn jitter(after_ms: u64, job_id: JobId, percent: u32) -> u64 {
+    if percent == 0 || after_ms == 0 {
+        return after_ms;
+    }
+    let mut z = job_id.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let span = u128::from(after_ms) * u128::from(percent.min(100)) / 100;
+    let extra = if span == 0 {
+        0
+    } else {
+        u128::from(z) % (span + 1)
+    };
+    (u128::from(after_ms) + extra).min(u128::from(u64::MAX)) as u64
+}
+
+/// [`water_fill`] for a sequence of non-decreasing amounts of work over the same slots, in
+/// O(slots + queries) overall instead of O(slots) per query: the level only rises, so the
+/// number of slots taking part only grows. `tick` asks once per queued job.
+pub(super) struct WaterFiller<'a> {
+    r: &'a [u64],
+    j: usize,
+    prefix: u128,
+}
+
+impl<'a> WaterFiller<'a> {
+    pub(super) fn new(r: &'a [u64]) -> Self {
+        WaterFiller {
+            r,
+            j: 0,
+            prefix: r.first().map_or(0, |&v| u128::from(v)),
+        }
+    }
+
+    /// `water_fill(r, work)`; `work` must not decrease between calls.
+    pub(super) fn level(&mut self, work: u64) -> u64 {
+        if self.r.is_empty() {
+            return 0;
+        }
+        loop {
+            let active = (self.j + 1) as u128;
+            let level = (u128::from(work) + self.prefix)
+                .div_ceil(active)
+                .max(u128::from(self.r[self.j]));
+            match self.r.get(self.j + 1) {
+                Some(&next) if level > u128::from(next) => {
+                    self.j += 1;
+                    self.prefix += u128::from(next);
+                }
+                _ => return level.min(u128::from(u64::MAX)) as u64,
+            }
+        }
+    }
+}
+
+/// Smallest `t >= r[0]` with `sum(max(0, t - r_i)) >= work`, for `r` sorted ascending (0 for
+/// no slots). O(slots).
+pub(super) fn water_fill(r: &[u64], work: u64) -> u64 {
+    WaterFiller::new(r).level(work)
+}
+
+impl Gate {
+    /// Work and count queued ahead of a request of `priority` on `pool`, and the oldest
+    /// enqueue time among them: O(classes of the pool).
+    pub(super) fn ahead(&self, pool: PoolId, priority: u32) -> (u64, u32, Option<Millis>) {
+        let mut work = 0u64;
+        let mut count = 0u32;
+        let mut oldest: Option<Millis> = None;
+        for id in &self.pools[pool.0].classes {
+            let c = &self.classes[id.0];
+            if c.priority < priority {
+                break; // sorted by priority, highest first
+            }
+            work = work.saturating_add(c.queue.work_ms());
+            count = count.saturating_add(c.queue.len() as u32);
+            if let Some(t) = c.queue.oldest_enqueued_at() {
+                oldest = Some(oldest.map_or(t, |o: Millis| o.min(t)));
+            }
+        }
+        (work, count, oldest)
+    }
+
+    /// Projected wait for a slot given the work ahead: nothing if a slot is free for it,
+    /// otherwise in-flight remainder plus queued work, spread over the slots.
+    pub(super) fn projected_wait(
+        &self,
+        pool: PoolId,
+        now: Millis,
+        work_ahead: u64,
+        count_ahead: u32,
+    ) -> u64 {
+        let p = &self.pools[pool.0];
+        let busy = p.in_flight.len() as u32;
+        if busy.saturating_add(count_ahead) < p.slots {
+            return 0;
+        }
+        p.wait_for_slot(now, work_ahead)
+    }
+
+    pub(super) fn pool_depth(&self, pool: PoolId) -> u32 {
+        self.pools[pool.0]
+            .classes
+            .iter()
+            .map(|c| self.classes[c.0].queue.len() as u32)
+            .sum()
+    }
+}

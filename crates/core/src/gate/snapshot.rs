@@ -1,0 +1,182 @@
+//! A consistent read-only view of the gate at one instant, for the admin API, `/stats` and the
+//! simulator's reports. Nothing here changes the gate.
+
+use super::*;
+
+/// Live view of one class, for metrics, `/stats` and the admin API.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClassSnapshot {
+    /// Class name.
+    pub name: String,
+    /// Pool name.
+    pub pool: String,
+    /// Priority.
+    pub priority: u32,
+    /// Switched on?
+    pub enabled: bool,
+    /// Jobs queued.
+    pub depth: u32,
+    /// Age of the oldest queued job.
+    pub oldest_queue_age_ms: u64,
+    /// Sum of the estimated service of queued jobs.
+    pub queued_work_ms: u64,
+    /// Projected wait a new request of this class would see now.
+    pub projected_wait_ms: u64,
+    /// Expected output tokens learned for this class.
+    pub expected_output_tokens: u32,
+    /// Jobs of this class holding a slot on this pool.
+    pub in_flight: u32,
+    /// Being drained (admin API): new work is refused with `class_disabled`.
+    pub draining: bool,
+    /// This row is the class's overflow lane: its work routed to its `overflow_pool`.
+    pub overflow: bool,
+    /// Removed by a config reload: it takes no new work; what it already had runs to its end.
+    pub retired: bool,
+    /// The class's default deadline (`deadline_ms`), against which its queue age is slack.
+    pub deadline_ms: Option<u64>,
+    /// The class's queue-age threshold (`max_queue_age_ms`).
+    pub max_queue_age_ms: Option<u64>,
+    /// How far the estimates of the class's recent completions were from what they took.
+    pub est_error: ErrorSummary,
+    /// Requests admitted as `probe` so far.
+    pub probes: u64,
+}
+
+/// Live view of one pool.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PoolSnapshot {
+    /// Pool name.
+    pub name: String,
+    /// Slots (`max_in_flight`).
+    pub slots: u32,
+    /// Slots taken.
+    pub in_flight: u32,
+    /// Jobs queued on the pool, all classes.
+    pub depth: u32,
+    /// Estimated remaining work of in-flight jobs.
+    pub in_flight_remaining_ms: u64,
+    /// How long the oldest in-flight job has held its slot (a stuck slot shows here while
+    /// the queue itself may be empty: seed 002's eval).
+    pub oldest_in_flight_age_ms: u64,
+    /// Learned service-time model.
+    pub estimator: EstimatorSnapshot,
+    /// Whether the estimator learns from completions (`prior.learn`).
+    pub learning: bool,
+    /// Fewer completions than the warm-up needs: an idle pool admits on its prior anyway.
+    pub warming_up: bool,
+    /// Removed by a config reload: it takes no new work; what it already had runs to its end.
+    pub retired: bool,
+    /// Learned characters of prompt text per token (pool-wide).
+    pub chars_per_token: f64,
+    /// Learned tokens the chat template adds to every prompt (pool-wide).
+    pub template_tokens: f64,
+    /// Mean number of requests in flight while recent completions ran.
+    pub mean_concurrency: f64,
+}
+
+/// Live view of the whole gate.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GateSnapshot {
+    /// The time of the snapshot.
+    pub now_ms: Millis,
+    /// Rollback flag.
+    pub admit_always: bool,
+    /// Shadow mode: would-be rejections are admitted and reported as `shadow_reject`.
+    pub shadow: bool,
+    /// Unlabeled work is refused (`reject_unlabeled`) while a drain asks for it, even with a
+    /// default class.
+    pub unlabeled_suspended: bool,
+    /// The gate is shutting down: the time by which queued work must have finished.
+    pub closing_at_ms: Option<Millis>,
+    /// Per class.
+    pub classes: Vec<ClassSnapshot>,
+    /// Per pool.
+    pub pools: Vec<PoolSnapshot>,
+}
+
+impl Gate {
+    /// A consistent view of queues, pools and estimators at `now`. Lanes and pools retired
+    /// by a reload appear only while they still have work.
+    pub fn snapshot(&self, now: Millis) -> GateSnapshot {
+        let now = now.max(self.last_now);
+        let mut lane_in_flight = vec![0u32; self.classes.len()];
+        for p in &self.pools {
+            for id in p.in_flight.keys() {
+                if let Some(j) = self.jobs.get(id) {
+                    if let Some(n) = lane_in_flight.get_mut(j.class.0) {
+                        *n += 1;
+                    }
+                }
+            }
+        }
+        let classes = self
+            .classes
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| !c.retired || !c.queue.is_empty() || lane_in_flight[*i] > 0)
+            .map(|(i, c)| {
+                let (work, count, _) = self.ahead(c.pool, c.priority);
+                let home = &self.classes[self.home(ClassId(i)).0];
+                ClassSnapshot {
+                    name: c.name.clone(),
+                    pool: self.pools[c.pool.0].name.clone(),
+                    priority: c.priority,
+                    enabled: home.enabled,
+                    depth: c.queue.len() as u32,
+                    oldest_queue_age_ms: c
+                        .queue
+                        .oldest_enqueued_at()
+                        .map_or(0, |t| now.saturating_sub(t)),
+                    queued_work_ms: c.queue.work_ms(),
+                    projected_wait_ms: self.projected_wait(c.pool, now, work, count),
+                    expected_output_tokens: self.expected_output(ClassId(i), None),
+                    in_flight: lane_in_flight[i],
+                    draining: home.draining,
+                    overflow: c.overflow_of.is_some(),
+                    retired: c.retired,
+                    deadline_ms: home.default_deadline_ms,
+                    max_queue_age_ms: c.max_queue_age_ms,
+                    est_error: home.record.errors,
+                    probes: home.probes,
+                }
+            })
+            .collect();
+        let pools = self
+            .pools
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| {
+                !p.retired || !p.in_flight.is_empty() || self.pool_depth(PoolId(*i)) > 0
+            })
+            .map(|(i, p)| PoolSnapshot {
+                name: p.name.clone(),
+                slots: p.slots,
+                in_flight: p.in_flight.len() as u32,
+                depth: self.pool_depth(PoolId(i)),
+                in_flight_remaining_ms: p.in_flight_remaining(now),
+                oldest_in_flight_age_ms: p
+                    .in_flight
+                    .values()
+                    .map(|&(started, _)| now.saturating_sub(started))
+                    .max()
+                    .unwrap_or(0),
+                estimator: p.estimator.snapshot(),
+                learning: p.prior.learn,
+                warming_up: p.estimator.warming_up(),
+                retired: p.retired,
+                chars_per_token: p.tokens.chars_per_token(),
+                template_tokens: p.tokens.template_tokens(),
+                mean_concurrency: p.recent_concurrency,
+            })
+            .collect();
+        GateSnapshot {
+            now_ms: now,
+            admit_always: self.cfg.admit_always,
+            shadow: self.cfg.shadow,
+            unlabeled_suspended: self.unlabeled_suspended,
+            closing_at_ms: self.closing_at,
+            classes,
+            pools,
+        }
+    }
+}
