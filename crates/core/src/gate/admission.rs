@@ -1,8 +1,47 @@
 //! The decision at arrival: [`Gate::offer`] as a pipeline of named steps, in the order of the
-//! decision table (docs/config.md, "Decision order"); each step is one function here, and the
-//! first that settles the request wins.
+//! decision table (docs/config.md, "Decision order"). Each step is one function below, in the
+//! order `offer` calls them; a step either settles the request (a refusal it returns) or
+//! amends the verdict the next step reads.
+//!
+//! The order, and why it differs from a plain "first match wins" table in two places: the
+//! ledger comes before `admit_always` because a key already held or done is a duplicate even
+//! under the rollback flag (never spend twice), and shadow mode is the last step because it
+//! reports the first rule that *would* have refused, after every rule has had its say.
 
 use super::*;
+use std::ops::ControlFlow;
+
+/// One request on its way through [`Gate::offer`]: what the steps read and amend.
+struct Offer {
+    now: Millis,
+    req: Request,
+    /// The class's primary lane (the one offers are made to).
+    class: ClassId,
+    /// The lane it would queue on: the class's own, or its overflow lane once routed.
+    lane: ClassId,
+    /// The pool of the class's own lane: Retry-After is about it, wherever the job would run.
+    primary_pool: PoolId,
+    expected_output: u32,
+    /// The request as seen from `lane`.
+    eval: Eval,
+    /// The answer as it stands.
+    d: Decision,
+    /// Tokens its hold would take.
+    hold_tokens: u64,
+    /// Shadow mode is on (and not overridden by the rollback flag).
+    shadow: bool,
+    /// In shadow mode: the first rule that would have refused it (reported, not enforced).
+    shadowed: Option<Reason>,
+    /// The retry cap and the tenant grant are not enforced (rollback flag, or shadowed).
+    bypass_ledger: bool,
+    /// The verdict so far: `Ok(admit reason)` or `Err(refusal reason)`.
+    verdict: Result<Reason, Reason>,
+    /// A queued job it takes the place of, removed once it is queued.
+    victim: Option<JobId>,
+    /// Its wait and count ahead before a displacement made room (restored if it is refused
+    /// after all).
+    refused_wait: (u64, u32),
+}
 
 impl Gate {
     /// Decide at arrival. An admitted job is queued; call [`Gate::poll`] to dispatch it.
@@ -12,26 +51,62 @@ impl Gate {
         self.expire_holds(now);
         let job_id = JobId(self.next_id);
         self.next_id += 1;
-        // A generated key is only spelled out if the request is admitted (a refusal under it
-        // is never recorded), so rejections cost no allocation for it.
-        let key = req.idempotency_key.clone().unwrap_or_default();
-        // Only a live class's primary lane takes offers; overflow lanes are reached from it.
-        let Some(class) = req.class.filter(|c| {
+        // reject_unlabeled: only a live class's primary lane takes offers.
+        let Some(class) = self.offered_lane(req.class) else {
+            let mut d = self.rejection(job_id, None, Reason::RejectUnlabeled);
+            d.idempotency_key = req.idempotency_key.unwrap_or_default();
+            return d;
+        };
+        let o = self.open_offer(now, job_id, class, req);
+        // shutting_down: nothing new is taken on.
+        if self.closing_at.is_some() {
+            return self.refuse_shutting_down(o);
+        }
+        // reject_duplicate, reject_retry_cap, budget_exhausted.
+        let mut o = match self.check_ledger(o) {
+            ControlFlow::Continue(o) => o,
+            ControlFlow::Break(refused) => return refused,
+        };
+        // admit_always, class_disabled, then the lane's own thresholds (queue age, depth,
+        // projected wait against slack; warm-up and probe exceptions), from `evaluate`.
+        o.verdict = self.class_verdict(&o);
+        // A capacity refusal may run on the class's overflow pool instead ...
+        self.route_overflow(&mut o);
+        // ... or take the place of a longer job of its class admitted moments ago.
+        self.make_room(&mut o);
+        // Shadow mode: a threshold's refusal is reported, not enforced.
+        self.apply_shadow(&mut o);
+        match o.verdict {
+            Ok(reason) => self.admit(o, reason),
+            Err(reason) => self.refuse(o, reason),
+        }
+    }
+
+    /// The lane an offer for `class` is made to: a live class's primary lane (overflow lanes
+    /// are reached from it, retired ones take nothing new).
+    fn offered_lane(&self, class: Option<ClassId>) -> Option<ClassId> {
+        class.filter(|c| {
             self.classes
                 .get(c.0)
                 .is_some_and(|c| c.overflow_of.is_none() && !c.retired)
-        }) else {
-            let mut d = self.rejection(job_id, None, Reason::RejectUnlabeled);
-            d.idempotency_key = key;
-            return d;
-        };
+        })
+    }
+
+    /// Evaluate the request on its class's lane and draft the answer from what it sees.
+    fn open_offer(&self, now: Millis, job_id: JobId, class: ClassId, req: Request) -> Offer {
         let expected_output = match (req.expected_output_tokens, req.max_tokens) {
             (Some(hint), Some(cap)) => hint.min(cap),
             (Some(hint), None) => hint,
             (None, cap) => self.expected_output(class, cap),
         };
-        let mut e = self.evaluate(now, class, &req, expected_output);
-        let mut d = Decision {
+        let e = self.evaluate(now, class, &req, expected_output);
+        // A caller's size hint may raise the hold but never lower it below what the class's
+        // own estimate would hold: a hint of 0 must not slip past the tenant's grant.
+        let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
+            let own = self.expected_output(class, req.max_tokens);
+            u64::from(e.prompt_tokens).saturating_add(u64::from(expected_output.max(own)))
+        });
+        let d = Decision {
             job_id,
             class: Some(class),
             pool: Some(e.pool),
@@ -47,284 +122,309 @@ impl Gate {
             retry_after_ms: None,
             should_retry: false,
             deadline: e.deadline,
-            idempotency_key: key.clone(),
+            // A generated key is only spelled out if the request is admitted (a refusal
+            // under it is never recorded), so rejections cost no allocation for it.
+            idempotency_key: req.idempotency_key.clone().unwrap_or_default(),
             tokens_held: 0,
             ledger: None,
             shadow: false,
             displaced: None,
         };
-        let primary_pool = e.pool;
-        // Shutting down: nothing new is taken on; another replica (or this one restarted)
-        // can serve it, so a retry is worth it.
-        if self.closing_at.is_some() {
-            d.reason = Reason::ShuttingDown;
-            // Jittered like every other Retry-After: a whole replica's clients are refused
-            // at once here, and must not all come back in the same instant.
-            let r = &self.cfg.retry;
-            d.retry_after_ms = Some(jitter(r.min_retry_after_ms, job_id, r.jitter_percent));
-            d.should_retry = true;
-            return d;
-        }
-        // A caller's size hint may raise the hold but never lower it below what the class's
-        // own estimate would hold: a hint of 0 must not slip past the tenant's grant.
-        let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
-            let own = self.expected_output(class, req.max_tokens);
-            u64::from(e.prompt_tokens).saturating_add(u64::from(expected_output.max(own)))
-        });
-        let tenant = req.tenant.as_deref();
-        let shadow = self.cfg.shadow && !self.cfg.admit_always;
-        d.shadow = shadow;
-        // Never spend twice: a held or done key is a duplicate even under `admit_always` or
-        // in shadow mode. The retry cap and the tenant grant are thresholds, bypassed by the
-        // rollback flag (and only reported in shadow mode).
-        let ledger_verdict = match self.ledger.check(
-            if req.idempotency_key.is_some() {
-                &key
-            } else {
-                ""
-            },
-            tenant,
-            req.attempt,
+        Offer {
+            now,
+            class,
+            lane: class,
+            primary_pool: e.pool,
+            expected_output,
+            refused_wait: (e.wait, e.count_ahead),
+            eval: e,
+            d,
             hold_tokens,
-        ) {
-            Err(dup @ LedgerReject::Duplicate { .. }) => Some(dup),
-            Err(other) if !self.cfg.admit_always => Some(other),
-            _ => None,
-        };
-        // The first would-be rejection of a shadowed request: reported, not enforced.
-        let mut shadowed: Option<Reason> = None;
-        let mut bypass_ledger = self.cfg.admit_always;
-        if let Some(rej) = ledger_verdict {
-            let reason = match rej {
-                LedgerReject::Duplicate { .. } => Reason::RejectDuplicate,
-                LedgerReject::RetryCap { .. } => Reason::RejectRetryCap,
-                LedgerReject::BudgetExhausted { .. } => Reason::BudgetExhausted,
-            };
-            d.ledger = Some(rej);
-            if shadow && reason != Reason::RejectDuplicate {
-                shadowed = Some(reason);
-                bypass_ledger = true;
-            } else {
-                d.reason = reason;
-                let (after, retry) = self.retry_after(
-                    job_id,
-                    d.reason,
-                    e.wait,
-                    e.slack_ms,
-                    e.count_ahead,
-                    primary_pool,
-                    e.hopeless && e.sure,
-                );
-                d.retry_after_ms = Some(after);
-                d.should_retry = retry;
-                return d;
-            }
+            shadow: self.cfg.shadow && !self.cfg.admit_always,
+            shadowed: None,
+            bypass_ledger: self.cfg.admit_always,
+            verdict: Ok(Reason::WithinSlack),
+            victim: None,
+            req,
         }
+    }
 
-        let c = &self.classes[class.0];
-        let mut lane = class;
-        let verdict = if self.cfg.admit_always {
+    /// Shutting down: another replica (or this one restarted) can serve it, so a retry is
+    /// worth it. Jittered like every other Retry-After: a whole replica's clients are refused
+    /// at once here, and must not all come back in the same instant.
+    fn refuse_shutting_down(&self, o: Offer) -> Decision {
+        let mut d = o.d;
+        d.reason = Reason::ShuttingDown;
+        let r = &self.cfg.retry;
+        d.retry_after_ms = Some(jitter(r.min_retry_after_ms, d.job_id, r.jitter_percent));
+        d.should_retry = true;
+        d
+    }
+
+    /// Never spend twice: a held or done key is a duplicate even under `admit_always` or in
+    /// shadow mode. The retry cap and the tenant grant are thresholds, bypassed by the
+    /// rollback flag (and only reported in shadow mode).
+    fn check_ledger(&self, mut o: Offer) -> ControlFlow<Decision, Offer> {
+        o.d.shadow = o.shadow;
+        let key = o.req.idempotency_key.as_deref().unwrap_or("");
+        let rej =
+            match self
+                .ledger
+                .check(key, o.req.tenant.as_deref(), o.req.attempt, o.hold_tokens)
+            {
+                Err(dup @ LedgerReject::Duplicate { .. }) => dup,
+                Err(other) if !self.cfg.admit_always => other,
+                _ => return ControlFlow::Continue(o),
+            };
+        let reason = match rej {
+            LedgerReject::Duplicate { .. } => Reason::RejectDuplicate,
+            LedgerReject::RetryCap { .. } => Reason::RejectRetryCap,
+            LedgerReject::BudgetExhausted { .. } => Reason::BudgetExhausted,
+        };
+        o.d.ledger = Some(rej);
+        if o.shadow && reason != Reason::RejectDuplicate {
+            o.shadowed = Some(reason);
+            o.bypass_ledger = true;
+            return ControlFlow::Continue(o);
+        }
+        let e = &o.eval;
+        let mut d = o.d;
+        d.reason = reason;
+        let (after, retry) = self.retry_after(
+            d.job_id,
+            reason,
+            e.wait,
+            e.slack_ms,
+            e.count_ahead,
+            o.primary_pool,
+            e.hopeless && e.sure,
+        );
+        d.retry_after_ms = Some(after);
+        d.should_retry = retry;
+        ControlFlow::Break(d)
+    }
+
+    /// The rollback flag admits everything; an operator's switch (disabled, draining) refuses
+    /// (in shadow mode too); otherwise the lane's thresholds decide.
+    fn class_verdict(&self, o: &Offer) -> Result<Reason, Reason> {
+        let c = &self.classes[o.class.0];
+        if self.cfg.admit_always {
             Ok(Reason::AdmitAlways)
         } else if !c.enabled || c.draining {
-            // An operator's switch, not a threshold: enforced in shadow mode too.
             Err(Reason::ClassDisabled)
         } else {
-            e.verdict
-        };
-        // A capacity rejection of a class with an overflow pool in `route` mode: admit it
-        // there instead if it fits there (under the same class rules).
-        let capacity = matches!(verdict, Err(r) if r.is_capacity());
-        let verdict = match c.overflow {
-            Some((overflow_lane, OverflowMode::Route)) if capacity => {
-                let o = self.evaluate(now, overflow_lane, &req, expected_output);
-                match o.verdict {
-                    // In shadow mode nothing moves: the route is reported, not taken.
-                    Ok(_) if shadow => Err(Reason::OverflowRouted),
-                    Ok(_) => {
-                        lane = overflow_lane;
-                        e = o;
-                        d.pool = Some(e.pool);
-                        d.queue_age_ms = e.queue_age_ms;
-                        d.deadline_slack_ms = e.slack_ms;
-                        d.projected_wait_ms = e.wait;
-                        d.est_service_ms = e.est.service_ms;
-                        d.in_flight = e.in_flight;
-                        d.depth = e.count_ahead;
-                        d.deadline = e.deadline;
-                        Ok(Reason::OverflowRouted)
-                    }
-                    Err(_) => verdict,
-                }
-            }
-            _ => verdict,
-        };
-        // Displacement: a request that does not fit may take the place of a longer one of its
-        // class admitted moments ago (see `displacement_victim`). The victim is only removed
-        // once this request is queued below. Shadow mode only names the job it would have
-        // displaced.
-        let mut victim = None;
-        let refused_wait = (e.wait, e.count_ahead);
-        let verdict = match verdict {
-            Err(Reason::ProjectedWaitExceedsSlack) => {
-                match self.displacement_victim(now, lane, &e) {
-                    Some((id, _)) if shadow => {
-                        d.displaced = Some(id);
-                        verdict
-                    }
-                    Some((id, wait)) => {
-                        victim = Some(id);
-                        e.wait = wait;
-                        e.count_ahead = e.count_ahead.saturating_sub(1);
-                        d.projected_wait_ms = wait;
-                        d.depth = e.count_ahead;
-                        Ok(Reason::WithinSlack)
-                    }
-                    None => verdict,
-                }
-            }
-            v => v,
-        };
-        let verdict = match verdict {
-            Err(r) if shadow && r != Reason::ClassDisabled && !e.hard_cap => {
-                shadowed = shadowed.or(Some(r));
-                Ok(r)
-            }
-            v => v,
-        };
+            o.eval.verdict
+        }
+    }
 
-        match verdict {
-            Ok(reason) => {
-                match shadowed {
-                    Some(would) => {
-                        d.action = Action::ShadowReject;
-                        d.reason = would;
-                    }
-                    None => {
-                        d.action = Action::Admit;
-                        d.reason = reason;
-                    }
-                }
-                let key = if req.idempotency_key.is_some() {
-                    key
-                } else {
-                    format!("{}-{}", self.key_prefix, job_id.0)
-                };
-                d.idempotency_key = key.clone();
-                let cap = self.ledger.config().retry_cap;
-                // Under admit_always (or a shadowed ledger refusal) the cap and grant were
-                // bypassed: reserve past them.
-                let attempt = if bypass_ledger {
-                    req.attempt.min(cap)
-                } else {
-                    req.attempt
-                };
-                let hold = if bypass_ledger {
-                    self.ledger
-                        .reserve_unchecked(now, &key, tenant, attempt, hold_tokens)
-                } else {
-                    self.ledger.reserve(now, &key, tenant, attempt, hold_tokens)
-                };
-                match hold {
-                    Ok(r) => {
-                        d.tokens_held = r.tokens_held;
-                        let r = if req.reservation {
-                            self.ledger.mark_reservation(&key).unwrap_or(r)
-                        } else {
-                            self.ledger.untrack_expiry(&key).unwrap_or(r)
-                        };
-                        self.ledger_out.push(r);
-                    }
-                    Err(rej) => {
-                        // check() just passed; only a duplicate can remain, and that was
-                        // handled above. Refuse rather than hold twice (and displace nothing).
-                        d.action = Action::Reject;
-                        d.reason = Reason::RejectDuplicate;
-                        d.ledger = Some(rej);
-                        (d.projected_wait_ms, d.depth) = refused_wait;
-                        return d;
-                    }
-                }
-                self.keys.insert(key.clone(), job_id);
-                let seq = job_id.0;
-                let job = Job {
-                    class: lane,
-                    pool: e.pool,
-                    seq,
-                    arrived_at: now,
-                    deadline: e.deadline,
-                    first_token_deadline: req.first_token_deadline,
-                    est: e.est,
-                    prompt_tokens: e.prompt_tokens,
-                    context: f64::from(e.prompt_tokens) + f64::from(expected_output) / 2.0,
-                    model_service_ms: e.model_service_ms,
-                    expected_output,
-                    prompt_chars: req.prompt_chars,
-                    model: req.model.clone(),
-                    state: JobState::Queued,
-                    first_token_at: None,
-                    max_tokens: req.max_tokens,
-                    // Warm-up jobs run on an untrusted estimate; a reservation's worker was
-                    // already told to go: neither is dropped on slack.
-                    protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe)
-                        || req.reservation,
-                    key: key.clone(),
-                    generated_key: req.idempotency_key.is_none(),
-                    reservation: req.reservation,
-                    deadline_is_absolute: req.deadline_is_absolute,
-                };
-                let key = job.key();
-                let l = &mut self.classes[lane.0];
-                let displaceable =
-                    l.displace_within_ms.is_some() && !job.protected && !job.reservation;
-                l.queue
-                    .push(key, now, job_id, e.est.service_ms, displaceable);
-                self.jobs.insert(job_id, job);
-                if shadowed.is_none() {
-                    let home = self.home(lane);
-                    let h = &mut self.classes[home.0];
-                    if reason == Reason::Probe {
-                        h.last_probe = Some((now, job_id));
-                        h.probes += 1;
-                    } else {
-                        h.last_admit_at = Some(now);
-                    }
-                }
-                // The displaced job's client hears it after this one is queued, so its
-                // Retry-After counts this one's work.
-                if let Some(id) = victim {
-                    self.displace(now, id);
-                    d.displaced = Some(id);
-                }
+    /// A capacity refusal of a class with an overflow pool in `route` mode: admit it there
+    /// instead if it fits there (under the same class rules). In shadow mode nothing moves:
+    /// the route is reported, not taken.
+    fn route_overflow(&self, o: &mut Offer) {
+        let capacity = matches!(o.verdict, Err(r) if r.is_capacity());
+        let Some((overflow_lane, OverflowMode::Route)) = self.classes[o.class.0].overflow else {
+            return;
+        };
+        if !capacity {
+            return;
+        }
+        let e = self.evaluate(o.now, overflow_lane, &o.req, o.expected_output);
+        if e.verdict.is_err() {
+            return;
+        }
+        if o.shadow {
+            o.verdict = Err(Reason::OverflowRouted);
+            return;
+        }
+        o.lane = overflow_lane;
+        let d = &mut o.d;
+        d.pool = Some(e.pool);
+        d.queue_age_ms = e.queue_age_ms;
+        d.deadline_slack_ms = e.slack_ms;
+        d.projected_wait_ms = e.wait;
+        d.est_service_ms = e.est.service_ms;
+        d.in_flight = e.in_flight;
+        d.depth = e.count_ahead;
+        d.deadline = e.deadline;
+        o.eval = e;
+        o.verdict = Ok(Reason::OverflowRouted);
+    }
+
+    /// Displacement: a request that does not fit may take the place of a longer one of its
+    /// class admitted moments ago (see `displacement_victim`). The victim is only removed once
+    /// this request is queued. Shadow mode only names the job it would have displaced.
+    fn make_room(&mut self, o: &mut Offer) {
+        if o.verdict != Err(Reason::ProjectedWaitExceedsSlack) {
+            return;
+        }
+        match self.displacement_victim(o.now, o.lane, &o.eval) {
+            Some((id, _)) if o.shadow => o.d.displaced = Some(id),
+            Some((id, wait)) => {
+                o.victim = Some(id);
+                o.eval.wait = wait;
+                o.eval.count_ahead = o.eval.count_ahead.saturating_sub(1);
+                o.d.projected_wait_ms = wait;
+                o.d.depth = o.eval.count_ahead;
+                o.verdict = Ok(Reason::WithinSlack);
             }
-            Err(reason) => {
-                d.reason = reason;
-                // A refused request under a client key is recorded (a retry may follow);
-                // one under a generated key holds nothing and can never be replayed.
-                if req.idempotency_key.is_some() {
-                    if let Some(r) =
-                        self.ledger
-                            .record_rejection(now, &key, tenant, req.attempt, hold_tokens)
-                    {
-                        self.ledger_out.push(r);
-                    }
-                }
-                let (after, retry) = self.retry_after(
-                    job_id,
-                    reason,
-                    e.wait,
-                    e.slack_ms,
-                    e.count_ahead,
-                    primary_pool,
-                    e.hopeless && e.sure,
-                );
-                d.retry_after_ms = Some(after);
-                // With an absolute deadline the slack shrinks exactly as fast as the queue
-                // drains: the same request retried later can never fit.
-                let absolute_miss =
-                    req.deadline_is_absolute && reason == Reason::ProjectedWaitExceedsSlack;
-                d.should_retry = retry && !absolute_miss;
+            None => {}
+        }
+    }
+
+    /// Shadow mode admits what a threshold refused, reporting the first such rule. An
+    /// operator's switch and the pool's hard queue cap (each queued request holds a connection
+    /// and its body) are enforced even so.
+    fn apply_shadow(&self, o: &mut Offer) {
+        if let Err(r) = o.verdict {
+            if o.shadow && r != Reason::ClassDisabled && !o.eval.hard_cap {
+                o.shadowed = o.shadowed.or(Some(r));
+                o.verdict = Ok(r);
             }
         }
+    }
+
+    /// Admit: place the hold under its key, queue the job on its lane, and remove the job it
+    /// displaces (after it is queued, so the victim's Retry-After counts its work).
+    fn admit(&mut self, mut o: Offer, reason: Reason) -> Decision {
+        let now = o.now;
+        let job_id = o.d.job_id;
+        match o.shadowed {
+            Some(would) => {
+                o.d.action = Action::ShadowReject;
+                o.d.reason = would;
+            }
+            None => {
+                o.d.action = Action::Admit;
+                o.d.reason = reason;
+            }
+        }
+        let generated_key = o.req.idempotency_key.is_none();
+        let key = if generated_key {
+            format!("{}-{}", self.key_prefix, job_id.0)
+        } else {
+            std::mem::take(&mut o.d.idempotency_key)
+        };
+        o.d.idempotency_key = key.clone();
+        if let ControlFlow::Break(refused) = self.place_hold(&mut o, &key) {
+            return refused;
+        }
+        self.keys.insert(key.clone(), job_id);
+        let req = &o.req;
+        let e = &o.eval;
+        let job = Job {
+            class: o.lane,
+            pool: e.pool,
+            seq: job_id.0,
+            arrived_at: now,
+            deadline: e.deadline,
+            first_token_deadline: req.first_token_deadline,
+            est: e.est,
+            prompt_tokens: e.prompt_tokens,
+            context: f64::from(e.prompt_tokens) + f64::from(o.expected_output) / 2.0,
+            model_service_ms: e.model_service_ms,
+            expected_output: o.expected_output,
+            prompt_chars: req.prompt_chars,
+            model: req.model.clone(),
+            state: JobState::Queued,
+            first_token_at: None,
+            max_tokens: req.max_tokens,
+            // Warm-up jobs run on an untrusted estimate; a reservation's worker was already
+            // told to go: neither is dropped on slack.
+            protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe) || req.reservation,
+            key,
+            generated_key,
+            reservation: req.reservation,
+            deadline_is_absolute: req.deadline_is_absolute,
+        };
+        let l = &mut self.classes[o.lane.0];
+        let displaceable = l.displace_within_ms.is_some() && !job.protected && !job.reservation;
+        l.queue
+            .push(job.key(), now, job_id, e.est.service_ms, displaceable);
+        self.jobs.insert(job_id, job);
+        if o.shadowed.is_none() {
+            let home = self.home(o.lane);
+            let h = &mut self.classes[home.0];
+            if reason == Reason::Probe {
+                h.last_probe = Some((now, job_id));
+                h.probes += 1;
+            } else {
+                h.last_admit_at = Some(now);
+            }
+        }
+        if let Some(id) = o.victim {
+            self.displace(now, id);
+            o.d.displaced = Some(id);
+        }
+        o.d
+    }
+
+    /// Reserve the admitted request's tokens under `key`. Under the rollback flag (or a
+    /// shadowed ledger refusal) the retry cap and grant were bypassed: reserve past them.
+    fn place_hold(&mut self, o: &mut Offer, key: &str) -> ControlFlow<Decision> {
+        let (now, req) = (o.now, &o.req);
+        let tenant = req.tenant.as_deref();
+        let hold = if o.bypass_ledger {
+            let attempt = req.attempt.min(self.ledger.config().retry_cap);
+            self.ledger
+                .reserve_unchecked(now, key, tenant, attempt, o.hold_tokens)
+        } else {
+            self.ledger
+                .reserve(now, key, tenant, req.attempt, o.hold_tokens)
+        };
+        match hold {
+            Ok(r) => {
+                o.d.tokens_held = r.tokens_held;
+                let r = if req.reservation {
+                    self.ledger.mark_reservation(key).unwrap_or(r)
+                } else {
+                    self.ledger.untrack_expiry(key).unwrap_or(r)
+                };
+                self.ledger_out.push(r);
+                ControlFlow::Continue(())
+            }
+            Err(rej) => {
+                // check() just passed; only a duplicate can remain, and that was handled
+                // before. Refuse rather than hold twice (and displace nothing).
+                let mut d = o.d.clone();
+                d.action = Action::Reject;
+                d.reason = Reason::RejectDuplicate;
+                d.ledger = Some(rej);
+                (d.projected_wait_ms, d.depth) = o.refused_wait;
+                ControlFlow::Break(d)
+            }
+        }
+    }
+
+    /// Refuse with a reason: record it under a client's key (a retry may follow; a generated
+    /// key holds nothing and can never be replayed), and say when a retry could fit.
+    fn refuse(&mut self, o: Offer, reason: Reason) -> Decision {
+        let mut d = o.d;
+        let req = &o.req;
+        d.reason = reason;
+        if let Some(key) = req.idempotency_key.as_deref() {
+            let tenant = req.tenant.as_deref();
+            if let Some(r) =
+                self.ledger
+                    .record_rejection(o.now, key, tenant, req.attempt, o.hold_tokens)
+            {
+                self.ledger_out.push(r);
+            }
+        }
+        let e = &o.eval;
+        let (after, retry) = self.retry_after(
+            d.job_id,
+            reason,
+            e.wait,
+            e.slack_ms,
+            e.count_ahead,
+            o.primary_pool,
+            e.hopeless && e.sure,
+        );
+        d.retry_after_ms = Some(after);
+        // With an absolute deadline the slack shrinks exactly as fast as the queue drains:
+        // the same request retried later can never fit.
+        let absolute_miss = req.deadline_is_absolute && reason == Reason::ProjectedWaitExceedsSlack;
+        d.should_retry = retry && !absolute_miss;
         d
     }
 }

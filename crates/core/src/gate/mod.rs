@@ -168,6 +168,8 @@ impl Gate {
 mod admission;
 mod dispatch;
 mod displacement;
+#[cfg(test)]
+mod displacement_tests;
 mod evaluate;
 mod holds;
 mod learning;
