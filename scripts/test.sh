@@ -39,8 +39,13 @@ if [ -z "${SLACKGATE_TRACES:-}" ]; then
 fi
 echo "test.sh: traces from ${SLACKGATE_TRACES:-<relative to scenarios/>}" >&2
 
-echo "== cargo test --workspace"
-cargo test --workspace --locked
+echo "== cargo test --workspace (the fuzz targets run below, in release, with more cases)"
+cargo test --workspace --locked -- --skip fuzz_
+
+# The fuzz harness: 100,000 cases per parser target and 100,000 reservation-API call sequences,
+# 2,000 whole requests over sockets; about a minute in a release build (README: a longer run).
+echo "== fuzz: 100k cases per target (release build)"
+PROPTEST_CASES=100000 FUZZ_WIRE_CASES=2000 cargo test --release --locked -p slackgate-gateway --test fuzz
 
 echo "== real llama-server: build (cached in \${SLACKGATE_CACHE:-\$HOME/.cache/slackgate}), model, the gate in front of it"
 llama_started=$(date +%s)

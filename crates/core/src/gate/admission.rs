@@ -1,5 +1,5 @@
 //! The decision at arrival: [`Gate::offer`] as a pipeline of named steps, in the order of the
-//! decision table (docs/config.md, "Decision order"). Each step is one function below, in the
+//! decision table (docs/config.md, "How a decision is made"). Each step is one function below, in the
 //! order `offer` calls them; a step either settles the request (a refusal it returns) or
 //! amends the verdict the next step reads.
 //!
