@@ -80,6 +80,12 @@ pub struct PoolConfig {
     /// Base URL of the upstream serving this pool (`http://127.0.0.1:8000`). The core never
     /// connects anywhere; the gateway reads this.
     pub upstream: Option<String>,
+    /// How much history of each class's demand the wait forecast of lower classes averages
+    /// over (see the class's `forecast`): 12 buckets of a twelfth of this.
+    pub forecast_window_ms: u64,
+    /// The share of a higher class's refused work (refused for want of capacity) counted as
+    /// demand in the forecast, beside all of its admitted work.
+    pub forecast_refused_weight: f64,
 }
 
 impl Default for PoolConfig {
@@ -91,6 +97,8 @@ impl Default for PoolConfig {
             max_queued: 10_000,
             prior: PriorConfig::default(),
             upstream: None,
+            forecast_window_ms: 300_000,
+            forecast_refused_weight: 1.0,
         }
     }
 }
@@ -181,6 +189,12 @@ pub struct ClassConfig {
     /// this many ms, it is admitted as a `probe` to measure the estimate (at most one in
     /// flight). 0 turns probing off.
     pub probe_interval_ms: u64,
+    /// Count, in a request's projected wait, the work of higher-priority classes expected to
+    /// arrive while it waits (their recent admitted work per second): a lower-priority
+    /// request is refused at arrival instead of being admitted and dropped after higher work
+    /// overtook it. No effect on the top priority (nothing overtakes it) or on a class
+    /// without a deadline. `false` projects only the work ahead now.
+    pub forecast: bool,
 }
 
 /// How a class uses its overflow pool.
@@ -211,6 +225,7 @@ impl Default for ClassConfig {
             overflow: OverflowMode::Hint,
             displace_within_ms: None,
             probe_interval_ms: 10_000,
+            forecast: true,
         }
     }
 }
@@ -296,6 +311,18 @@ impl GateConfig {
             }
             if p.max_queued == 0 {
                 return Err(ConfigError::new(at("max_queued"), "must be at least 1"));
+            }
+            if !(1_000..=86_400_000).contains(&p.forecast_window_ms) {
+                return Err(ConfigError::new(
+                    at("forecast_window_ms"),
+                    "must be between 1000 (1 s) and 86400000 (a day)",
+                ));
+            }
+            if !(0.0..=1.0).contains(&p.forecast_refused_weight) {
+                return Err(ConfigError::new(
+                    at("forecast_refused_weight"),
+                    "must be between 0 and 1",
+                ));
             }
             if let Some(k) = p.max_depth_factor {
                 if !(k.is_finite() && k >= 0.0) {

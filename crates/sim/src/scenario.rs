@@ -428,6 +428,16 @@ pub struct SlackgateSpec {
     /// instead of the scenario's true costs: shows whether it converges from there.
     #[serde(default)]
     pub default_priors: bool,
+    /// Every class's `forecast` (the wait of a lower class counts the higher classes'
+    /// expected arrivals).
+    #[serde(default = "default_true")]
+    pub forecast: bool,
+    /// The pool's `forecast_window_ms` (default: the gate's).
+    #[serde(default)]
+    pub forecast_window_ms: Option<u64>,
+    /// The pool's `forecast_refused_weight` (default: the gate's).
+    #[serde(default)]
+    pub forecast_refused_weight: Option<f64>,
 }
 
 impl Default for SlackgateSpec {
@@ -436,6 +446,9 @@ impl Default for SlackgateSpec {
             max_depth_factor: None,
             learn: true,
             default_priors: false,
+            forecast: true,
+            forecast_window_ms: None,
+            forecast_refused_weight: None,
         }
     }
 }

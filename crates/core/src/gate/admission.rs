@@ -115,6 +115,7 @@ impl Gate {
             queue_age_ms: e.queue_age_ms,
             deadline_slack_ms: e.slack_ms,
             projected_wait_ms: e.wait,
+            forecast_wait_ms: e.forecast_ms,
             est_service_ms: e.est.service_ms,
             expected_output_tokens: expected_output,
             in_flight: e.in_flight,
@@ -242,6 +243,7 @@ impl Gate {
         d.queue_age_ms = e.queue_age_ms;
         d.deadline_slack_ms = e.slack_ms;
         d.projected_wait_ms = e.wait;
+        d.forecast_wait_ms = e.forecast_ms;
         d.est_service_ms = e.est.service_ms;
         d.in_flight = e.in_flight;
         d.depth = e.count_ahead;
@@ -258,10 +260,12 @@ impl Gate {
             return;
         }
         match self.displacement_victim(o.now, o.lane, &o.eval) {
-            Some((id, _)) if o.shadow => o.d.displaced = Some(id),
-            Some((id, wait)) => {
+            Some((id, ..)) if o.shadow => o.d.displaced = Some(id),
+            Some((id, wait, forecast)) => {
                 o.victim = Some(id);
                 o.eval.wait = wait;
+                o.eval.forecast_ms = forecast;
+                o.d.forecast_wait_ms = forecast;
                 o.eval.count_ahead = o.eval.count_ahead.saturating_sub(1);
                 o.d.projected_wait_ms = wait;
                 o.d.depth = o.eval.count_ahead;
@@ -337,6 +341,11 @@ impl Gate {
             deadline_is_absolute: req.deadline_is_absolute,
         };
         let l = &mut self.classes[o.lane.0];
+        l.admitted.record(
+            now,
+            e.est.service_ms,
+            self.pools[e.pool.0].forecast_bucket_ms,
+        );
         let displaceable = l.displace_within_ms.is_some() && !job.protected && !job.reservation;
         l.queue
             .push(job.key(), now, job_id, e.est.service_ms, displaceable);
@@ -401,6 +410,12 @@ impl Gate {
         let mut d = o.d;
         let req = &o.req;
         d.reason = reason;
+        if reason.is_capacity() && !o.req.reservation {
+            let width = self.pools[o.eval.pool.0].forecast_bucket_ms;
+            self.classes[o.lane.0]
+                .refused
+                .record(o.now, o.eval.est.service_ms, width);
+        }
         if let Some(key) = req.idempotency_key.as_deref() {
             let tenant = req.tenant.as_deref();
             if let Some(r) =

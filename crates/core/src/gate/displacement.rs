@@ -10,14 +10,14 @@ impl Gate {
     /// newcomer's projected wait fits its slack. Moore and Hodgson's rule for the most jobs on
     /// time (drop the longest) restricted to one-for-one swaps of recent admissions, so the
     /// queue never holds fewer jobs and a displaced client hears it soon after it arrived.
-    /// With the newcomer's wait without it. O(log queued + slots), amortised: jobs leave the
-    /// window in arrival order and are pruned once.
+    /// With the newcomer's wait without it, and that wait's forecast part. O(log queued +
+    /// slots), amortised: jobs leave the window in arrival order and are pruned once.
     pub(super) fn displacement_victim(
         &mut self,
         now: Millis,
         lane: ClassId,
         e: &Eval,
-    ) -> Option<(JobId, u64)> {
+    ) -> Option<(JobId, u64, u64)> {
         let window = self.classes[lane.0].displace_within_ms?;
         let slack = e.slack_ms?;
         let c = &mut self.classes[lane.0];
@@ -28,7 +28,7 @@ impl Gate {
         if longest <= e.own_service_ms {
             return None;
         }
-        let priority = c.priority;
+        let (priority, forecast) = (c.priority, c.forecast);
         let (work, count, _) = self.ahead(e.pool, priority);
         let wait = self.projected_wait(
             e.pool,
@@ -36,7 +36,13 @@ impl Gate {
             work.saturating_sub(longest),
             count.saturating_sub(1),
         );
-        (i128::from(wait) <= i128::from(slack)).then_some((id, wait))
+        let forecast = if forecast {
+            self.forecast_wait(now, e.pool, priority, wait)
+        } else {
+            0
+        };
+        let wait = wait.saturating_add(forecast);
+        (i128::from(wait) <= i128::from(slack)).then_some((id, wait, forecast))
     }
 
     /// Refuse a queued job to make room for another: release its hold (nothing was spent)

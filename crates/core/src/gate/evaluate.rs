@@ -11,7 +11,10 @@ pub(super) struct Eval {
     pub(super) pool: PoolId,
     pub(super) est: Estimate,
     pub(super) deadline: Option<Millis>,
+    /// The projected wait: the work ahead now, plus `forecast_ms`.
     pub(super) wait: u64,
+    /// The part of `wait` that higher-priority arrivals are expected to add.
+    pub(super) forecast_ms: u64,
     pub(super) count_ahead: u32,
     pub(super) queue_age_ms: u64,
     pub(super) slack_ms: Option<i64>,
@@ -52,10 +55,16 @@ impl Gate {
             .deadline
             .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
         let (work_ahead, count_ahead, oldest) = self.ahead(pool, c.priority);
-        let wait = self.projected_wait(pool, now, work_ahead, count_ahead);
+        let base_wait = self.projected_wait(pool, now, work_ahead, count_ahead);
         // Its own service, sharing the server as it likely will.
         let home = &self.classes[self.home(lane).0];
-        let sharing = p.expected_sharing(wait, count_ahead, home.recent_others_prefill);
+        let sharing = p.expected_sharing(base_wait, count_ahead, home.recent_others_prefill);
+        let forecast_ms = if c.forecast {
+            self.forecast_wait(now, pool, c.priority, base_wait)
+        } else {
+            0
+        };
+        let wait = base_wait.saturating_add(forecast_ms);
         let factor = home.correction();
         let model_est = p
             .estimator
@@ -150,6 +159,7 @@ impl Gate {
             est,
             deadline,
             wait,
+            forecast_ms,
             count_ahead,
             queue_age_ms,
             slack_ms,

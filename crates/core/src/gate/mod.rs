@@ -171,6 +171,9 @@ mod displacement;
 #[cfg(test)]
 mod displacement_tests;
 mod evaluate;
+mod forecast;
+#[cfg(test)]
+mod forecast_tests;
 mod holds;
 mod learning;
 #[cfg(test)]
@@ -188,6 +191,7 @@ mod tests;
 mod types;
 
 use evaluate::*;
+use forecast::*;
 use learning::*;
 use projection::*;
 pub use snapshot::{ClassSnapshot, GateSnapshot, PoolSnapshot};

@@ -87,6 +87,8 @@ impl Gate {
                     p.slots = pc.max_in_flight;
                     p.max_depth_factor = pc.max_depth_factor;
                     p.max_queued = pc.max_queued;
+                    p.forecast_bucket_ms = forecast_bucket_ms(pc);
+                    p.forecast_refused_weight = pc.forecast_refused_weight;
                     p.default_output_tokens = pc.prior.default_output_tokens;
                     PoolId(i)
                 }
@@ -99,6 +101,8 @@ impl Gate {
                         slots: pc.max_in_flight,
                         max_depth_factor: pc.max_depth_factor,
                         max_queued: pc.max_queued,
+                        forecast_bucket_ms: forecast_bucket_ms(pc),
+                        forecast_refused_weight: pc.forecast_refused_weight,
                         default_output_tokens: pc.prior.default_output_tokens,
                         estimator: Estimator::new(&pc.prior),
                         tokens: TokenCounter::new(pc.prior.chars_per_token),
@@ -151,6 +155,7 @@ impl Gate {
             l.max_queue_age_ms = c.max_queue_age_ms;
             l.displace_within_ms = c.displace_within_ms;
             l.probe_interval_ms = c.probe_interval_ms;
+            l.forecast = c.forecast;
             l.retry_hint = c.retry_hint.clone();
             l.overflow = None;
             l.overflow_of = None;
@@ -172,6 +177,7 @@ impl Gate {
             l.max_queue_age_ms = c.max_queue_age_ms;
             l.displace_within_ms = None;
             l.probe_interval_ms = 0;
+            l.forecast = c.forecast;
             l.retry_hint = None;
             l.overflow = None;
             l.overflow_of = Some(primary);
@@ -301,6 +307,9 @@ impl Gate {
             ratios: VecDeque::new(),
             recent_others_prefill: 0.0,
             record: Default::default(),
+            forecast: true,
+            admitted: super::RateWindow::default(),
+            refused: super::RateWindow::default(),
         };
         if let Some(i) = free.pop() {
             self.classes[i] = fresh;
@@ -309,6 +318,11 @@ impl Gate {
         self.classes.push(fresh);
         ClassId(self.classes.len() - 1)
     }
+}
+
+/// The width of one bucket of the pool's demand windows.
+fn forecast_bucket_ms(pc: &crate::config::PoolConfig) -> u64 {
+    (pc.forecast_window_ms / super::FORECAST_BUCKETS as u64).max(1)
 }
 
 fn live_after_has(cfg: &GateConfig, name: &str) -> bool {

@@ -74,6 +74,7 @@ impl Gate {
             queue_age_ms: 0,
             deadline_slack_ms: None,
             projected_wait_ms: 0,
+            forecast_wait_ms: 0,
             est_service_ms: 0,
             expected_output_tokens: 0,
             in_flight: 0,

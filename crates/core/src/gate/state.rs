@@ -136,6 +136,13 @@ pub(super) struct ClassState {
     pub(super) recent_others_prefill: f64,
     /// What admission reads of `errors` and `ratios`, kept current at each completion.
     pub(super) record: ClassRecord,
+    /// Configured `forecast`: its requests' waits count the higher-priority work expected to
+    /// arrive while they wait (see [`super::forecast`]).
+    pub(super) forecast: bool,
+    /// Estimated work this lane admitted recently, and refused for want of capacity: its
+    /// demand, which lower lanes forecast from.
+    pub(super) admitted: RateWindow,
+    pub(super) refused: RateWindow,
 }
 
 /// A class's record as admission reads it (see [`ClassState::refresh_record`]).
@@ -223,6 +230,10 @@ pub(super) struct PoolState {
     pub(super) slots: u32,
     pub(super) max_depth_factor: Option<f64>,
     pub(super) max_queued: u32,
+    /// Width of a bucket of its lanes' demand windows (`forecast_window_ms` / buckets).
+    pub(super) forecast_bucket_ms: u64,
+    /// Configured `forecast_refused_weight`.
+    pub(super) forecast_refused_weight: f64,
     pub(super) default_output_tokens: u32,
     pub(super) estimator: Estimator,
     /// Prompt characters to tokens, learned from the upstream's usage.

@@ -25,6 +25,7 @@ pub(super) fn cfg(slots: u32, service_ms: f64) -> GateConfig {
                 learn: false,
             },
             upstream: None,
+            ..PoolConfig::default()
         }],
         classes: vec![
             ClassConfig {

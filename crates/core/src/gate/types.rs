@@ -82,8 +82,12 @@ pub struct Decision {
     /// Deadline minus now minus own estimated service (the tighter of the response and
     /// first-token deadlines); `None` for best-effort work.
     pub deadline_slack_ms: Option<i64>,
-    /// Projected time until a slot is free for this request.
+    /// Projected time until a slot is free for this request (the work ahead now, plus
+    /// `forecast_wait_ms`).
     pub projected_wait_ms: u64,
+    /// The part of `projected_wait_ms` that higher-priority work expected to arrive while it
+    /// waits adds (0 for the top priority, or with the class's `forecast = false`).
+    pub forecast_wait_ms: u64,
     /// Estimated service time once dispatched.
     pub est_service_ms: u64,
     /// Expected output tokens used for the estimate.

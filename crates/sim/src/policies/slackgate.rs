@@ -56,6 +56,14 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             }
         },
         upstream: None,
+        forecast_window_ms: s
+            .slackgate
+            .forecast_window_ms
+            .unwrap_or(PoolConfig::default().forecast_window_ms),
+        forecast_refused_weight: s
+            .slackgate
+            .forecast_refused_weight
+            .unwrap_or(PoolConfig::default().forecast_refused_weight),
     };
     let classes = s
         .classes
@@ -66,6 +74,7 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             deadline_ms: c.deadline_ms,
             max_queue_age_ms: c.max_queue_age_ms,
             displace_within_ms: c.displace_within_ms,
+            forecast: s.slackgate.forecast,
             pool: "upstream".into(),
             ..ClassConfig::default()
         })

@@ -1,0 +1,158 @@
+//! The work that will overtake a request while it waits.
+//!
+//! The projected wait counts the work queued and running ahead of a request *now*. A request
+//! of a lower priority also waits for the higher-priority work that arrives while it waits:
+//! every such arrival goes ahead of it. Without that, a batch request is admitted on a wait of
+//! a few seconds, then the interactive stream keeps overtaking it until its slack is gone and
+//! it is dropped after minutes: an admission that turns into a refusal.
+//!
+//! In a fluid model, a request that sees `W0` of work ahead spread over the slots, while
+//! higher-priority work takes a share `rho` of the pool, starts when `W = W0 + rho * W`:
+//! `W = W0 / (1 - rho)` (priority queueing's inflation of the base wait by the higher-priority
+//! load). The forecast part of the wait is `W - W0`.
+//!
+//! `rho` is the higher classes' recent *demand*: per bucket of the pool's window
+//! (`forecast_window_ms`), the estimated work they admitted plus a share
+//! (`forecast_refused_weight`) of what they were refused for want of capacity, capped at what
+//! the slots can serve in that bucket (more than that is not served ahead of anyone), and
+//! averaged over the window. Counting refused work is what tells a saturated higher class
+//! (it would take every slot it gets) from a light one: its admitted work alone shrinks as
+//! lower work occupies slots, which would invite yet more lower work.
+//!
+//! A top-priority lane has nothing above it and gets no forecast; neither does a request that
+//! starts at once (`W0 = 0`: nothing overtakes a job that is running). Pure integer
+//! bookkeeping in the windows (no `exp`, so the same inputs give the same decisions on every
+//! machine); O(lanes of the pool x buckets) per decision.
+
+use super::*;
+
+/// Buckets in a demand window.
+pub(super) const FORECAST_BUCKETS: usize = 12;
+/// The higher-priority share counted at most: at 1 the lower class would never start, and
+/// its wait would be infinite; this caps the inflation at 1 / (1 - 0.98) = 50x.
+pub(super) const MAX_RHO: f64 = 0.98;
+
+/// Estimated work (ms) recorded per bucket of `bucket_ms` over the last [`FORECAST_BUCKETS`]
+/// buckets, in a ring aligned on multiples of `bucket_ms`: O(1) to record and to read one
+/// bucket.
+#[derive(Clone, Debug, Default)]
+pub(super) struct RateWindow {
+    buckets: [u64; FORECAST_BUCKETS],
+    bucket_ms: u64,
+    /// Index of the bucket that `head_start` opens.
+    head: usize,
+    /// Start of the newest bucket.
+    head_start: Millis,
+    /// When the first work was recorded: buckets before it are not history, they are
+    /// before the lane existed.
+    since: Option<Millis>,
+}
+
+impl RateWindow {
+    /// Record `work_ms` of estimated work at `now`, in buckets of `bucket_ms` (a new width
+    /// starts the window again).
+    pub(super) fn record(&mut self, now: Millis, work_ms: u64, bucket_ms: u64) {
+        let bucket_ms = bucket_ms.max(1);
+        if bucket_ms != self.bucket_ms {
+            *self = RateWindow {
+                bucket_ms,
+                head_start: now - now % bucket_ms,
+                ..RateWindow::default()
+            };
+        }
+        let start = now - now % bucket_ms;
+        if start > self.head_start {
+            let steps = (start - self.head_start) / bucket_ms;
+            if steps >= FORECAST_BUCKETS as u64 {
+                self.buckets = [0; FORECAST_BUCKETS];
+            } else {
+                for _ in 0..steps {
+                    self.head = (self.head + 1) % FORECAST_BUCKETS;
+                    self.buckets[self.head] = 0;
+                }
+            }
+            self.head_start = start;
+        }
+        self.since.get_or_insert(now);
+        self.buckets[self.head] = self.buckets[self.head].saturating_add(work_ms);
+    }
+
+    /// Work recorded in the bucket that starts at `start` (0 outside the ring or for a
+    /// different width).
+    pub(super) fn at(&self, start: Millis, bucket_ms: u64) -> u64 {
+        if bucket_ms != self.bucket_ms || start > self.head_start {
+            return 0;
+        }
+        let back = (self.head_start - start) / bucket_ms;
+        if back >= FORECAST_BUCKETS as u64 {
+            return 0;
+        }
+        self.buckets[(self.head + FORECAST_BUCKETS - back as usize) % FORECAST_BUCKETS]
+    }
+}
+
+impl Gate {
+    /// The part of a `priority` request's wait on `pool` that higher-priority arrivals will
+    /// add while it waits `base_wait`: `base_wait * rho / (1 - rho)`, `rho` the higher
+    /// classes' share of the pool (see the module docs).
+    pub(super) fn forecast_wait(
+        &self,
+        now: Millis,
+        pool: PoolId,
+        priority: u32,
+        base_wait: u64,
+    ) -> u64 {
+        if base_wait == 0 {
+            return 0;
+        }
+        let rho = self.higher_demand(now, pool, priority).min(MAX_RHO);
+        if rho <= 0.0 {
+            return 0;
+        }
+        (base_wait as f64 * rho / (1.0 - rho)).round().min(1e15) as u64
+    }
+
+    /// The share of `pool`'s slots that classes above `priority` recently asked for, each
+    /// bucket capped at what the slots serve in it (see the module docs).
+    pub(super) fn higher_demand(&self, now: Millis, pool: PoolId, priority: u32) -> f64 {
+        let p = &self.pools[pool.0];
+        let width = p.forecast_bucket_ms.max(1);
+        // Lanes are ordered highest priority first.
+        let higher = || {
+            p.classes
+                .iter()
+                .map(|l| &self.classes[l.0])
+                .take_while(move |l| l.priority > priority)
+        };
+        let Some(since) = higher()
+            .flat_map(|l| [l.admitted.since, l.refused.since])
+            .flatten()
+            .min()
+        else {
+            return 0.0;
+        };
+        let capacity = f64::from(p.slots.max(1)) * width as f64;
+        let newest = now - now % width;
+        let (mut served, mut buckets) = (0.0, 0u32);
+        for back in 0..FORECAST_BUCKETS as u64 {
+            let Some(start) = newest.checked_sub(back * width) else {
+                break;
+            };
+            if start.saturating_add(width) <= since {
+                break;
+            }
+            let asked: f64 = higher()
+                .map(|l| {
+                    l.admitted.at(start, width) as f64
+                        + p.forecast_refused_weight * l.refused.at(start, width) as f64
+                })
+                .sum();
+            served += asked.min(capacity);
+            buckets += 1;
+        }
+        if buckets == 0 {
+            return 0.0;
+        }
+        served / (capacity * f64::from(buckets))
+    }
+}
