@@ -330,12 +330,13 @@ async fn seed002_drain_order() {
         chat(16),
         Duration::ZERO,
     );
-    let queued = spawn_post(
-        &url,
-        &[("x-job-class", "eval")],
-        chat(16),
-        Duration::from_millis(100),
-    );
+    wait_until(
+        Duration::from_secs(3),
+        "the nightly eval held upstream",
+        || async { stub.stats().in_flight == 1 },
+    )
+    .await;
+    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
     let busy = eventually(Duration::from_secs(3), || async {
         let q = admin(&gate, "GET", "/admin/queues", "").await.json();
         q["pools"][0]["in_flight"] == 1 && q["classes"][1]["depth"] == 1
@@ -648,7 +649,12 @@ async fn shadow_mode_holds_work_it_admitted_as_it_stands_to_no_deadline() {
         chat(30),
         Duration::ZERO,
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    wait_until(
+        Duration::from_secs(3),
+        "the first request upstream",
+        || async { stub.stats().in_flight == 1 },
+    )
+    .await;
     let second = tokio::time::timeout(
         Duration::from_secs(10),
         post(&url, &[("x-job-class", "interactive")], &chat(30)),
@@ -696,17 +702,17 @@ async fn queue_and_estimator_views() {
         chat(16),
         Duration::ZERO,
     );
-    let queued = spawn_post(
-        &url,
-        &[("x-job-class", "eval")],
-        chat(16),
-        Duration::from_millis(50),
-    );
+    wait_until(Duration::from_secs(3), "the held eval upstream", || async {
+        stub.stats().in_flight == 1
+    })
+    .await;
+    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
     let ok = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 1
     })
     .await;
     assert!(ok);
+    // Let the queued job age: the view must show it (time passing is what is tested).
     tokio::time::sleep(Duration::from_millis(200)).await;
     let q = admin(&gate, "GET", "/admin/queues", "").await.json();
     let eval = &q["classes"][1];

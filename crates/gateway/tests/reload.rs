@@ -85,14 +85,21 @@ async fn a_good_reload_keeps_queued_and_in_flight_work() {
     let gate = start(&dir, &config(up, 1, 30_000, 0, ""), "reload-good").await;
     let url = gate.url("/v1/chat/completions");
     // One request holds the only slot, two more queue behind it.
-    let mut tasks = Vec::new();
-    for (i, hold) in [Some("h1"), None, None].into_iter().enumerate() {
-        let mut h = vec![("x-job-class", "batch")];
-        if let Some(hold) = hold {
-            h.push(("x-stub-hold", hold));
-        }
-        let after = Duration::from_millis(30 * i as u64);
-        tasks.push(spawn_post(&url, &h, chat(5), after));
+    let held = [("x-job-class", "batch"), ("x-stub-hold", "h1")];
+    let mut tasks = vec![spawn_post(&url, &held, chat(5), Duration::ZERO)];
+    wait_until(
+        Duration::from_secs(3),
+        "the first request held upstream",
+        || async { stub.stats().in_flight == 1 },
+    )
+    .await;
+    for _ in 0..2 {
+        tasks.push(spawn_post(
+            &url,
+            &[("x-job-class", "batch")],
+            chat(5),
+            Duration::ZERO,
+        ));
     }
     let queued = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 2
@@ -274,6 +281,8 @@ async fn a_file_replaced_by_rename_is_reloaded_by_the_watcher() {
     })
     .await;
     assert!(refused);
+    // Four more polls of the same bad file: none may report it again. Nothing happens to
+    // wait for; the time is the test.
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(generation().await, 2);
     let lines = gate.log_lines().await;
@@ -388,6 +397,8 @@ async fn a_file_written_in_place_is_applied_once_complete() {
             .unwrap()
     };
     assert!(eventually(Duration::from_secs(5), || async { generation().await == 2 }).await);
+    // Two more poll periods with the complete file: no second reload may come of them. Nothing
+    // happens to wait for; the time is the test.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let lines = gate.log_lines().await;
     let reloads: Vec<_> = lines.iter().filter(|l| l["action"] == "reload").collect();

@@ -1007,7 +1007,10 @@ mod tests {
             let png = std::fs::read(dir.join(format!("{stem}.png"))).unwrap();
             assert_eq!(svg, chart.to_svg(), "{stem}.svg");
             assert_eq!(png, chart.to_png(), "{stem}.png");
-            assert!(svg.starts_with("<svg") || svg.starts_with("<?xml"), "{stem}.svg");
+            assert!(
+                svg.starts_with("<svg") || svg.starts_with("<?xml"),
+                "{stem}.svg"
+            );
             assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "{stem}.png");
         }
         if keep.is_none() {

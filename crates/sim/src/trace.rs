@@ -783,7 +783,8 @@ mod tests {
     /// as in CI, since the simulator's published figures depend on it).
     #[test]
     fn reads_the_azure_code_trace() {
-        let Some(path) = slackgate_testkit::production_trace("trace::tests::reads_the_azure_code_trace")
+        let Some(path) =
+            slackgate_testkit::production_trace("trace::tests::reads_the_azure_code_trace")
         else {
             return;
         };

@@ -166,7 +166,10 @@ fn slackgate_beats_the_baselines_on_seed000_and_the_trace_at_2x() {
         ("seed-000-burst.toml", "interactive"),
         ("trace-azure-code.toml", "interactive"),
     ] {
-        if !runnable("slackgate_beats_the_baselines_on_seed000_and_the_trace_at_2x", file) {
+        if !runnable(
+            "slackgate_beats_the_baselines_on_seed000_and_the_trace_at_2x",
+            file,
+        ) {
             continue;
         }
         let base = Scenario::load(&scenarios_dir().join(file)).unwrap();

@@ -94,7 +94,10 @@ fn locate_trace(env: Option<OsString>, root: &Path) -> Result<PathBuf, String> {
     let beside = root.parent().unwrap_or(root).join("shared").join("traces");
     let mut places = Vec::new();
     if let Some(dir) = env.filter(|d| !d.is_empty()) {
-        places.push((format!("{TRACES_VAR}={}", Path::new(&dir).display()), dir.into()));
+        places.push((
+            format!("{TRACES_VAR}={}", Path::new(&dir).display()),
+            dir.into(),
+        ));
     }
     places.push(("beside the repository".to_string(), beside));
     for (_, dir) in &places {

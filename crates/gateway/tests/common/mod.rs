@@ -316,6 +316,21 @@ pub fn chat(max_tokens: u32) -> String {
     )
 }
 
+/// Wait until `cond` holds, polling every 20 ms; panics naming `what` if it does not within
+/// `within`. The way tests order events: wait for the state that shows the first one
+/// happened (a metric, a `/stats` figure, the stub's accounting, a log line), never for a
+/// fixed time that a loaded machine may overrun.
+pub async fn wait_until<F, Fut>(within: Duration, what: &str, cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    assert!(
+        eventually(within, cond).await,
+        "waited {within:?} for {what}"
+    );
+}
+
 /// Poll `cond` every 20 ms until it holds or `within` passes.
 pub async fn eventually<F, Fut>(within: Duration, mut cond: F) -> bool
 where
