@@ -334,10 +334,12 @@ async fn near_the_cap_the_header_timeout_shrinks() {
         assert!(matches!(r, Ok(Ok(0) | Err(_))), "closed: {r:?}");
         closed_after.push(start.elapsed());
     }
-    let last = closed_after.iter().max().copied().unwrap_or_default();
-    // Closed at about 300 ms (a tenth of 3 s), well before the configured 3 s.
+    let first = closed_after.iter().min().copied().unwrap_or_default();
+    // Closed at about 300 ms (a tenth of 3 s), well before the configured 3 s. The first
+    // ones: once they are closed the pressure is off, so on a loaded machine where the gate
+    // accepted the ten over more than one reaper period, the later ones are held longer.
     assert!(
-        last >= Duration::from_millis(250) && last < Duration::from_millis(2000),
+        first >= Duration::from_millis(250) && first < Duration::from_millis(2000),
         "closed after {closed_after:?}"
     );
     assert_eq!(g.gate.shared().conns.closed(CloseReason::HeaderTimeout), 10);

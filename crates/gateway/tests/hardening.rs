@@ -192,6 +192,10 @@ async fn a_slow_upload_spends_the_deadline_budget() {
         .await
         .unwrap();
     c.write_all(a).await.unwrap();
+    // The request arrives when the gate has read its headers; from then on, a slow upload
+    // (the time is the test).
+    let conns = &g.gate.shared().conns;
+    wait_until(WAIT, "the headers read", || async { conns.busy() == 1 }).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     c.write_all(b).await.unwrap();
     let resp = read_all(&mut c).await;
