@@ -324,16 +324,11 @@ async fn seed002_drain_order() {
         TestGate::start_admin(SEED002, stub.local_addr(), "admin-seed002", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
     // A nightly eval occupies the slot (the stub holds it), another eval queues behind it.
-    let stuck = spawn_post(
+    let stuck = spawn_upstream(
         &url,
+        &stub,
         &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
         chat(16),
-        Duration::ZERO,
-    );
-    wait_until(
-        Duration::from_secs(3),
-        "the nightly eval held upstream",
-        || async { stub.stats().in_flight == 1 },
     )
     .await;
     let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
@@ -643,18 +638,7 @@ async fn shadow_mode_holds_work_it_admitted_as_it_stands_to_no_deadline() {
         TestGate::start_admin(STRICT, stub.local_addr(), "admin-shadow-late", Some(TOKEN)).await;
     admin(&gate, "PUT", "/admin/flags/shadow", r#"{"value":true}"#).await;
     let url = gate.url("/v1/chat/completions");
-    let first = spawn_post(
-        &url,
-        &[("x-job-class", "interactive")],
-        chat(30),
-        Duration::ZERO,
-    );
-    wait_until(
-        Duration::from_secs(3),
-        "the first request upstream",
-        || async { stub.stats().in_flight == 1 },
-    )
-    .await;
+    let first = spawn_upstream(&url, &stub, &[("x-job-class", "interactive")], chat(30)).await;
     let second = tokio::time::timeout(
         Duration::from_secs(10),
         post(&url, &[("x-job-class", "interactive")], &chat(30)),
@@ -696,15 +680,12 @@ async fn queue_and_estimator_views() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(SEED002, stub.local_addr(), "admin-views", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
-    let held = spawn_post(
+    let held = spawn_upstream(
         &url,
+        &stub,
         &[("x-job-class", "eval"), ("x-stub-hold", "v")],
         chat(16),
-        Duration::ZERO,
-    );
-    wait_until(Duration::from_secs(3), "the held eval upstream", || async {
-        stub.stats().in_flight == 1
-    })
+    )
     .await;
     let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
     let ok = eventually(Duration::from_secs(3), || async {

@@ -31,16 +31,11 @@ async fn a_running_request_keeps_its_hold_past_the_ttl_and_its_key_stays_taken()
     let s = stub(4, "fixed:10ms").await;
     let g = TestGate::start(CONFIG, s.local_addr(), "ledger-proxy").await;
     let url = g.url("/v1/chat/completions");
-    let first = spawn_post(
+    let first = spawn_upstream(
         &url,
+        &s,
         &[("idempotency-key", "K1"), ("x-stub-hold", "first")],
         chat(4),
-        Duration::ZERO,
-    );
-    wait_until(
-        Duration::from_secs(10),
-        "the first call upstream",
-        || async { s.stats().in_flight == 1 },
     )
     .await;
     // Its hold was taken before it went upstream: half a TTL more and the TTL has passed

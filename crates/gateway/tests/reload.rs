@@ -86,13 +86,7 @@ async fn a_good_reload_keeps_queued_and_in_flight_work() {
     let url = gate.url("/v1/chat/completions");
     // One request holds the only slot, two more queue behind it.
     let held = [("x-job-class", "batch"), ("x-stub-hold", "h1")];
-    let mut tasks = vec![spawn_post(&url, &held, chat(5), Duration::ZERO)];
-    wait_until(
-        Duration::from_secs(3),
-        "the first request held upstream",
-        || async { stub.stats().in_flight == 1 },
-    )
-    .await;
+    let mut tasks = vec![spawn_upstream(&url, &stub, &held, chat(5)).await];
     for _ in 0..2 {
         tasks.push(spawn_post(
             &url,

@@ -250,12 +250,13 @@ async fn seed002_ci_test_plan() {
 
     // 2. A nightly eval occupies the only slot: an ordinary 16-token job the gate expects to
     //    take ~165 ms, but the stub holds it (a stuck reader) until released.
-    let stuck = spawn_post(
+    let stuck = spawn_upstream(
         &url,
+        &stub,
         &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
         chat(16),
-        Duration::ZERO,
-    );
+    )
+    .await;
     // Until the slot has been held past the sync class's 1500 ms queue-age limit.
     wait_until(
         Duration::from_secs(10),

@@ -149,16 +149,12 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
 
-    /// A fresh scratch directory under the system's temporary directory.
+    /// A fresh scratch directory under the system's temporary directory (one per test name
+    /// and process: the tests here use distinct names).
     fn scratch(name: &str) -> PathBuf {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let d = std::env::temp_dir().join(format!(
-            "slackgate-testkit-{name}-{}-{nanos}",
-            std::process::id()
-        ));
+        let pid = std::process::id();
+        let d = std::env::temp_dir().join(format!("slackgate-testkit-{name}-{pid}"));
+        let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
     }

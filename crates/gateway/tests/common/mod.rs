@@ -256,6 +256,26 @@ pub fn spawn_post(
     })
 }
 
+/// POST from a task of its own and wait until the stub has the request in a slot (its
+/// `in_flight` above what it was): with `x-stub-hold`, how a test holds a slot before it
+/// sends what must queue behind it.
+pub async fn spawn_upstream(
+    url: &str,
+    stub: &Stub,
+    headers: &[(&str, &str)],
+    body: String,
+) -> tokio::task::JoinHandle<Resp> {
+    let before = stub.stats().in_flight;
+    let task = spawn_post(url, headers, body, Duration::ZERO);
+    wait_until(
+        Duration::from_secs(10),
+        "the request in a stub slot",
+        || async { stub.stats().in_flight > before },
+    )
+    .await;
+    task
+}
+
 /// GET a URL; read the whole response.
 pub async fn get(url: &str) -> Resp {
     send(Request::get(url).body(Full::new(Bytes::new())).unwrap()).await
