@@ -3,7 +3,8 @@
 # real sockets), the gate in front of a real llama.cpp llama-server (built from source once and
 # cached outside the checkout, about 6-14 minutes the first time), then the Python suite that
 # drives the gate with the official openai SDK and curl. Installs what the Python suite and
-# the model writer need into .venv on first use.
+# the model writer need into .venv on first use. Ends with the list of tests skipped for want
+# of something outside the repository (the production trace, a tool), by name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,16 +29,54 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   fi
 fi
 
-# The real production trace the simulator's tests replay lives beside the repository, not in
-# it (users bring their own). Point at it when this checkout is elsewhere; tests that need it
-# fail loudly when it cannot be found.
+# Tests that cannot run here say so by name ("SKIPPED <test>: <reason and how to supply what
+# is missing>") on stderr and add that line to $SLACKGATE_SKIP_LOG; the summary at the end
+# lists and counts them, however this script ends. Under CI (CI=true, as .ci/run sets)
+# nothing may be skipped: SLACKGATE_FORBID_SKIPS turns a skip into a failed test.
+skip_log="$(mktemp "${TMPDIR:-/tmp}/slackgate-skips.XXXXXX")"
+export SLACKGATE_SKIP_LOG="$skip_log"
+llama_running=0
+finish() {
+  status=$?
+  if [ "$llama_running" = 1 ]; then
+    scripts/real-server.sh stop || true
+  fi
+  skipped=$(grep -c '^SKIPPED ' "$skip_log" 2>/dev/null || true)
+  echo "== skipped tests: ${skipped:-0}"
+  if [ "${skipped:-0}" != 0 ]; then
+    sed 's/^/  /' "$skip_log"
+    if [ "${CI:-}" = true ] && [ "$status" = 0 ]; then
+      echo "test.sh: tests were skipped under CI, where everything they need must be present" >&2
+      status=1
+    fi
+  fi
+  rm -f "$skip_log"
+  exit "$status"
+}
+trap finish EXIT
+
+# The real production trace the simulator's tests replay lives beside the repository
+# (../shared/traces), not in it: users bring their own, or point SLACKGATE_TRACES at it.
+# Without it those tests are reported skipped; under CI it must be there.
 if [ -z "${SLACKGATE_TRACES:-}" ]; then
   d="$PWD/../shared/traces"
   if [ -f "$d/azure_llm_2023_code.csv" ]; then
     export SLACKGATE_TRACES="$(cd "$d" && pwd)"
   fi
 fi
-echo "test.sh: traces from ${SLACKGATE_TRACES:-<relative to scenarios/>}" >&2
+if [ -n "${SLACKGATE_TRACES:-}" ] && [ -f "$SLACKGATE_TRACES/azure_llm_2023_code.csv" ]; then
+  echo "test.sh: production trace from $SLACKGATE_TRACES" >&2
+elif [ "${CI:-}" = true ]; then
+  echo "test.sh: CI needs the production trace azure_llm_2023_code.csv in ../shared/traces" \
+    "beside the clone or in SLACKGATE_TRACES=DIR (now: ${SLACKGATE_TRACES:-unset})" >&2
+  exit 1
+else
+  echo "test.sh: no production trace (../shared/traces beside the checkout, or" \
+    "SLACKGATE_TRACES=DIR): the tests that replay it will be reported skipped" >&2
+fi
+if [ "${CI:-}" = true ]; then
+  export SLACKGATE_FORBID_SKIPS=1
+fi
 
 echo "== cargo test --workspace (the fuzz targets run below, in release, with more cases)"
 cargo test --workspace --locked -- --skip fuzz_
@@ -53,7 +92,7 @@ llama_bin="$(scripts/llama-server.sh)"
 echo "test.sh: llama-server binary ready in $(( $(date +%s) - llama_started )) s: $llama_bin"
 # The tests marked #[ignore = "needs a llama-server..."] run here, explicitly, with the URL
 # set; the server is stopped (by its PID, from the state file) however this script ends.
-trap 'scripts/real-server.sh stop' EXIT
+llama_running=1
 SLACKGATE_LLAMA_URL="$(scripts/real-server.sh start)"
 export SLACKGATE_LLAMA_URL
 echo "test.sh: llama-server at $SLACKGATE_LLAMA_URL ($(( $(date +%s) - llama_started )) s with the model and start)"
@@ -63,7 +102,7 @@ cargo test -p slackgate-gateway --test real_server --locked -- --include-ignored
 cargo test -p slackgate --test calibrate_cli --locked -- --include-ignored
 cargo test -p slackgate-drill --test real_llama --locked -- --include-ignored --nocapture
 scripts/real-server.sh stop
-trap - EXIT
+llama_running=0
 unset SLACKGATE_LLAMA_URL
 
 echo "== alert rules: promtool check rules + test rules"

@@ -217,6 +217,30 @@ fn log_lines(dir: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Wait until `cond` holds, polling every 20 ms; panics naming `what` if it does not within
+/// `within`. Events are ordered by waiting for what shows them, never by fixed sleeps.
+async fn wait_until<F, Fut>(within: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !cond().await {
+        assert!(start.elapsed() < within, "waited {within:?} for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The gate's one pool's `(in_flight, depth)` from `/stats`.
+async fn occupancy(addr: SocketAddr) -> (u64, u64) {
+    let s = stats(addr).await;
+    let pool = &s["gate"]["pools"][0];
+    (
+        pool["in_flight"].as_u64().unwrap_or(0),
+        pool["depth"].as_u64().unwrap_or(0),
+    )
+}
+
 async fn stats(addr: SocketAddr) -> serde_json::Value {
     let (_, body) = http(addr, "GET", "/stats", &[], "").await.unwrap();
     serde_json::from_str(&body).unwrap_or(serde_json::Value::Null)
@@ -232,10 +256,10 @@ async fn sigterm_lets_work_that_fits_finish_and_tells_the_rest_at_once() {
     std::fs::write(&cfg, config(&dir, up.local_addr(), 1500, 4000)).unwrap();
     let mut serve = Serve::start(&cfg);
     let addr = serve.addr;
+    // Three requests in a known order: each is sent once the gate holds the one before.
     let mut tasks = Vec::new();
     for i in 0..3u64 {
         tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100 * i)).await;
             let start = Instant::now();
             let r = tokio::time::timeout(
                 Duration::from_secs(15),
@@ -246,29 +270,27 @@ async fn sigterm_lets_work_that_fits_finish_and_tells_the_rest_at_once() {
             .unwrap();
             (r, start.elapsed())
         }));
+        wait_until(
+            Duration::from_secs(10),
+            "the gate to hold the request",
+            || async {
+                let (in_flight, depth) = occupancy(addr).await;
+                in_flight + depth == i + 1
+            },
+        )
+        .await;
     }
-    let start = Instant::now();
-    loop {
-        let s = stats(addr).await;
-        if s["gate"]["pools"][0]["in_flight"] == 1 && s["gate"]["pools"][0]["depth"] == 2 {
-            break;
-        }
-        assert!(start.elapsed() < Duration::from_secs(5), "{s}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert_eq!(occupancy(addr).await, (1, 2));
 
     let signalled = Instant::now();
     serve.signal("TERM");
     // The listener closes: new connections are refused.
-    let mut refused = false;
-    for _ in 0..50 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        if http(addr, "GET", "/healthz", &[], "").await.is_err() {
-            refused = true;
-            break;
-        }
-    }
-    assert!(refused, "the listener must close on SIGTERM");
+    wait_until(
+        Duration::from_secs(3),
+        "the listener to close on SIGTERM",
+        || async { http(addr, "GET", "/healthz", &[], "").await.is_err() },
+    )
+    .await;
 
     let mut answers = Vec::new();
     for t in tasks {
@@ -337,11 +359,10 @@ async fn sigterm_cancels_what_outlives_the_grace_period() {
         )
         .await
     });
-    let start = Instant::now();
-    while stats(addr).await["gate"]["pools"][0]["in_flight"] != 1 {
-        assert!(start.elapsed() < Duration::from_secs(5));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(Duration::from_secs(10), "the request in flight", || async {
+        occupancy(addr).await.0 == 1
+    })
+    .await;
     serve.signal("TERM");
     let (status, body) = tokio::time::timeout(Duration::from_secs(5), held)
         .await
@@ -410,17 +431,12 @@ async fn sighup_reloads_the_config_and_refuses_a_bad_one() {
     // A bad file: refused, the config in force stays.
     std::fs::write(&cfg, good.replace("max_in_flight = 1", "max_in_flight = 0")).unwrap();
     serve.signal("HUP");
-    let start = Instant::now();
-    while !log_lines(&dir)
-        .iter()
-        .any(|l| l["reason"] == "config_rejected")
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "no refusal logged"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(Duration::from_secs(10), "the refusal logged", || async {
+        log_lines(&dir)
+            .iter()
+            .any(|l| l["reason"] == "config_rejected")
+    })
+    .await;
     assert_eq!(post("batch").await.0, 429, "still the reloaded config");
     assert_eq!(post("interactive").await.0, 200);
     let lines = log_lines(&dir);
@@ -620,18 +636,21 @@ async fn sighup_reopens_the_decision_log_after_logrotate_renamed_it() {
         .unwrap();
     assert_eq!(status, 200);
     // logrotate: rename, then SIGHUP.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !log_lines(&dir).iter().any(|l| l["action"] == "complete") && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        Duration::from_secs(10),
+        "the first request logged",
+        || async { log_lines(&dir).iter().any(|l| l["action"] == "complete") },
+    )
+    .await;
     let rotated = dir.join("gate.log.1");
     std::fs::rename(dir.join("gate.log"), &rotated).unwrap();
     serve.signal("HUP");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !dir.join("gate.log").exists() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(dir.join("gate.log").exists(), "a new log file after SIGHUP");
+    wait_until(
+        Duration::from_secs(10),
+        "a new log file after SIGHUP",
+        || async { dir.join("gate.log").exists() },
+    )
+    .await;
     let (status, _) = http(addr, "POST", "/v1/chat/completions", &[], chat())
         .await
         .unwrap();

@@ -238,6 +238,16 @@ impl ConnTracker {
         self.lock().conns.len()
     }
 
+    /// Connections serving a request now: its headers read, its response not yet written.
+    /// What a test waits for before it acts on a request the gate has begun.
+    pub fn busy(&self) -> usize {
+        self.lock()
+            .conns
+            .values()
+            .filter(|c| c.phase.load(Ordering::Acquire) == BUSY)
+            .count()
+    }
+
     /// Connections closed or refused for `reason` so far.
     pub fn closed(&self, reason: CloseReason) -> u64 {
         self.counters.closed[reason.index()].load(Ordering::Relaxed)
@@ -565,8 +575,12 @@ mod tests {
         let t = ConnTracker::new(limits(1, 10));
         let a = t.admit(ip(1));
         let Ok(a) = a else { panic!("admitted") };
+        assert_eq!(t.busy(), 0, "awaiting headers is not busy");
         a.state().begin_request();
+        assert_eq!(t.busy(), 1);
         assert_eq!(t.admit(ip(2)).err(), Some(CloseReason::TotalCap));
+        a.state().end_request();
+        assert_eq!(t.busy(), 0);
     }
 
     #[test]

@@ -324,18 +324,14 @@ async fn seed002_drain_order() {
         TestGate::start_admin(SEED002, stub.local_addr(), "admin-seed002", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
     // A nightly eval occupies the slot (the stub holds it), another eval queues behind it.
-    let stuck = spawn_post(
+    let stuck = spawn_upstream(
         &url,
+        &stub,
         &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
         chat(16),
-        Duration::ZERO,
-    );
-    let queued = spawn_post(
-        &url,
-        &[("x-job-class", "eval")],
-        chat(16),
-        Duration::from_millis(100),
-    );
+    )
+    .await;
+    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
     let busy = eventually(Duration::from_secs(3), || async {
         let q = admin(&gate, "GET", "/admin/queues", "").await.json();
         q["pools"][0]["in_flight"] == 1 && q["classes"][1]["depth"] == 1
@@ -642,13 +638,7 @@ async fn shadow_mode_holds_work_it_admitted_as_it_stands_to_no_deadline() {
         TestGate::start_admin(STRICT, stub.local_addr(), "admin-shadow-late", Some(TOKEN)).await;
     admin(&gate, "PUT", "/admin/flags/shadow", r#"{"value":true}"#).await;
     let url = gate.url("/v1/chat/completions");
-    let first = spawn_post(
-        &url,
-        &[("x-job-class", "interactive")],
-        chat(30),
-        Duration::ZERO,
-    );
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let first = spawn_upstream(&url, &stub, &[("x-job-class", "interactive")], chat(30)).await;
     let second = tokio::time::timeout(
         Duration::from_secs(10),
         post(&url, &[("x-job-class", "interactive")], &chat(30)),
@@ -690,23 +680,20 @@ async fn queue_and_estimator_views() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=10000").await;
     let gate = TestGate::start_admin(SEED002, stub.local_addr(), "admin-views", Some(TOKEN)).await;
     let url = gate.url("/v1/chat/completions");
-    let held = spawn_post(
+    let held = spawn_upstream(
         &url,
+        &stub,
         &[("x-job-class", "eval"), ("x-stub-hold", "v")],
         chat(16),
-        Duration::ZERO,
-    );
-    let queued = spawn_post(
-        &url,
-        &[("x-job-class", "eval")],
-        chat(16),
-        Duration::from_millis(50),
-    );
+    )
+    .await;
+    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
     let ok = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 1
     })
     .await;
     assert!(ok);
+    // Let the queued job age: the view must show it (time passing is what is tested).
     tokio::time::sleep(Duration::from_millis(200)).await;
     let q = admin(&gate, "GET", "/admin/queues", "").await.json();
     let eval = &q["classes"][1];

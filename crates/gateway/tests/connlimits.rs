@@ -9,7 +9,7 @@
 mod common;
 
 use bytes::Bytes;
-use common::{chat, stub, two_class_config, TestGate};
+use common::{chat, stub, two_class_config, wait_until, TestGate};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
@@ -144,8 +144,12 @@ async fn slowloris_beyond_the_per_address_cap_is_closed_and_does_not_slow_other_
     let attack: Vec<_> = (0..16)
         .map(|_| tokio::spawn(slowloris(attacker, g.addr)))
         .collect();
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let conns = &g.gate.shared().conns;
+    // All sixteen have connected: eight refused at the cap, eight held open.
+    wait_until(WAIT, "the slow connections in", || async {
+        conns.closed(CloseReason::PerAddrCap) == 8 && conns.open() >= 8
+    })
+    .await;
     let mut during = Vec::new();
     let mut most_open = 0;
     for _ in 0..10 {
@@ -219,6 +223,7 @@ async fn at_the_total_cap_the_idlest_connection_is_closed_to_let_a_new_client_in
             StatusCode::OK
         );
         held.push((send, task));
+        // Apart in time, so that their idle ages differ (the time is the test).
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let conns = &g.gate.shared().conns;
@@ -329,10 +334,12 @@ async fn near_the_cap_the_header_timeout_shrinks() {
         assert!(matches!(r, Ok(Ok(0) | Err(_))), "closed: {r:?}");
         closed_after.push(start.elapsed());
     }
-    let last = closed_after.iter().max().copied().unwrap_or_default();
-    // Closed at about 300 ms (a tenth of 3 s), well before the configured 3 s.
+    let first = closed_after.iter().min().copied().unwrap_or_default();
+    // Closed at about 300 ms (a tenth of 3 s), well before the configured 3 s. The first
+    // ones: once they are closed the pressure is off, so on a loaded machine where the gate
+    // accepted the ten over more than one reaper period, the later ones are held longer.
     assert!(
-        last >= Duration::from_millis(250) && last < Duration::from_millis(2000),
+        first >= Duration::from_millis(250) && first < Duration::from_millis(2000),
         "closed after {closed_after:?}"
     );
     assert_eq!(g.gate.shared().conns.closed(CloseReason::HeaderTimeout), 10);

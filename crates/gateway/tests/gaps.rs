@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{chat, post, read_log, stub, temp_log, two_class_config, TestGate};
+use common::{chat, post, read_log, stub, temp_log, two_class_config, wait_until, TestGate};
 use http::StatusCode;
 use slackgate_gateway::config::LogTarget;
 use slackgate_gateway::ledger_store::{LedgerStore, SqliteOptions, SqliteStore};
@@ -58,14 +58,16 @@ async fn the_reservation_api_answers_during_shutdown() {
         );
         s.write_all(head.as_bytes()).await.unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
     let shared = Arc::clone(gw.shared());
+    wait_until(WAIT, "both requests' headers read", || async {
+        shared.conns.busy() == 2
+    })
+    .await;
     let stopping = tokio::spawn(gw.shutdown());
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(
-        shared.ledger_view().1.closing_at_ms.is_some(),
-        "shutting down"
-    );
+    wait_until(WAIT, "the shutdown begun", || async {
+        shared.ledger_view().1.closing_at_ms.is_some()
+    })
+    .await;
     let mut answers = Vec::new();
     for (s, body) in [(&mut c1, commit), (&mut c2, fresh.as_str())] {
         s.write_all(body.as_bytes()).await.unwrap();

@@ -8,7 +8,8 @@ mod common;
 
 use bytes::Bytes;
 use common::{
-    chat, eventually, get, job_id, post, read_log, stub, temp_log, two_class_config, TestGate,
+    chat, eventually, get, job_id, post, read_log, stub, temp_log, two_class_config, wait_until,
+    TestGate,
 };
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -145,7 +146,13 @@ async fn shutdown_lets_a_stream_in_flight_finish_and_logs_it() {
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Shut down with the stream in flight (about a second of it left).
+    let stats = format!("http://{addr}/stats");
+    wait_until(WAIT, "the stream in flight", || async {
+        let s: Value = serde_json::from_slice(&get(&stats).await.body).unwrap_or(Value::Null);
+        s["gate"]["pools"][0]["in_flight"] == 1
+    })
+    .await;
     let started = Instant::now();
     timeout(WAIT, gate.shutdown()).await.expect("shutdown hung");
     let waited = started.elapsed();
@@ -185,6 +192,10 @@ async fn a_slow_upload_spends_the_deadline_budget() {
         .await
         .unwrap();
     c.write_all(a).await.unwrap();
+    // The request arrives when the gate has read its headers; from then on, a slow upload
+    // (the time is the test).
+    let conns = &g.gate.shared().conns;
+    wait_until(WAIT, "the headers read", || async { conns.busy() == 1 }).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     c.write_all(b).await.unwrap();
     let resp = read_all(&mut c).await;
@@ -399,7 +410,9 @@ async fn a_client_gone_mid_upload_is_a_cancel_not_bad_json() {
         .await
         .unwrap();
     c.write_all(b"{\"model\":").await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Gone once the gate is reading the body (the request's headers are in).
+    let conns = &g.gate.shared().conns;
+    wait_until(WAIT, "the request begun", || async { conns.busy() == 1 }).await;
     drop(c);
     let line = wait_for(&g, "cancel", |l| l["action"] == "cancel").await;
     assert_eq!(line["reason"], "client_cancelled");

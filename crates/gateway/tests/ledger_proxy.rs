@@ -27,13 +27,19 @@ const CONFIG: &str = r#"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_request_keeps_its_hold_past_the_ttl_and_its_key_stays_taken() {
-    let s = stub(4, "fixed:2500ms").await;
+    // The stub keeps the first call running until the test releases it.
+    let s = stub(4, "fixed:10ms").await;
     let g = TestGate::start(CONFIG, s.local_addr(), "ledger-proxy").await;
     let url = g.url("/v1/chat/completions");
-    let first = {
-        let url = url.clone();
-        tokio::spawn(async move { post(&url, &[("idempotency-key", "K1")], &chat(4)).await })
-    };
+    let first = spawn_upstream(
+        &url,
+        &s,
+        &[("idempotency-key", "K1"), ("x-stub-hold", "first")],
+        chat(4),
+    )
+    .await;
+    // Its hold was taken before it went upstream: half a TTL more and the TTL has passed
+    // (the time is the test).
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     // Past the 1 s TTL, the first call is still running upstream: a replay is a duplicate,
@@ -59,6 +65,12 @@ async fn a_running_request_keeps_its_hold_past_the_ttl_and_its_key_stays_taken()
         (409, Some("not_a_reservation"))
     );
 
+    post(
+        &format!("http://{}/stub/release", s.local_addr()),
+        &[],
+        r#"{"name":"first"}"#,
+    )
+    .await;
     let first = first.await.unwrap();
     assert_eq!(first.status, 200);
     let stats = s.stats();

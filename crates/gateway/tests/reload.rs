@@ -85,14 +85,15 @@ async fn a_good_reload_keeps_queued_and_in_flight_work() {
     let gate = start(&dir, &config(up, 1, 30_000, 0, ""), "reload-good").await;
     let url = gate.url("/v1/chat/completions");
     // One request holds the only slot, two more queue behind it.
-    let mut tasks = Vec::new();
-    for (i, hold) in [Some("h1"), None, None].into_iter().enumerate() {
-        let mut h = vec![("x-job-class", "batch")];
-        if let Some(hold) = hold {
-            h.push(("x-stub-hold", hold));
-        }
-        let after = Duration::from_millis(30 * i as u64);
-        tasks.push(spawn_post(&url, &h, chat(5), after));
+    let held = [("x-job-class", "batch"), ("x-stub-hold", "h1")];
+    let mut tasks = vec![spawn_upstream(&url, &stub, &held, chat(5)).await];
+    for _ in 0..2 {
+        tasks.push(spawn_post(
+            &url,
+            &[("x-job-class", "batch")],
+            chat(5),
+            Duration::ZERO,
+        ));
     }
     let queued = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 2
@@ -274,6 +275,8 @@ async fn a_file_replaced_by_rename_is_reloaded_by_the_watcher() {
     })
     .await;
     assert!(refused);
+    // Four more polls of the same bad file: none may report it again. Nothing happens to
+    // wait for; the time is the test.
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(generation().await, 2);
     let lines = gate.log_lines().await;
@@ -365,12 +368,14 @@ async fn a_drain_survives_a_reload_that_moves_the_class_to_another_pool() {
 async fn a_file_written_in_place_is_applied_once_complete() {
     // `cat > slackgate.toml`: the watcher may read the file half written. Cut before the
     // batch class, it is still a valid config, one that would retire batch. The half-written
-    // file stands for a fifth of a poll period, so no two polls can both read it.
+    // file stands for a tenth of a poll period, so no two polls can both read it unless one
+    // read is delayed by nine tenths of a period more than the next (a loaded machine delayed
+    // one by a quarter of a 300 ms period: hence the long period).
     let stub = stub(1, "fixed:1ms").await;
     let up = stub.local_addr();
     let dir = temp_dir("in-place");
-    let gate = start(&dir, &config(up, 1, 30_000, 300, ""), "reload-in-place").await;
-    let full = config(up, 1, 30_000, 300, "").replace(
+    let gate = start(&dir, &config(up, 1, 30_000, 500, ""), "reload-in-place").await;
+    let full = config(up, 1, 30_000, 500, "").replace(
         "name = \"batch\"\npriority = 10\n",
         "name = \"batch\"\npriority = 10\nenabled = false\n",
     );
@@ -378,9 +383,9 @@ async fn a_file_written_in_place_is_applied_once_complete() {
     let path = dir.join("slackgate.toml");
     for _ in 0..3 {
         std::fs::write(&path, &full[..cut]).unwrap();
-        tokio::time::sleep(Duration::from_millis(60)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
         std::fs::write(&path, &full).unwrap();
-        tokio::time::sleep(Duration::from_millis(170)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let generation = || async {
         admin(&gate, "GET", "/admin/flags", "").await.json()["config_generation"]
@@ -388,7 +393,9 @@ async fn a_file_written_in_place_is_applied_once_complete() {
             .unwrap()
     };
     assert!(eventually(Duration::from_secs(5), || async { generation().await == 2 }).await);
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Two more poll periods with the complete file: no second reload may come of them. Nothing
+    // happens to wait for; the time is the test.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let lines = gate.log_lines().await;
     let reloads: Vec<_> = lines.iter().filter(|l| l["action"] == "reload").collect();
     assert_eq!(

@@ -250,13 +250,23 @@ async fn seed002_ci_test_plan() {
 
     // 2. A nightly eval occupies the only slot: an ordinary 16-token job the gate expects to
     //    take ~165 ms, but the stub holds it (a stuck reader) until released.
-    let stuck = spawn_post(
+    let stuck = spawn_upstream(
         &url,
+        &stub,
         &[("x-job-class", "eval"), ("x-stub-hold", "nightly")],
         chat(16),
-        Duration::ZERO,
-    );
-    tokio::time::sleep(Duration::from_millis(2000)).await;
+    )
+    .await;
+    // Until the slot has been held past the sync class's 1500 ms queue-age limit.
+    wait_until(
+        Duration::from_secs(10),
+        "the eval held for 1.5 s",
+        || async {
+            let pool = gate.stats().await["gate"]["pools"][0].clone();
+            pool["in_flight"] == 1 && pool["oldest_in_flight_age_ms"].as_u64().unwrap_or(0) > 1600
+        },
+    )
+    .await;
     let stats = gate.stats().await;
     let pool = &stats["gate"]["pools"][0];
     assert_eq!(pool["in_flight"], 1, "step 2: {stats}");

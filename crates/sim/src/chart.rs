@@ -987,13 +987,34 @@ mod tests {
         assert_eq!(fit("abcdefgh", 5), "abc..");
     }
 
-    /// `CHART_EXAMPLE_DIR=/tmp cargo test -p slackgate-sim chart` writes examples to look at.
+    /// `write_chart` writes each chart as the SVG and PNG it renders to, creating the
+    /// directory. `CHART_EXAMPLE_DIR=/tmp cargo test -p slackgate-sim chart` keeps the files
+    /// there to look at; otherwise they go to a scratch directory, removed afterwards.
     #[test]
-    fn example_files_on_request() {
-        if let Some(dir) = std::env::var_os("CHART_EXAMPLE_DIR") {
-            let dir = std::path::PathBuf::from(dir);
-            write_chart(&dir, "chart_example", &line_chart()).unwrap();
-            write_chart(&dir, "chart_example_bars", &bar_chart()).unwrap();
+    fn write_chart_writes_the_svg_and_png_it_renders() {
+        let keep = std::env::var_os("CHART_EXAMPLE_DIR").map(std::path::PathBuf::from);
+        let dir = keep.clone().unwrap_or_else(|| {
+            std::env::temp_dir()
+                .join(format!("slackgate-chart-{}", std::process::id()))
+                .join("nested")
+        });
+        for (stem, chart) in [
+            ("chart_example", line_chart()),
+            ("chart_example_bars", bar_chart()),
+        ] {
+            write_chart(&dir, stem, &chart).unwrap();
+            let svg = std::fs::read_to_string(dir.join(format!("{stem}.svg"))).unwrap();
+            let png = std::fs::read(dir.join(format!("{stem}.png"))).unwrap();
+            assert_eq!(svg, chart.to_svg(), "{stem}.svg");
+            assert_eq!(png, chart.to_png(), "{stem}.png");
+            assert!(
+                svg.starts_with("<svg") || svg.starts_with("<?xml"),
+                "{stem}.svg"
+            );
+            assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "{stem}.png");
+        }
+        if keep.is_none() {
+            let _ = std::fs::remove_dir_all(dir.parent().unwrap_or(&dir));
         }
     }
 }

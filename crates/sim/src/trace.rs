@@ -778,14 +778,15 @@ mod tests {
         assert_eq!(result.unwrap().rows.len(), 1);
     }
 
-    /// The real Azure code trace (see shared/traces/README.md). Fails, never skips, when the
-    /// file is missing: the simulator's published figures depend on it.
+    /// The real Azure code trace (see shared/traces/README.md), which users bring: without it
+    /// the test is reported skipped by name (a failure where `SLACKGATE_FORBID_SKIPS` is set,
+    /// as in CI, since the simulator's published figures depend on it).
     #[test]
     fn reads_the_azure_code_trace() {
-        let path = match std::env::var_os("SLACKGATE_TRACES") {
-            Some(dir) => Path::new(&dir).join("azure_llm_2023_code.csv"),
-            None => Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../../shared/traces/azure_llm_2023_code.csv"),
+        let Some(path) =
+            slackgate_testkit::production_trace("trace::tests::reads_the_azure_code_trace")
+        else {
+            return;
         };
         let trace = read_trace(&path).unwrap_or_else(|e| panic!("the shared trace must load: {e}"));
         // The README says 8,818 requests (a `wc -l` count); the file holds 8,819 data rows

@@ -256,6 +256,26 @@ pub fn spawn_post(
     })
 }
 
+/// POST from a task of its own and wait until the stub has the request in a slot (its
+/// `in_flight` above what it was): with `x-stub-hold`, how a test holds a slot before it
+/// sends what must queue behind it.
+pub async fn spawn_upstream(
+    url: &str,
+    stub: &Stub,
+    headers: &[(&str, &str)],
+    body: String,
+) -> tokio::task::JoinHandle<Resp> {
+    let before = stub.stats().in_flight;
+    let task = spawn_post(url, headers, body, Duration::ZERO);
+    wait_until(
+        Duration::from_secs(10),
+        "the request in a stub slot",
+        || async { stub.stats().in_flight > before },
+    )
+    .await;
+    task
+}
+
 /// GET a URL; read the whole response.
 pub async fn get(url: &str) -> Resp {
     send(Request::get(url).body(Full::new(Bytes::new())).unwrap()).await
@@ -314,6 +334,21 @@ pub fn chat(max_tokens: u32) -> String {
     format!(
         r#"{{"model":"stub","messages":[{{"role":"user","content":"hello"}}],"max_tokens":{max_tokens}}}"#
     )
+}
+
+/// Wait until `cond` holds, polling every 20 ms; panics naming `what` if it does not within
+/// `within`. The way tests order events: wait for the state that shows the first one
+/// happened (a metric, a `/stats` figure, the stub's accounting, a log line), never for a
+/// fixed time that a loaded machine may overrun.
+pub async fn wait_until<F, Fut>(within: Duration, what: &str, cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    assert!(
+        eventually(within, cond).await,
+        "waited {within:?} for {what}"
+    );
 }
 
 /// Poll `cond` every 20 ms until it holds or `within` passes.

@@ -21,13 +21,6 @@ use tokio::time::timeout;
 const START_WAIT: Duration = Duration::from_secs(30);
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
 
-/// An executable named `name` on PATH.
-pub fn find_on_path(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
 /// A temporary directory, removed on drop.
 struct TempDir(PathBuf);
 
