@@ -411,7 +411,14 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     // False rejections are judged against the clairvoyant schedule on the scenario's cost
     // model, which says nothing about a real server's: none are counted there.
     let refr = Some(&reference).filter(|_| real.is_none());
-    let rep = report::build(&s, &runs, refr, &b);
+    let firm = match real {
+        None => {
+            let mut p = build_policy(&s, "clairvoyant-firm")?;
+            Some(engine::run(&s, &arrivals, p.as_mut()))
+        }
+        Some(_) => None,
+    };
+    let rep = report::build(&s, &runs, refr, firm.as_ref(), &b);
     Ok(Drill {
         report: rep,
         runs,

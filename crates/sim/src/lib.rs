@@ -169,12 +169,23 @@ pub fn simulate_with(
         _ => None,
     };
     let reference = named.map(|i| &runs[i]).or(extra.as_ref());
+    // The reference that keeps every admission: what a gate whose admission is a promise
+    // could have served, knowing the future.
+    let named_firm = runs.iter().position(|r| r.policy == "clairvoyant-firm");
+    let extra_firm = match named_firm {
+        None if with_reference => {
+            let mut p = build_policy(s, "clairvoyant-firm")?;
+            Some(engine::run(s, &arrivals, p.as_mut()))
+        }
+        _ => None,
+    };
+    let firm = named_firm.map(|i| &runs[i]).or(extra_firm.as_ref());
     // Every run saw the same requests: any of them gives their windows and sizes.
     let requests = runs
         .first()
         .or(reference)
         .map_or(&[][..], |r| r.requests.as_slice());
     let b = bound::bound_at_speed(requests, s.upstream.speed());
-    let rep = report::build(s, &runs, reference, &b);
+    let rep = report::build(s, &runs, reference, firm, &b);
     Ok((rep, runs))
 }

@@ -80,8 +80,19 @@ pub struct Stats {
     pub false_rejections: u64,
     /// `false_rejections` over refused and dropped requests.
     pub false_rejection_share: f64,
-    /// From first send to the final refusal or drop.
+    /// Refused or dropped requests that the clairvoyant reference that keeps every admission
+    /// (`clairvoyant-firm`) served on time.
+    pub false_rejections_firm: u64,
+    /// `false_rejections_firm` over refused and dropped requests.
+    pub false_rejection_share_firm: f64,
+    /// From first send to the final refusal or drop: the time to a final "no".
     pub rejection_latency_ms: Percentiles,
+    /// From first send to the final refusal, for refused requests (refused at arrival: a
+    /// retry's refusal counts from the first send).
+    pub refusal_latency_ms: Percentiles,
+    /// From first send to the drop, for admitted requests that were dropped (an admission
+    /// that turned into a refusal).
+    pub drop_latency_ms: Percentiles,
     /// From first send to completion, for completed requests.
     pub turnaround_ms: Percentiles,
     /// From first send to the first token, for completed requests.
@@ -143,7 +154,7 @@ pub const BOUND_METHOD_BATCHING: &str = "LP relaxation: preemptive, divisible jo
 fn stats<'a>(
     s: &Scenario,
     reqs: impl Iterator<Item = (usize, &'a RequestResult)>,
-    reference: Option<&[RequestResult]>,
+    (reference, firm): (Option<&[RequestResult]>, Option<&[RequestResult]>),
     bound_work_ms: f64,
 ) -> Stats {
     let mut st = Stats::default();
@@ -151,6 +162,7 @@ fn stats<'a>(
     let (mut on_time_admitted, mut tokens, mut busy, mut wasted, mut work) =
         (0u64, 0f64, 0u64, 0u64, 0f64);
     let (mut rej_lat, mut turn, mut ttft) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut refused_lat, mut drop_lat) = (Vec::new(), Vec::new());
     for (i, r) in reqs {
         st.requests += 1;
         st.offered += u64::from(r.offers);
@@ -180,14 +192,23 @@ fn stats<'a>(
             }
             Outcome::Late => st.late += 1,
             Outcome::Rejected | Outcome::Dropped => {
+                let lat = r.answered_at_ms - r.first_at_ms;
                 if r.outcome == Outcome::Rejected {
                     st.rejected += 1;
+                    refused_lat.push(lat);
                 } else {
                     st.dropped += 1;
+                    drop_lat.push(lat);
                 }
-                rej_lat.push(r.answered_at_ms - r.first_at_ms);
-                if reference.is_some_and(|c| c.get(i).is_some_and(RequestResult::on_time)) {
+                rej_lat.push(lat);
+                let served = |r: Option<&[RequestResult]>| {
+                    r.is_some_and(|c| c.get(i).is_some_and(RequestResult::on_time))
+                };
+                if served(reference) {
                     st.false_rejections += 1;
+                }
+                if served(firm) {
+                    st.false_rejections_firm += 1;
                 }
             }
             Outcome::Abandoned | Outcome::Pending => st.abandoned += 1,
@@ -214,7 +235,13 @@ fn stats<'a>(
         st.false_rejections as f64,
         (st.rejected + st.dropped) as f64,
     );
+    st.false_rejection_share_firm = ratio(
+        st.false_rejections_firm as f64,
+        (st.rejected + st.dropped) as f64,
+    );
     st.rejection_latency_ms = Percentiles::of(rej_lat);
+    st.refusal_latency_ms = Percentiles::of(refused_lat);
+    st.drop_latency_ms = Percentiles::of(drop_lat);
     st.turnaround_ms = Percentiles::of(turn);
     st.ttft_ms = Percentiles::of(ttft);
     st.retry_amplification = ratio(st.offered as f64, st.requests as f64);
@@ -226,6 +253,7 @@ pub fn build(
     s: &Scenario,
     runs: &[RunResult],
     reference: Option<&RunResult>,
+    firm: Option<&RunResult>,
     bound: &Bound,
 ) -> Report {
     let requests = runs.first().map_or(0, |r| r.requests.len() as u64);
@@ -233,7 +261,10 @@ pub fn build(
     let policies = runs
         .iter()
         .map(|run| {
-            let refr = reference.map(|r| r.requests.as_slice());
+            let refr = (
+                reference.map(|r| r.requests.as_slice()),
+                firm.map(|r| r.requests.as_slice()),
+            );
             let total = stats(s, run.requests.iter().enumerate(), refr, bound.work_ms);
             let classes = s
                 .classes
@@ -329,16 +360,16 @@ impl Report {
 fn table<'a>(out: &mut String, rows: impl Iterator<Item = (&'a String, &'a Stats)>) {
     let _ = writeln!(
         out,
-        "| policy | offered | admitted | rejected | dropped | on-time | late | abandoned | failed | goodput/s | tokens/s | SLO | SLO admitted | bound | wasted s | wasted | false rej | rej p50/p99 ms | turnaround p50/p95/p99 ms | TTFT p50/p95/p99 ms | retry x |"
+        "| policy | offered | admitted | rejected | dropped | on-time | late | abandoned | failed | goodput/s | tokens/s | SLO | SLO admitted | bound | wasted s | wasted | false rej | false rej firm | refused p50/p99 ms | dropped p50/p99 ms | final no p50/p99 ms | turnaround p50/p95/p99 ms | TTFT p50/p95/p99 ms | retry x |"
     );
     let _ = writeln!(
         out,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for (name, s) in rows {
         let _ = writeln!(
             out,
-            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {} | {} | {:.1} | {} | {} ({}) | {}/{} | {}/{}/{} | {}/{}/{} | {:.2} |",
+            "| {name} | {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.1} | {} | {} | {} | {:.1} | {} | {} ({}) | {} ({}) | {}/{} | {}/{} | {}/{} | {}/{}/{} | {}/{}/{} | {:.2} |",
             s.offered,
             s.admitted,
             s.rejected,
@@ -356,6 +387,12 @@ fn table<'a>(out: &mut String, rows: impl Iterator<Item = (&'a String, &'a Stats
             pct(s.wasted_fraction),
             s.false_rejections,
             pct(s.false_rejection_share),
+            s.false_rejections_firm,
+            pct(s.false_rejection_share_firm),
+            s.refusal_latency_ms.p50,
+            s.refusal_latency_ms.p99,
+            s.drop_latency_ms.p50,
+            s.drop_latency_ms.p99,
             s.rejection_latency_ms.p50,
             s.rejection_latency_ms.p99,
             s.turnaround_ms.p50,
