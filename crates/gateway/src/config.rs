@@ -7,7 +7,7 @@
 //! listen = "127.0.0.1:8080"
 //! [[pools]]
 //! name = "default"
-//! max_in_flight = 4
+//! slots = 4
 //! upstream = "http://127.0.0.1:8000"
 //! [[classes]]
 //! name = "interactive"
@@ -344,6 +344,30 @@ impl Config {
         };
         cfg.validate_shape()?;
         Ok(cfg)
+    }
+
+    /// Warnings for keys a TOML document still spells the old way
+    /// ([`slackgate_core::config::DEPRECATED_KEYS`]): read this release, gone in the next.
+    /// Empty for a document that does not parse (its parse error says more).
+    pub fn deprecations(text: &str) -> Vec<String> {
+        let Ok(doc) = text.parse::<toml::Table>() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (table, old, new) in slackgate_core::config::DEPRECATED_KEYS {
+            let Some(entries) = doc.get(*table).and_then(toml::Value::as_array) else {
+                continue;
+            };
+            for (i, entry) in entries.iter().enumerate() {
+                if entry.get(*old).is_some() {
+                    out.push(format!(
+                        "{table}[{i}].{old} is deprecated and will stop working in the next \
+                         release: rename it to {new}"
+                    ));
+                }
+            }
+        }
+        out
     }
 
     /// Read, parse and validate a file.

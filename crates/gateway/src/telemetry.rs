@@ -17,8 +17,11 @@ use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
-/// One line of the decision log. Field names are a stable interface (see DESIGN.md); every
-/// field is always present, `null` when it does not apply.
+/// One line of the decision log. Field names are a stable interface, listed per event kind in
+/// docs/reference.md (a test compares that list with this struct); every field is always
+/// present, `null` when it does not apply. One name means one thing on every kind of line:
+/// `queue_age_ms` is the age of the oldest job ahead (decisions), `queue_wait_ms` the job's
+/// own time queued (dispatch, drop, complete, cancel).
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct LogLine {
     /// Wall-clock time of the event, epoch milliseconds.
@@ -29,8 +32,8 @@ pub struct LogLine {
     pub seq: u64,
     /// Job id assigned by the gate.
     pub job_id: u64,
-    /// Resolved class.
-    pub job_class: Option<String>,
+    /// Resolved class (`class` everywhere: metrics labels, admin JSON, the reservation API).
+    pub class: Option<String>,
     /// The raw `X-Job-Class` label the client sent.
     pub class_label: Option<String>,
     /// Hashed tenant.
@@ -39,8 +42,12 @@ pub struct LogLine {
     pub idempotency_key: Option<String>,
     /// Arrival time, epoch milliseconds.
     pub enqueued_at_ms: Option<u64>,
-    /// Age of the oldest job ahead (decisions) or own queue wait (dispatch, drop, complete).
+    /// On decision lines (`admit`, `reject`, `shadow_reject`): age of the oldest job queued
+    /// ahead of the request, the figure `max_queue_age_ms` is checked against.
     pub queue_age_ms: Option<u64>,
+    /// On `dispatch`, `drop`, `complete` and `cancel` lines: the job's own time in the queue
+    /// (arrival to dispatch, or to its end if it never ran).
+    pub queue_wait_ms: Option<u64>,
     /// Slack at the event (negative: late).
     pub deadline_slack_ms: Option<i64>,
     /// Projected wait for a slot.
@@ -55,8 +62,12 @@ pub struct LogLine {
     pub tokens_wasted: Option<u64>,
     /// In flight on the pool.
     pub in_flight: Option<u32>,
-    /// Queued on the pool (ahead of the job, for decisions).
-    pub depth: Option<u32>,
+    /// On decision lines: jobs queued ahead of the request on its pool (its class and the
+    /// classes of higher or equal priority), the count `max_depth_factor` is checked against.
+    pub queued_ahead: Option<u32>,
+    /// On `dispatch`, `drop`, `complete` and `cancel` lines: jobs queued on the pool, every
+    /// class, after the event.
+    pub pool_depth: Option<u32>,
     /// `admit`, `reject`, `shadow_reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`,
     /// and the operator events `flag`, `reload`, `shutdown`.
     pub action: &'static str,
@@ -92,8 +103,9 @@ pub struct LogLine {
     /// On `complete` lines: the mean number of requests in flight on the pool while this one
     /// ran (itself included): what the estimator learns batching from.
     pub concurrency: Option<f64>,
-    /// On `flag` and `reload` lines: who asked (`x-admin-actor`, else `admin`) and from where
-    /// (`signal`, `watcher` and `startup` for reloads nobody asked for over HTTP).
+    /// On `flag` and `reload` lines: who asked, `x-admin-actor` (else `admin`) `@` the peer
+    /// address; `signal:SIGHUP` or `watcher` for reloads nobody asked for over HTTP; `gate`
+    /// on the gate's own `drain_idle` line.
     pub actor: Option<String>,
     /// On `reload` lines: what changed, or why the new config was refused.
     pub message: Option<String>,
