@@ -92,10 +92,7 @@ pub fn parse(text: &str) -> HashMap<u64, JobFacts> {
                 );
                 if capacity {
                     let n = |v: Option<u64>| v.map_or(0, |v| v.min(u64::from(u32::MAX)) as u32);
-                    j.refused_at = Some((
-                        n(num("in_flight")),
-                        n(either("queued_ahead", "depth")),
-                    ));
+                    j.refused_at = Some((n(num("in_flight")), n(either("queued_ahead", "depth"))));
                 }
             }
             "dispatch" => {

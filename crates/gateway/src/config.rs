@@ -534,6 +534,46 @@ mod tests {
         assert!(c.is_ok(), "{c:?}");
     }
 
+    /// `slots` is the key; the old `max_in_flight` still works for one release, with a
+    /// warning naming the entry, and a pool may not say both.
+    #[test]
+    fn slots_and_its_deprecated_alias() {
+        let pools = |body: &str| {
+            format!(
+                "[[pools]]\nname = \"a\"\nslots = 2\n[[pools]]\nname = \"b\"\n{body}\n\
+                 [[classes]]\nname = \"c\"\npool = \"b\"\n"
+            )
+        };
+        let slots = |text: &str| {
+            Config::from_toml(text)
+                .map(|c| {
+                    c.gate
+                        .pools
+                        .iter()
+                        .map(|p| p.max_in_flight)
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|e| e.to_string())
+        };
+        let new = pools("slots = 3");
+        assert_eq!(slots(&new), Ok(vec![2, 3]));
+        assert!(Config::deprecations(&new).is_empty());
+        let old = pools("max_in_flight = 3");
+        assert_eq!(slots(&old), Ok(vec![2, 3]));
+        let warnings = Config::deprecations(&old);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("pools[1].max_in_flight is deprecated")
+                && warnings[0].ends_with("rename it to slots"),
+            "{warnings:?}"
+        );
+        let both = pools("slots = 3\nmax_in_flight = 3");
+        let e = slots(&both).err().unwrap_or_default();
+        assert!(e.contains("duplicate field"), "{e}");
+        let zero = slots(&pools("max_in_flight = 0")).err().unwrap_or_default();
+        assert!(zero.contains("pools[1].slots"), "{zero}");
+    }
+
     #[test]
     fn upstream_idle_connections_are_given_up_before_common_servers_close_them() {
         // llama.cpp's server (cpp-httplib), uvicorn (vLLM) and Node close after 5 s idle; the

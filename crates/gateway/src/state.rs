@@ -443,13 +443,10 @@ impl Shared {
                 .and_then(|c| st.gate.retry_hint(c))
                 .map(str::to_string);
             let body = admission_body(&d, &meta, hint);
-            let mut line = decision_line(&d, &meta);
+            lines.push(decision_line(&d, &meta));
             if !d.admitted() {
-                line.tokens_held = None;
-                lines.push(line);
                 return Admission::Rejected(d, body);
             }
-            lines.push(line);
             let (tx, rx) = oneshot::channel();
             st.waiting.insert(
                 d.job_id,
@@ -792,7 +789,8 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     line.in_flight = Some(d.in_flight);
     // The core's `Decision::depth` counts the jobs queued ahead of the request.
     line.queued_ahead = Some(d.depth);
-    line.tokens_held = Some(meta.tokens_held);
+    // A rejection holds nothing: `null`, on the proxy's and the reservation API's alike.
+    line.tokens_held = d.admitted().then_some(meta.tokens_held);
     line.displaced_job_id = d.displaced.map(|id| id.0);
     if !d.admitted() {
         // The status the client is answered: a duplicate is a conflict, the rest "not now".

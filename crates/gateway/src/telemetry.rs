@@ -103,12 +103,131 @@ pub struct LogLine {
     /// On `complete` lines: the mean number of requests in flight on the pool while this one
     /// ran (itself included): what the estimator learns batching from.
     pub concurrency: Option<f64>,
-    /// On `flag` and `reload` lines: who asked, `x-admin-actor` (else `admin`) `@` the peer
-    /// address; `signal:SIGHUP` or `watcher` for reloads nobody asked for over HTTP; `gate`
-    /// on the gate's own `drain_idle` line.
+    /// On `flag`, `reload` and `shutdown` lines: who asked, `x-admin-actor` (else `admin`)
+    /// `@` the peer address; `signal:SIGHUP` or `watcher` for reloads nobody asked for over
+    /// HTTP; `signal` on `shutdown`; `gate` on the gate's own `drain_idle` line.
     pub actor: Option<String>,
-    /// On `reload` lines: what changed, or why the new config was refused.
+    /// On `reload` lines: what changed, or why the new config was refused; on `shutdown`
+    /// lines: the grace period.
     pub message: Option<String>,
+}
+
+/// Fields set on every line, whatever its kind (`job_id` is 0 on lines about no job).
+pub const COMMON_FIELDS: &[&str] = &["ts_ms", "seq", "job_id", "action", "reason"];
+
+/// What a line about one request carries whatever happened to it.
+const JOB: [&str; 8] = [
+    "class",
+    "class_label",
+    "tenant",
+    "idempotency_key",
+    "enqueued_at_ms",
+    "pool",
+    "path",
+    "attempt",
+];
+
+/// The fields each kind of line (`action`) may set besides [`COMMON_FIELDS`]; the rest are
+/// `null` on it. docs/reference.md prints this table and the `reference_doc` test holds the
+/// two equal, and checks over real sockets that no line sets a field outside its kind's list.
+pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
+    ("admit", &DECISION_ADMITTED),
+    ("shadow_reject", &DECISION_ADMITTED),
+    ("reject", &DECISION_REJECTED),
+    ("dispatch", &DISPATCH),
+    ("drop", &DROP),
+    ("complete", &COMPLETE),
+    ("cancel", &CANCEL),
+    ("error", &["class_label", "path", "status"]),
+    ("flag", &["class", "flag", "value", "actor"]),
+    ("reload", &["actor", "message"]),
+    ("shutdown", &["actor", "message"]),
+];
+
+const DECISION_ADMITTED: [&str; 16] = concat_fields(
+    JOB,
+    [
+        "queue_age_ms",
+        "deadline_slack_ms",
+        "projected_wait_ms",
+        "est_service_ms",
+        "in_flight",
+        "queued_ahead",
+        "tokens_held",
+        "displaced_job_id",
+    ],
+);
+const DECISION_REJECTED: [&str; 15] = concat_fields(
+    JOB,
+    [
+        "queue_age_ms",
+        "deadline_slack_ms",
+        "projected_wait_ms",
+        "est_service_ms",
+        "in_flight",
+        "queued_ahead",
+        "status",
+    ],
+);
+const DISPATCH: [&str; 13] = concat_fields(
+    JOB,
+    [
+        "queue_wait_ms",
+        "deadline_slack_ms",
+        "est_service_ms",
+        "in_flight",
+        "pool_depth",
+    ],
+);
+const DROP: [&str; 15] = concat_fields(
+    JOB,
+    [
+        "queue_wait_ms",
+        "deadline_slack_ms",
+        "projected_wait_ms",
+        "in_flight",
+        "pool_depth",
+        "tokens_held",
+        "amplification",
+    ],
+);
+const CANCEL: [&str; 21] = concat_fields(
+    JOB,
+    [
+        "queue_wait_ms",
+        "deadline_slack_ms",
+        "in_flight",
+        "pool_depth",
+        "turnaround_ms",
+        "ttft_ms",
+        "tokens_held",
+        "tokens_spent",
+        "tokens_wasted",
+        "est_service_ms",
+        "service_ms",
+        "concurrency",
+        "amplification",
+    ],
+);
+const COMPLETE: [&str; 23] = concat_fields(CANCEL, ["status", "est_error"]);
+
+/// `a` then `b`, as one array (a `const` cannot build a slice otherwise).
+const fn concat_fields<const A: usize, const B: usize, const N: usize>(
+    a: [&'static str; A],
+    b: [&'static str; B],
+) -> [&'static str; N] {
+    assert!(A + B == N);
+    let mut out = [""; N];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < N {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    out
 }
 
 enum Msg {
@@ -351,4 +470,29 @@ pub fn epoch_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-kind lists name only fields the line has, each once per kind, and every kind
+    /// once: a typo there would make the reference and its test agree on a field that does
+    /// not exist.
+    #[test]
+    fn the_per_kind_lists_name_real_fields() {
+        let Ok(serde_json::Value::Object(line)) = serde_json::to_value(LogLine::default()) else {
+            panic!("a log line serializes to an object");
+        };
+        let mut kinds = std::collections::BTreeSet::new();
+        for (kind, fields) in FIELDS_BY_KIND {
+            assert!(kinds.insert(*kind), "{kind} listed twice");
+            let mut seen = std::collections::BTreeSet::new();
+            for f in fields.iter().chain(COMMON_FIELDS) {
+                assert!(line.contains_key(*f), "{kind}: {f} is not a field");
+                assert!(seen.insert(*f), "{kind}: {f} listed twice");
+            }
+        }
+        assert_eq!(kinds.len(), 11);
+    }
 }

@@ -204,10 +204,16 @@ async fn non_streaming_chat_is_admitted_forwarded_and_logged() {
     assert!(mine[0]["tokens_held"].as_u64().is_some_and(|t| t >= 8));
     // One name, one meaning: the decision carries the age of the oldest job ahead and the
     // count ahead; the dispatch and completion carry the job's own wait and the pool's queue.
-    assert_eq!((&mine[0]["queue_age_ms"], &mine[0]["queued_ahead"]), (&json!(0), &json!(0)));
+    assert_eq!(
+        (&mine[0]["queue_age_ms"], &mine[0]["queued_ahead"]),
+        (&json!(0), &json!(0))
+    );
     assert!(mine[0]["queue_wait_ms"].is_null() && mine[0]["pool_depth"].is_null());
     for l in &mine[1..] {
-        assert!(l["queue_age_ms"].is_null() && l["queued_ahead"].is_null(), "{l}");
+        assert!(
+            l["queue_age_ms"].is_null() && l["queued_ahead"].is_null(),
+            "{l}"
+        );
         assert_eq!(l["queue_wait_ms"], json!(wait), "{l}");
         assert_eq!(l["pool_depth"], 0, "{l}");
     }
@@ -845,7 +851,10 @@ async fn rejection_is_fast_explained_and_never_reaches_upstream() {
     assert_eq!(a["in_flight"], 1);
     assert_eq!(a["queued_ahead"], 0);
     // A decision's body has no queue wait or pool depth of its own (a drop's has).
-    assert!(a["queue_wait_ms"].is_null() && a["pool_depth"].is_null(), "{a}");
+    assert!(
+        a["queue_wait_ms"].is_null() && a["pool_depth"].is_null(),
+        "{a}"
+    );
     assert_eq!(a["deadline_slack_ms"], 200);
     let wait = a["projected_wait_ms"].as_u64().unwrap();
     assert!(wait > 200 && wait <= 800, "projected wait {wait}");
