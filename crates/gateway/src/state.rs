@@ -180,7 +180,7 @@ pub struct Outcome {
 /// The answer to an admission request.
 pub enum Admission {
     /// Rejected: answer now.
-    Rejected(Decision, AdmissionBody),
+    Rejected(Decision, Box<AdmissionBody>),
     /// Queued: wait for the signal; the guard releases the job if the request goes away.
     Queued {
         /// The decision (for response headers).
@@ -445,7 +445,7 @@ impl Shared {
             let body = admission_body(&d, &meta, hint);
             lines.push(decision_line(&d, &meta));
             if !d.admitted() {
-                return Admission::Rejected(d, body);
+                return Admission::Rejected(d, Box::new(body));
             }
             let (tx, rx) = oneshot::channel();
             st.waiting.insert(
