@@ -32,7 +32,7 @@ ledger = "$WORK/ledger.db"
 path = "$WORK/decisions.jsonl"
 [[pools]]
 name = "default"
-max_in_flight = 1024
+slots = 1024
 upstream = "http://127.0.0.1:$STUB"
 [pools.prior]
 overhead_ms = 1

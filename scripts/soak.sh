@@ -53,7 +53,7 @@ max_bytes = 67108864
 retention_ms = 60000
 [[pools]]
 name = "default"
-max_in_flight = 4
+slots = 4
 upstream = "http://127.0.0.1:$STUB"
 [pools.prior]
 overhead_ms = 5

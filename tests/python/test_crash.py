@@ -110,7 +110,7 @@ retry_cap = {cap}
 
 [[pools]]
 name = "gpu"
-max_in_flight = 3
+slots = 3
 upstream = "{upstream}"
 
 [[classes]]

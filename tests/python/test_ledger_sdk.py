@@ -69,7 +69,7 @@ retry_cap = 1
 
 [[pools]]
 name = "gpu"
-max_in_flight = 1
+slots = 1
 upstream = "$upstream"
 prior = { overhead_ms = 400, prefill_ms_per_token = 0, decode_ms_per_token = 0, learn = false }
 
@@ -170,7 +170,7 @@ path = "$log"
 
 [[pools]]
 name = "default"
-max_in_flight = 4
+slots = 4
 upstream = "$upstream"
 
 [[classes]]

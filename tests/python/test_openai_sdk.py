@@ -45,7 +45,7 @@ path = "$log"
 
 [[pools]]
 name = "default"
-max_in_flight = 2
+slots = 2
 upstream = "$upstream"
 
 [[classes]]
@@ -88,7 +88,7 @@ def test_chat_completion_returns_content_and_usage(gate_stack):
         l["job_id"] == job_id and l["action"] == "complete" for l in ls))
     mine = lines_for(lines, job_id)
     assert [l["action"] for l in mine] == ["admit", "dispatch", "complete"], mine
-    assert all(l["job_class"] == "interactive" and l["class_label"] == "chat" for l in mine)
+    assert all(l["class"] == "interactive" and l["class_label"] == "chat" for l in mine)
     assert mine[0]["attempt"] == 0
     assert mine[-1]["status"] == 200
     assert mine[-1]["tokens_spent"] == resp.usage.total_tokens
@@ -159,7 +159,7 @@ path = "$log"
 
 [[pools]]
 name = "gpu"
-max_in_flight = 1
+slots = 1
 upstream = "$upstream"
 prior = { overhead_ms = 2000, prefill_ms_per_token = 0, decode_ms_per_token = 0, learn = false }
 
@@ -214,8 +214,8 @@ def test_rejection_is_rate_limit_error_with_reason_and_advice(gate_stack):
     adm = doc["admission"]
     assert adm["action"] == "reject"
     assert adm["reason"] == "projected_wait_exceeds_slack"
-    assert adm["job_class"] == "interactive"
-    assert adm["in_flight"] == 1 and adm["depth"] == 0
+    assert adm["class"] == "interactive"
+    assert adm["in_flight"] == 1 and adm["queued_ahead"] == 0
     assert adm["est_service_ms"] == 2000
     assert adm["deadline_slack_ms"] == 500
     assert adm["projected_wait_ms"] > adm["deadline_slack_ms"]
@@ -251,7 +251,7 @@ path = "$log"
 
 [[pools]]
 name = "gpu"
-max_in_flight = 1
+slots = 1
 upstream = "$upstream"
 prior = { overhead_ms = 1000, prefill_ms_per_token = 0, decode_ms_per_token = 0, learn = false }
 
@@ -316,7 +316,7 @@ def test_sdk_retries_wait_for_retry_after_ms(gate_stack):
     rejects = [l for l in lines if l["action"] == "reject"]
     assert [l["attempt"] for l in rejects] == [0, 1, 2], rejects
     assert all(l["reason"] == "projected_wait_exceeds_slack" for l in rejects)
-    assert all(l["job_class"] == "interactive" for l in rejects)
+    assert all(l["class"] == "interactive" for l in rejects)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +335,7 @@ path = "$log"
 
 [[pools]]
 name = "default"
-max_in_flight = 2
+slots = 2
 upstream = "$upstream"
 
 [[classes]]

@@ -81,7 +81,7 @@ struct ServeArgs {
     /// Upstream base URL for every pool that has none (e.g. http://127.0.0.1:8000).
     #[arg(long)]
     upstream: Option<String>,
-    /// Slots (max_in_flight) for every pool.
+    /// Slots (`slots`) for every pool.
     #[arg(long)]
     slots: Option<u32>,
     /// Decision log: `-` (stdout), `off`, or a file path.
@@ -250,6 +250,7 @@ fn tenant_id(
 }
 
 fn check(path: &std::path::Path) -> Result<()> {
+    warn_deprecated(path);
     let cfg =
         Config::from_file(path).with_context(|| format!("{} is not valid", path.display()))?;
     // The admin token file is read at start: a missing or short one would stop `serve`.
@@ -351,7 +352,19 @@ async fn shutdown_signal() {
     }
 }
 
+/// Print a warning for each key `path` still spells the old way (read for one more release).
+fn warn_deprecated(path: &std::path::Path) {
+    if let Ok(text) = std::fs::read_to_string(path) {
+        for w in Config::deprecations(&text) {
+            eprintln!("slackgate: warning: {}: {w}", path.display());
+        }
+    }
+}
+
 async fn serve(a: ServeArgs) -> Result<()> {
+    if let Some(p) = &a.config {
+        warn_deprecated(p);
+    }
     let mut cfg = match &a.config {
         Some(p) => Config::from_file(p).with_context(|| format!("{} is not valid", p.display()))?,
         None => Config::default(),

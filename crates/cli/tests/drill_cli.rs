@@ -209,7 +209,7 @@ max_tokens = 40
         r#"
 [[pools]]
 name = "llm"
-max_in_flight = 2
+slots = 2
 upstream = "http://127.0.0.1:1"
 [pools.prior]
 overhead_ms = 5

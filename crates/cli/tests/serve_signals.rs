@@ -188,7 +188,7 @@ ledger = "{ledger}"
 path = "{log}"
 [[pools]]
 name = "default"
-max_in_flight = 1
+slots = 1
 upstream = "http://{upstream}"
 [pools.prior]
 overhead_ms = {service_ms}
@@ -429,7 +429,7 @@ async fn sighup_reloads_the_config_and_refuses_a_bad_one() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // A bad file: refused, the config in force stays.
-    std::fs::write(&cfg, good.replace("max_in_flight = 1", "max_in_flight = 0")).unwrap();
+    std::fs::write(&cfg, good.replace("slots = 1", "slots = 0")).unwrap();
     serve.signal("HUP");
     wait_until(Duration::from_secs(10), "the refusal logged", || async {
         log_lines(&dir)
@@ -447,7 +447,7 @@ async fn sighup_reloads_the_config_and_refuses_a_bad_one() {
     assert!(reloads[1]["message"]
         .as_str()
         .unwrap()
-        .contains("pools[0].max_in_flight"));
+        .contains("pools[0].slots"));
     serve.signal("TERM");
     assert!(serve.wait(Duration::from_secs(10)).unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
@@ -604,7 +604,7 @@ async fn serve_runs_the_admin_api_with_the_token_from_the_environment() {
     );
     // A reload through the API reads the file with the command line's overrides applied
     // again (--listen 127.0.0.1:0 stays, so [server] does not read as changed).
-    std::fs::write(&cfg, good.replace("max_in_flight = 1", "max_in_flight = 2")).unwrap();
+    std::fs::write(&cfg, good.replace("slots = 1", "slots = 2")).unwrap();
     let (status, body) = http(
         admin,
         "POST",

@@ -11,7 +11,7 @@ use serde::Deserialize;
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct GateConfig {
-    /// Upstream pools; each has a number of slots (`max_in_flight`).
+    /// Upstream pools; each has a number of slots (`slots`).
     pub pools: Vec<PoolConfig>,
     /// Traffic classes, each running on one pool.
     pub classes: Vec<ClassConfig>,
@@ -60,16 +60,25 @@ impl Default for GateConfig {
     }
 }
 
+/// Config keys renamed in this release and still read under their old name, as
+/// `(table, old key, new key)`: `pools` is every `[[pools]]` entry. The old name goes away in
+/// the next release; the gateway warns when a file still uses one (see CHANGELOG.md).
+pub const DEPRECATED_KEYS: &[(&str, &str, &str)] = &[("pools", "max_in_flight", "slots")];
+
 /// One upstream pool.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolConfig {
     /// Name used by classes (`pool = "..."`), metrics and logs.
     pub name: String,
-    /// Number of requests sent upstream at once.
+    /// Slots: the number of requests sent upstream at once. The config key is `slots`; the
+    /// old key `max_in_flight` is still read for one release (see
+    /// [`DEPRECATED_KEYS`]). The Rust field keeps its old name until the gate's own code
+    /// is renamed with it.
+    #[serde(rename = "slots", alias = "max_in_flight")]
     pub max_in_flight: u32,
     /// Seed 000's depth rule: reject when every slot is busy and more than this many times
-    /// `max_in_flight` jobs are queued ahead. `None` disables the rule.
+    /// `slots` jobs are queued ahead. `None` disables the rule.
     pub max_depth_factor: Option<f64>,
     /// Hard cap on jobs queued on this pool, all classes together (`queue_depth_exceeded`
     /// beyond). Each queued request holds a connection and its body in the gateway, so even
@@ -239,7 +248,11 @@ pub struct RetryConfig {
     /// Beyond this projected drain time a retry cannot succeed soon: send
     /// `x-should-retry: false` so SDK clients stop instead of hammering.
     pub max_useful_retry_after_ms: u64,
-    /// Retry-After for rejections no retry can fix soon (class disabled, unlabeled).
+    /// Retry-After, with `x-should-retry: false`, for rejections no retry of the same request
+    /// can fix soon: `class_disabled`, `reject_unlabeled`, `reject_duplicate`,
+    /// `reject_retry_cap`, `budget_exhausted`, and `projected_wait_exceeds_slack` for a request
+    /// too big for its own deadline even with nothing ahead (when the class's recent
+    /// completions confirm the estimate).
     pub hopeless_retry_after_ms: u64,
     /// Up to this many percent are added to each Retry-After (deterministically per job) so
     /// clients rejected together do not all come back at the same instant.
@@ -305,7 +318,7 @@ impl GateConfig {
             }
             if p.max_in_flight == 0 || p.max_in_flight > 100_000 {
                 return Err(ConfigError::new(
-                    at("max_in_flight"),
+                    at("slots"),
                     "must be between 1 and 100000",
                 ));
             }

@@ -11,7 +11,7 @@
 //!
 //! 1. every admitted job ends exactly once (dispatch then complete/cancel, or drop/cancel while
 //!    queued); ending an ended job returns `None`; at the end nothing is live;
-//! 2. in flight never exceeds `max_in_flight`, and the gate's counts match the model's;
+//! 2. in flight never exceeds `slots`, and the gate's counts match the model's;
 //! 3. dispatch order: no queued job of a higher priority on the pool (and none of the same
 //!    priority with an earlier deadline) is passed over; rejected requests are never
 //!    dispatched; best-effort jobs are never dropped;

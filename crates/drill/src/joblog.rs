@@ -71,7 +71,12 @@ pub fn parse(text: &str) -> HashMap<u64, JobFacts> {
             continue;
         }
         let j = jobs.entry(id).or_default();
-        if let Some(c) = v.get("job_class").and_then(|c| c.as_str()) {
+        // A log written before the renames listed in CHANGELOG.md spells `class` as
+        // `job_class`, `queued_ahead` as `depth` and `queue_wait_ms` as `queue_age_ms`: both
+        // are read, the new name first.
+        let either = |new: &str, old: &str| num(new).or_else(|| num(old));
+        let class = v.get("class").or_else(|| v.get("job_class"));
+        if let Some(c) = class.and_then(|c| c.as_str()) {
             j.class = c.to_string();
         }
         if let Some(t) = num("enqueued_at_ms") {
@@ -86,8 +91,8 @@ pub fn parse(text: &str) -> HashMap<u64, JobFacts> {
                     "queue_age_exceeded" | "queue_depth_exceeded" | "projected_wait_exceeds_slack"
                 );
                 if capacity {
-                    let n = |k: &str| num(k).map(|v| v.min(u64::from(u32::MAX)) as u32);
-                    j.refused_at = Some((n("in_flight").unwrap_or(0), n("depth").unwrap_or(0)));
+                    let n = |v: Option<u64>| v.map_or(0, |v| v.min(u64::from(u32::MAX)) as u32);
+                    j.refused_at = Some((n(num("in_flight")), n(either("queued_ahead", "depth"))));
                 }
             }
             "dispatch" => {
@@ -102,7 +107,10 @@ pub fn parse(text: &str) -> HashMap<u64, JobFacts> {
                 if ok {
                     // A field of its own if the gate logs one; else turnaround - queue wait.
                     j.actual_service_ms = num("service_ms").or_else(|| {
-                        Some(num("turnaround_ms")?.saturating_sub(num("queue_age_ms")?))
+                        Some(
+                            num("turnaround_ms")?
+                                .saturating_sub(either("queue_wait_ms", "queue_age_ms")?),
+                        )
                     });
                 }
             }
@@ -195,13 +203,13 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 mod tests {
     use super::*;
 
-    const LOG: &str = r#"{"ts_ms":1000,"job_id":1,"job_class":"a","enqueued_at_ms":1000,"action":"admit"}
-{"ts_ms":1010,"job_id":1,"job_class":"a","enqueued_at_ms":1000,"action":"dispatch","est_service_ms":150}
-{"ts_ms":1210,"job_id":1,"job_class":"a","enqueued_at_ms":1000,"action":"complete","status":200,"turnaround_ms":210,"queue_age_ms":10,"tokens_spent":40,"tokens_wasted":0}
-{"ts_ms":2000,"job_id":2,"job_class":"a","enqueued_at_ms":2000,"action":"dispatch","est_service_ms":100}
-{"ts_ms":2100,"job_id":2,"job_class":"a","enqueued_at_ms":2000,"action":"complete","status":200,"turnaround_ms":100,"queue_age_ms":0,"tokens_spent":30,"tokens_wasted":0}
-{"ts_ms":3000,"job_id":3,"job_class":"b","enqueued_at_ms":3000,"action":"dispatch","est_service_ms":500}
-{"ts_ms":3300,"job_id":3,"job_class":"b","enqueued_at_ms":3000,"action":"cancel","tokens_spent":0,"tokens_wasted":12}
+    const LOG: &str = r#"{"ts_ms":1000,"job_id":1,"class":"a","enqueued_at_ms":1000,"action":"admit"}
+{"ts_ms":1010,"job_id":1,"class":"a","enqueued_at_ms":1000,"action":"dispatch","est_service_ms":150}
+{"ts_ms":1210,"job_id":1,"class":"a","enqueued_at_ms":1000,"action":"complete","status":200,"turnaround_ms":210,"queue_wait_ms":10,"tokens_spent":40,"tokens_wasted":0}
+{"ts_ms":2000,"job_id":2,"class":"a","enqueued_at_ms":2000,"action":"dispatch","est_service_ms":100}
+{"ts_ms":2100,"job_id":2,"class":"a","enqueued_at_ms":2000,"action":"complete","status":200,"turnaround_ms":100,"queue_wait_ms":0,"tokens_spent":30,"tokens_wasted":0}
+{"ts_ms":3000,"job_id":3,"class":"b","enqueued_at_ms":3000,"action":"dispatch","est_service_ms":500}
+{"ts_ms":3300,"job_id":3,"class":"b","enqueued_at_ms":3000,"action":"cancel","tokens_spent":0,"tokens_wasted":12}
 not json
 {"ts_ms":3400,"job_id":0,"action":"reload"}"#;
 
@@ -241,11 +249,11 @@ not json
     /// (all slots busy, something queued ahead, or a refusal that is not about capacity).
     #[test]
     fn refusals_on_a_free_slot_per_class() {
-        let log = r#"{"ts_ms":1,"job_id":5,"job_class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":1,"depth":0}
-{"ts_ms":2,"job_id":6,"job_class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":2,"depth":0}
+        let log = r#"{"ts_ms":1,"job_id":5,"class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":1,"queued_ahead":0}
+{"ts_ms":2,"job_id":6,"class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":2,"queued_ahead":0}
 {"ts_ms":3,"job_id":7,"job_class":"a","action":"reject","reason":"projected_wait_exceeds_slack","in_flight":1,"depth":3}
-{"ts_ms":4,"job_id":8,"job_class":"a","action":"reject","reason":"reject_duplicate","in_flight":0,"depth":0}
-{"ts_ms":5,"job_id":9,"job_class":"b","action":"reject","reason":"queue_age_exceeded","in_flight":0,"depth":0}"#;
+{"ts_ms":4,"job_id":8,"class":"a","action":"reject","reason":"reject_duplicate","in_flight":0,"queued_ahead":0}
+{"ts_ms":5,"job_id":9,"class":"b","action":"reject","reason":"queue_age_exceeded","in_flight":0,"queued_ahead":0}"#;
         let jobs = parse(log);
         let classes: Vec<(String, String)> = ["a", "b"]
             .iter()

@@ -76,9 +76,10 @@ fn check_key(key: &str, settling: bool) -> Result<(), BadRequest> {
         )));
     }
     if !settling && key.starts_with(crate::request_info::GENERATED_KEY_PREFIX) {
-        return Err(invalid(
-            "idempotency keys starting with \"gen-\" are reserved for keys the gate generates",
-        ));
+        return Err(invalid(format!(
+            "idempotency keys starting with {:?} are reserved for keys the gate generates",
+            crate::request_info::GENERATED_KEY_PREFIX
+        )));
     }
     Ok(())
 }

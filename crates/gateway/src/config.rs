@@ -7,7 +7,7 @@
 //! listen = "127.0.0.1:8080"
 //! [[pools]]
 //! name = "default"
-//! max_in_flight = 4
+//! slots = 4
 //! upstream = "http://127.0.0.1:8000"
 //! [[classes]]
 //! name = "interactive"
@@ -346,6 +346,30 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Warnings for keys a TOML document still spells the old way
+    /// ([`slackgate_core::config::DEPRECATED_KEYS`]): read this release, gone in the next.
+    /// Empty for a document that does not parse (its parse error says more).
+    pub fn deprecations(text: &str) -> Vec<String> {
+        let Ok(doc) = text.parse::<toml::Table>() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (table, old, new) in slackgate_core::config::DEPRECATED_KEYS {
+            let Some(entries) = doc.get(*table).and_then(toml::Value::as_array) else {
+                continue;
+            };
+            for (i, entry) in entries.iter().enumerate() {
+                if entry.get(*old).is_some() {
+                    out.push(format!(
+                        "{table}[{i}].{old} is deprecated and will stop working in the next \
+                         release: rename it to {new}"
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// Read, parse and validate a file.
     pub fn from_file(path: &std::path::Path) -> Result<Config, ConfigFileError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigFileError::Read {
@@ -508,6 +532,46 @@ mod tests {
         );
         let c = c.map_err(|e| e.to_string());
         assert!(c.is_ok(), "{c:?}");
+    }
+
+    /// `slots` is the key; the old `max_in_flight` still works for one release, with a
+    /// warning naming the entry, and a pool may not say both.
+    #[test]
+    fn slots_and_its_deprecated_alias() {
+        let pools = |body: &str| {
+            format!(
+                "[[pools]]\nname = \"a\"\nslots = 2\n[[pools]]\nname = \"b\"\n{body}\n\
+                 [[classes]]\nname = \"c\"\npool = \"b\"\n"
+            )
+        };
+        let slots = |text: &str| {
+            Config::from_toml(text)
+                .map(|c| {
+                    c.gate
+                        .pools
+                        .iter()
+                        .map(|p| p.max_in_flight)
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|e| e.to_string())
+        };
+        let new = pools("slots = 3");
+        assert_eq!(slots(&new), Ok(vec![2, 3]));
+        assert!(Config::deprecations(&new).is_empty());
+        let old = pools("max_in_flight = 3");
+        assert_eq!(slots(&old), Ok(vec![2, 3]));
+        let warnings = Config::deprecations(&old);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].starts_with("pools[1].max_in_flight is deprecated")
+                && warnings[0].ends_with("rename it to slots"),
+            "{warnings:?}"
+        );
+        let both = pools("slots = 3\nmax_in_flight = 3");
+        let e = slots(&both).err().unwrap_or_default();
+        assert!(e.contains("duplicate field"), "{e}");
+        let zero = slots(&pools("max_in_flight = 0")).err().unwrap_or_default();
+        assert!(zero.contains("pools[1].slots"), "{zero}");
     }
 
     #[test]

@@ -303,7 +303,7 @@ impl Shared {
     ) {
         let mut line = Self::event_line("flag", flag, actor);
         line.flag = Some(flag.to_string());
-        line.job_class = class.map(str::to_string);
+        line.class = class.map(str::to_string);
         line.value = Some(value);
         self.log_events(vec![line]);
     }
@@ -568,6 +568,9 @@ impl Shared {
         text: &str,
         actor: &str,
     ) -> Result<ReloadOutcome, ControlError> {
+        for w in crate::Config::deprecations(text) {
+            eprintln!("slackgate: warning: {}: {w}", source.path.display());
+        }
         match (source.parse)(text) {
             Ok(cfg) => self.reload(cfg, actor),
             Err(e) => {

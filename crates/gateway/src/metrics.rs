@@ -46,7 +46,6 @@ struct Inner {
     slo_breaches: BTreeMap<String, u64>,
     tokens_spent: BTreeMap<String, u64>,
     tokens_wasted: BTreeMap<String, u64>,
-    tokens_held: BTreeMap<String, i64>,
     upstream: BTreeMap<(String, u16), u64>,
     upstream_retries: BTreeMap<(String, &'static str), u64>,
 }
@@ -108,11 +107,6 @@ impl Metrics {
         });
     }
 
-    /// Tokens placed on hold (positive) or released (negative).
-    pub fn tokens_held(&self, class: &str, delta: i64) {
-        self.with(|m| *m.tokens_held.entry(class.to_string()).or_default() += delta);
-    }
-
     /// Tokens the upstream used for a served request, and tokens wasted on abandoned ones.
     pub fn tokens(&self, class: &str, spent: u64, wasted: u64) {
         self.with(|m| {
@@ -137,19 +131,18 @@ impl Metrics {
     }
 
     /// Update counters from one decision-log line: the log and the metrics share one source.
+    /// Tokens held are not counted here: the ledger holds them (`slackgate_ledger_tokens_held`),
+    /// including reservations and holds that expire, which no line of this kind settles.
     pub fn observe(&self, line: &crate::telemetry::LogLine) {
-        let class = line.job_class.as_deref().unwrap_or("none");
+        let class = line.class.as_deref().unwrap_or("none");
         self.decision(class, line.action, line.reason);
-        let held = line.tokens_held.unwrap_or(0) as i64;
         match line.action {
-            "admit" | "shadow_reject" => self.tokens_held(class, held),
             "complete" => {
-                self.tokens_held(class, -held);
                 self.tokens(class, line.tokens_spent.unwrap_or(0), 0);
                 self.finished(
                     class,
                     line.turnaround_ms.unwrap_or(0),
-                    line.queue_age_ms.unwrap_or(0),
+                    line.queue_wait_ms.unwrap_or(0),
                     line.ttft_ms,
                     // Completed past its deadline, or cut off by the gate's timeout at the
                     // deadline (whose slack reads 0 or -1 ms depending on timer jitter).
@@ -161,11 +154,7 @@ impl Metrics {
                     self.upstream_status(pool, line.status.unwrap_or(0));
                 }
             }
-            "cancel" => {
-                self.tokens_held(class, -held);
-                self.tokens(class, 0, line.tokens_wasted.unwrap_or(0));
-            }
-            "drop" => self.tokens_held(class, -held),
+            "cancel" => self.tokens(class, 0, line.tokens_wasted.unwrap_or(0)),
             _ => {}
         }
     }
@@ -321,7 +310,7 @@ impl Metrics {
             (
                 "slackgate_slots",
                 "gauge",
-                "Configured max_in_flight, per pool.",
+                "Configured slots (requests sent upstream at once), per pool.",
                 |p| f64::from(p.slots),
             ),
             (
@@ -455,15 +444,6 @@ impl Metrics {
                 "counter",
                 "Requests that completed after their deadline.",
                 per_class(&m.slo_breaches).into_iter(),
-            );
-            family(
-                o,
-                "slackgate_tokens_held",
-                "gauge",
-                "Tokens reserved by admitted, unfinished requests.",
-                m.tokens_held
-                    .iter()
-                    .map(|(c, n)| (format!("class=\"{}\"", esc(c)), *n as f64)),
             );
             family(
                 o,
@@ -703,7 +683,7 @@ mod tests {
     fn a_timeout_at_the_deadline_is_a_breach_whatever_the_jitter() {
         let m = Metrics::default();
         let line = |reason: &'static str, slack: Option<i64>| crate::telemetry::LogLine {
-            job_class: Some("interactive".into()),
+            class: Some("interactive".into()),
             action: "complete",
             reason,
             deadline_slack_ms: slack,

@@ -7,7 +7,7 @@ use slackgate_core::Reason;
 
 /// Keys the gate generates for requests without one start with this; clients may not use it
 /// (a guessable generated key must not be pre-reservable by someone else).
-pub const GENERATED_KEY_PREFIX: &str = "gen-";
+pub use slackgate_core::ledger::GENERATED_KEY_PREFIX;
 
 /// Longest deadline a header may ask for: one day. Anything beyond is a unit mistake.
 pub const MAX_DEADLINE_MS: u64 = 86_400_000;
@@ -181,7 +181,10 @@ pub fn parse_headers_with(
         if key.starts_with(GENERATED_KEY_PREFIX) {
             return Err(bad(
                 Reason::InvalidRequest,
-                "idempotency-key: keys starting with \"gen-\" are reserved for the gate",
+                format!(
+                    "idempotency-key: keys starting with {GENERATED_KEY_PREFIX:?} are reserved \
+                     for the gate"
+                ),
             ));
         }
         info.idempotency_key = Some(key.to_string()).filter(|k| !k.is_empty());

@@ -28,8 +28,10 @@ pub struct AdmissionBody {
     pub action: &'static str,
     /// Stable reason code.
     pub reason: &'static str,
-    /// Age of the oldest job the request would wait behind.
-    pub queue_age_ms: u64,
+    /// On a decision: age of the oldest job the request would wait behind (`null` on a drop).
+    pub queue_age_ms: Option<u64>,
+    /// On a drop: the job's own time in the queue (`null` on a decision).
+    pub queue_wait_ms: Option<u64>,
     /// Deadline minus now minus estimated service; null for best effort.
     pub deadline_slack_ms: Option<i64>,
     /// Projected wait for a slot.
@@ -38,8 +40,10 @@ pub struct AdmissionBody {
     pub est_service_ms: u64,
     /// In flight on the pool.
     pub in_flight: u32,
-    /// Queued ahead.
-    pub depth: u32,
+    /// On a decision: jobs queued ahead of the request on its pool (`null` on a drop).
+    pub queued_ahead: Option<u32>,
+    /// On a drop: jobs queued on the pool, every class, after it (`null` on a decision).
+    pub pool_depth: Option<u32>,
     /// Where to go instead (configured per class), if anywhere.
     pub retry_hint: Option<String>,
     /// Milliseconds until a retry could succeed.
@@ -47,7 +51,7 @@ pub struct AdmissionBody {
     /// The job id, to join with the decision log.
     pub job_id: u64,
     /// Resolved class.
-    pub job_class: Option<String>,
+    pub class: Option<String>,
     /// The idempotency key the decision is about.
     pub idempotency_key: Option<String>,
     /// Ledger details of a `reject_duplicate` (state, tokens held), `reject_retry_cap` or

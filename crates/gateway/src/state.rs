@@ -180,7 +180,7 @@ pub struct Outcome {
 /// The answer to an admission request.
 pub enum Admission {
     /// Rejected: answer now.
-    Rejected(Decision, AdmissionBody),
+    Rejected(Decision, Box<AdmissionBody>),
     /// Queued: wait for the signal; the guard releases the job if the request goes away.
     Queued {
         /// The decision (for response headers).
@@ -212,7 +212,11 @@ impl Shared {
             .load()
             .map_err(|e| format!("cannot load the ledger: {e}"))?;
         // Generated keys carry the start time, so they never collide with an earlier run's.
-        gate.set_key_prefix(&format!("gen-{:x}", clock.now_ms()));
+        gate.set_key_prefix(&format!(
+            "{}{:x}",
+            slackgate_core::ledger::GENERATED_KEY_PREFIX,
+            clock.now_ms()
+        ));
         gate.restore_ledger(records, clock.now_ms());
         let restored = gate.take_ledger_records();
         store.write(restored);
@@ -439,13 +443,10 @@ impl Shared {
                 .and_then(|c| st.gate.retry_hint(c))
                 .map(str::to_string);
             let body = admission_body(&d, &meta, hint);
-            let mut line = decision_line(&d, &meta);
+            lines.push(decision_line(&d, &meta));
             if !d.admitted() {
-                line.tokens_held = None;
-                lines.push(line);
-                return Admission::Rejected(d, body);
+                return Admission::Rejected(d, Box::new(body));
             }
-            lines.push(line);
             let (tx, rx) = oneshot::channel();
             st.waiting.insert(
                 d.job_id,
@@ -643,11 +644,11 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                     continue;
                 };
                 let mut line = base_line(job_id, &w.meta, Action::Dispatch, Reason::SlotFree);
-                line.queue_age_ms = Some(queue_wait_ms);
+                line.queue_wait_ms = Some(queue_wait_ms);
                 line.deadline_slack_ms = deadline_slack_ms;
                 line.est_service_ms = Some(est_service_ms);
                 line.in_flight = Some(in_flight);
-                line.depth = Some(depth);
+                line.pool_depth = Some(depth);
                 lines.push(line);
                 if w.reservation {
                     // The worker holds the slot from now until it commits or cancels.
@@ -695,11 +696,11 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                     continue;
                 };
                 let mut line = base_line(job_id, &w.meta, Action::Drop, reason);
-                line.queue_age_ms = Some(queue_wait_ms);
+                line.queue_wait_ms = Some(queue_wait_ms);
                 line.deadline_slack_ms = deadline_slack_ms;
                 line.projected_wait_ms = Some(projected_wait_ms);
                 line.in_flight = Some(in_flight);
-                line.depth = Some(depth);
+                line.pool_depth = Some(depth);
                 line.tokens_held = Some(w.meta.tokens_held);
                 lines.push(line);
                 if let Some(tx) = w.tx.take() {
@@ -712,16 +713,18 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                         AdmissionBody {
                             action: Action::Drop.as_str(),
                             reason: reason.as_str(),
-                            queue_age_ms: queue_wait_ms,
+                            queue_age_ms: None,
+                            queue_wait_ms: Some(queue_wait_ms),
                             deadline_slack_ms,
                             projected_wait_ms,
                             est_service_ms: 0,
                             in_flight,
-                            depth,
+                            queued_ahead: None,
+                            pool_depth: Some(depth),
                             retry_hint: None,
                             retry_after_ms,
                             job_id: job_id.0,
-                            job_class: Some(w.meta.class.clone()),
+                            class: Some(w.meta.class.clone()),
                             idempotency_key: w.meta.idempotency_key.clone(),
                             ledger: None,
                         },
@@ -763,7 +766,7 @@ fn base_line(id: JobId, meta: &JobMeta, action: Action, reason: Reason) -> LogLi
     LogLine {
         ts_ms: epoch_ms(),
         job_id: id.0,
-        job_class: (!meta.class.is_empty()).then(|| meta.class.clone()),
+        class: (!meta.class.is_empty()).then(|| meta.class.clone()),
         class_label: meta.label.clone(),
         tenant: meta.tenant.clone(),
         idempotency_key: meta.idempotency_key.clone(),
@@ -784,8 +787,10 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     line.projected_wait_ms = Some(d.projected_wait_ms);
     line.est_service_ms = Some(d.est_service_ms);
     line.in_flight = Some(d.in_flight);
-    line.depth = Some(d.depth);
-    line.tokens_held = Some(meta.tokens_held);
+    // The core's `Decision::depth` counts the jobs queued ahead of the request.
+    line.queued_ahead = Some(d.depth);
+    // A rejection holds nothing: `null`, on the proxy's and the reservation API's alike.
+    line.tokens_held = d.admitted().then_some(meta.tokens_held);
     line.displaced_job_id = d.displaced.map(|id| id.0);
     if !d.admitted() {
         // The status the client is answered: a duplicate is a conflict, the rest "not now".
@@ -817,10 +822,10 @@ fn end_line(
         None => (Action::Cancel, cancel_reason),
     };
     let mut line = base_line(c.job_id, meta, action, reason);
-    line.queue_age_ms = Some(c.queue_wait_ms);
+    line.queue_wait_ms = Some(c.queue_wait_ms);
     line.deadline_slack_ms = c.deadline_slack_ms;
     line.in_flight = Some(c.in_flight);
-    line.depth = Some(c.depth);
+    line.pool_depth = Some(c.depth);
     line.turnaround_ms = Some(c.turnaround_ms);
     line.ttft_ms = c.time_to_first_token_ms;
     line.tokens_held = Some(meta.tokens_held);
@@ -863,16 +868,19 @@ fn admission_body(d: &Decision, meta: &JobMeta, retry_hint: Option<String>) -> A
     AdmissionBody {
         action: d.action.as_str(),
         reason: d.reason.as_str(),
-        queue_age_ms: d.queue_age_ms,
+        queue_age_ms: Some(d.queue_age_ms),
+        queue_wait_ms: None,
         deadline_slack_ms: d.deadline_slack_ms,
         projected_wait_ms: d.projected_wait_ms,
         est_service_ms: d.est_service_ms,
         in_flight: d.in_flight,
-        depth: d.depth,
+        // The core's `Decision::depth` counts the jobs queued ahead of the request.
+        queued_ahead: Some(d.depth),
+        pool_depth: None,
         retry_hint,
         retry_after_ms: d.retry_after_ms,
         job_id: d.job_id.0,
-        job_class: (!meta.class.is_empty()).then(|| meta.class.clone()),
+        class: (!meta.class.is_empty()).then(|| meta.class.clone()),
         idempotency_key: (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.clone()),
         ledger: d.ledger.clone(),
     }

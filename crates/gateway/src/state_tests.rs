@@ -10,7 +10,7 @@ fn shared() -> Arc<Shared> {
         default_class = "batch"
         [[pools]]
         name = "default"
-        max_in_flight = 1
+        slots = 1
         upstream = "http://127.0.0.1:9"
         [[classes]]
         name = "batch"

@@ -17,8 +17,11 @@ use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
-/// One line of the decision log. Field names are a stable interface (see DESIGN.md); every
-/// field is always present, `null` when it does not apply.
+/// One line of the decision log. Field names are a stable interface, listed per event kind in
+/// docs/reference.md (a test compares that list with this struct); every field is always
+/// present, `null` when it does not apply. One name means one thing on every kind of line:
+/// `queue_age_ms` is the age of the oldest job ahead (decisions), `queue_wait_ms` the job's
+/// own time queued (dispatch, drop, complete, cancel).
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct LogLine {
     /// Wall-clock time of the event, epoch milliseconds.
@@ -29,8 +32,8 @@ pub struct LogLine {
     pub seq: u64,
     /// Job id assigned by the gate.
     pub job_id: u64,
-    /// Resolved class.
-    pub job_class: Option<String>,
+    /// Resolved class (`class` everywhere: metrics labels, admin JSON, the reservation API).
+    pub class: Option<String>,
     /// The raw `X-Job-Class` label the client sent.
     pub class_label: Option<String>,
     /// Hashed tenant.
@@ -39,8 +42,12 @@ pub struct LogLine {
     pub idempotency_key: Option<String>,
     /// Arrival time, epoch milliseconds.
     pub enqueued_at_ms: Option<u64>,
-    /// Age of the oldest job ahead (decisions) or own queue wait (dispatch, drop, complete).
+    /// On decision lines (`admit`, `reject`, `shadow_reject`): age of the oldest job queued
+    /// ahead of the request, the figure `max_queue_age_ms` is checked against.
     pub queue_age_ms: Option<u64>,
+    /// On `dispatch`, `drop`, `complete` and `cancel` lines: the job's own time in the queue
+    /// (arrival to dispatch, or to its end if it never ran).
+    pub queue_wait_ms: Option<u64>,
     /// Slack at the event (negative: late).
     pub deadline_slack_ms: Option<i64>,
     /// Projected wait for a slot.
@@ -55,8 +62,12 @@ pub struct LogLine {
     pub tokens_wasted: Option<u64>,
     /// In flight on the pool.
     pub in_flight: Option<u32>,
-    /// Queued on the pool (ahead of the job, for decisions).
-    pub depth: Option<u32>,
+    /// On decision lines: jobs queued ahead of the request on its pool (its class and the
+    /// classes of higher or equal priority), the count `max_depth_factor` is checked against.
+    pub queued_ahead: Option<u32>,
+    /// On `dispatch`, `drop`, `complete` and `cancel` lines: jobs queued on the pool, every
+    /// class, after the event.
+    pub pool_depth: Option<u32>,
     /// `admit`, `reject`, `shadow_reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`,
     /// and the operator events `flag`, `reload`, `shutdown`.
     pub action: &'static str,
@@ -92,11 +103,131 @@ pub struct LogLine {
     /// On `complete` lines: the mean number of requests in flight on the pool while this one
     /// ran (itself included): what the estimator learns batching from.
     pub concurrency: Option<f64>,
-    /// On `flag` and `reload` lines: who asked (`x-admin-actor`, else `admin`) and from where
-    /// (`signal`, `watcher` and `startup` for reloads nobody asked for over HTTP).
+    /// On `flag`, `reload` and `shutdown` lines: who asked, `x-admin-actor` (else `admin`)
+    /// `@` the peer address; `signal:SIGHUP` or `watcher` for reloads nobody asked for over
+    /// HTTP; `signal` on `shutdown`; `gate` on the gate's own `drain_idle` line.
     pub actor: Option<String>,
-    /// On `reload` lines: what changed, or why the new config was refused.
+    /// On `reload` lines: what changed, or why the new config was refused; on `shutdown`
+    /// lines: the grace period.
     pub message: Option<String>,
+}
+
+/// Fields set on every line, whatever its kind (`job_id` is 0 on lines about no job).
+pub const COMMON_FIELDS: &[&str] = &["ts_ms", "seq", "job_id", "action", "reason"];
+
+/// What a line about one request carries whatever happened to it.
+const JOB: [&str; 8] = [
+    "class",
+    "class_label",
+    "tenant",
+    "idempotency_key",
+    "enqueued_at_ms",
+    "pool",
+    "path",
+    "attempt",
+];
+
+/// The fields each kind of line (`action`) may set besides [`COMMON_FIELDS`]; the rest are
+/// `null` on it. docs/reference.md prints this table and the `reference_doc` test holds the
+/// two equal, and checks over real sockets that no line sets a field outside its kind's list.
+pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
+    ("admit", &DECISION_ADMITTED),
+    ("shadow_reject", &DECISION_ADMITTED),
+    ("reject", &DECISION_REJECTED),
+    ("dispatch", &DISPATCH),
+    ("drop", &DROP),
+    ("complete", &COMPLETE),
+    ("cancel", &CANCEL),
+    ("error", &["class_label", "path", "status"]),
+    ("flag", &["class", "flag", "value", "actor"]),
+    ("reload", &["actor", "message"]),
+    ("shutdown", &["actor", "message"]),
+];
+
+const DECISION_ADMITTED: [&str; 16] = concat_fields(
+    JOB,
+    [
+        "queue_age_ms",
+        "deadline_slack_ms",
+        "projected_wait_ms",
+        "est_service_ms",
+        "in_flight",
+        "queued_ahead",
+        "tokens_held",
+        "displaced_job_id",
+    ],
+);
+const DECISION_REJECTED: [&str; 15] = concat_fields(
+    JOB,
+    [
+        "queue_age_ms",
+        "deadline_slack_ms",
+        "projected_wait_ms",
+        "est_service_ms",
+        "in_flight",
+        "queued_ahead",
+        "status",
+    ],
+);
+const DISPATCH: [&str; 13] = concat_fields(
+    JOB,
+    [
+        "queue_wait_ms",
+        "deadline_slack_ms",
+        "est_service_ms",
+        "in_flight",
+        "pool_depth",
+    ],
+);
+const DROP: [&str; 15] = concat_fields(
+    JOB,
+    [
+        "queue_wait_ms",
+        "deadline_slack_ms",
+        "projected_wait_ms",
+        "in_flight",
+        "pool_depth",
+        "tokens_held",
+        "amplification",
+    ],
+);
+const CANCEL: [&str; 21] = concat_fields(
+    JOB,
+    [
+        "queue_wait_ms",
+        "deadline_slack_ms",
+        "in_flight",
+        "pool_depth",
+        "turnaround_ms",
+        "ttft_ms",
+        "tokens_held",
+        "tokens_spent",
+        "tokens_wasted",
+        "est_service_ms",
+        "service_ms",
+        "concurrency",
+        "amplification",
+    ],
+);
+const COMPLETE: [&str; 23] = concat_fields(CANCEL, ["status", "est_error"]);
+
+/// `a` then `b`, as one array (a `const` cannot build a slice otherwise).
+const fn concat_fields<const A: usize, const B: usize, const N: usize>(
+    a: [&'static str; A],
+    b: [&'static str; B],
+) -> [&'static str; N] {
+    assert!(A + B == N);
+    let mut out = [""; N];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < N {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    out
 }
 
 enum Msg {
@@ -339,4 +470,29 @@ pub fn epoch_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The per-kind lists name only fields the line has, each once per kind, and every kind
+    /// once: a typo there would make the reference and its test agree on a field that does
+    /// not exist.
+    #[test]
+    fn the_per_kind_lists_name_real_fields() {
+        let Ok(serde_json::Value::Object(line)) = serde_json::to_value(LogLine::default()) else {
+            panic!("a log line serializes to an object");
+        };
+        let mut kinds = std::collections::BTreeSet::new();
+        for (kind, fields) in FIELDS_BY_KIND {
+            assert!(kinds.insert(*kind), "{kind} listed twice");
+            let mut seen = std::collections::BTreeSet::new();
+            for f in fields.iter().chain(COMMON_FIELDS) {
+                assert!(line.contains_key(*f), "{kind}: {f} is not a field");
+                assert!(seen.insert(*f), "{kind}: {f} listed twice");
+            }
+        }
+        assert_eq!(kinds.len(), 11);
+    }
 }

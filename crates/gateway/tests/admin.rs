@@ -16,7 +16,7 @@ default_class = "interactive"
 tick_ms = 10
 [[pools]]
 name = "default"
-max_in_flight = 1
+slots = 1
 upstream = "{UPSTREAM}"
 [pools.prior]
 overhead_ms = 5
@@ -187,7 +187,7 @@ const SEED003: &str = r#"
 tick_ms = 10
 [[pools]]
 name = "free"
-max_in_flight = 1
+slots = 1
 upstream = "{UPSTREAM}"
 [pools.prior]
 overhead_ms = 2
@@ -275,7 +275,7 @@ async fn seed003_probe_class_switch() {
     let switches: Vec<_> = lines
         .iter()
         .filter(|l| l["action"] == "flag" && l["flag"] == "enabled")
-        .map(|l| (l["job_class"].clone(), l["value"].clone()))
+        .map(|l| (l["class"].clone(), l["value"].clone()))
         .collect();
     assert_eq!(
         switches,
@@ -295,7 +295,7 @@ default_class = "eval"
 tick_ms = 20
 [[pools]]
 name = "free"
-max_in_flight = 1
+slots = 1
 upstream = "{UPSTREAM}"
 [pools.prior]
 overhead_ms = 5
@@ -443,10 +443,10 @@ async fn seed002_drain_order() {
     assert_eq!(idle["value"]["classes"], serde_json::json!(["eval"]));
     assert!(lines
         .iter()
-        .any(|l| l["action"] == "cancel" && l["reason"] == "drained" && l["job_class"] == "eval"));
+        .any(|l| l["action"] == "cancel" && l["reason"] == "drained" && l["class"] == "eval"));
     assert!(lines
         .iter()
-        .any(|l| l["action"] == "drop" && l["reason"] == "drained" && l["job_class"] == "eval"));
+        .any(|l| l["action"] == "drop" && l["reason"] == "drained" && l["class"] == "eval"));
     // Nothing leaked: every admitted job ended.
     let stats = gate.stats().await;
     assert_eq!(stats["ledger"]["held"], 0, "{stats}");

@@ -344,7 +344,7 @@ async fn the_retry_takes_a_new_connection_not_another_stale_one() {
         answer_after: Duration::from_millis(100),
     })
     .await;
-    let cfg = config(5000).replace("max_in_flight = 1", "max_in_flight = 2");
+    let cfg = config(5000).replace("slots = 1", "slots = 2");
     let g = TestGate::start(&cfg, up.addr, "raw-two").await;
     let url = g.url("/v1/chat/completions");
     let body = chat(4);

@@ -12,7 +12,7 @@ const CONFIG: &str = r#"
     default_class = "interactive"
     [[pools]]
     name = "default"
-    max_in_flight = 1
+    slots = 1
     upstream = "{UPSTREAM}"
     [pools.prior]
     overhead_ms = 2500

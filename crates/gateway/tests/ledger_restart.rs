@@ -15,7 +15,7 @@ const CONFIG: &str = r#"
     default_class = "batch"
     [[pools]]
     name = "default"
-    max_in_flight = 4
+    slots = 4
     upstream = "{UPSTREAM}"
     [pools.prior]
     overhead_ms = 100

@@ -23,7 +23,7 @@ min_retry_after_ms = 5000
 jitter_percent = 50
 [[pools]]
 name = "free"
-max_in_flight = 1
+slots = 1
 upstream = "http://{free}"
 [pools.prior]
 overhead_ms = 5
@@ -32,7 +32,7 @@ decode_ms_per_token = 10
 learn = false
 [[pools]]
 name = "paid"
-max_in_flight = 2
+slots = 2
 upstream = "http://{paid}"
 [pools.prior]
 overhead_ms = 5
@@ -122,7 +122,7 @@ async fn overflow_route_serves_on_the_paid_pool() {
     let lines = gate.log_lines().await;
     let admit = lines
         .iter()
-        .find(|l| l["job_class"] == "sync" && l["action"] == "admit")
+        .find(|l| l["class"] == "sync" && l["action"] == "admit")
         .unwrap();
     assert_eq!(admit["reason"], "overflow_routed");
     assert_eq!(admit["pool"], "paid");

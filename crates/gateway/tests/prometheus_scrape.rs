@@ -45,7 +45,7 @@ const CONFIG: &str = r#"
 default_class = "interactive"
 [[pools]]
 name = "default"
-max_in_flight = 2
+slots = 2
 upstream = "{UPSTREAM}"
 [pools.prior]
 overhead_ms = 50.0
@@ -54,7 +54,7 @@ decode_ms_per_token = 1.0
 learn = false
 [[pools]]
 name = "bulk"
-max_in_flight = 1
+slots = 1
 upstream = "{UPSTREAM}"
 [pools.prior]
 overhead_ms = 50.0

@@ -17,7 +17,7 @@ use hyper::body::{Frame, Incoming};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use serde_json::Value;
+use serde_json::{json, Value};
 use std::convert::Infallible;
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -27,15 +27,17 @@ use tokio::time::timeout;
 /// Every wait in this file is bounded by this.
 const WAIT: Duration = Duration::from_secs(5);
 
-/// The decision-log fields DESIGN.md promises on every line.
-const STABLE_FIELDS: [&str; 17] = [
+/// Decision-log fields present on every line (docs/reference.md lists them all; the
+/// `reference_doc` test compares that list with the code both ways).
+const STABLE_FIELDS: [&str; 19] = [
     "ts_ms",
     "job_id",
-    "job_class",
+    "class",
     "tenant",
     "idempotency_key",
     "enqueued_at_ms",
     "queue_age_ms",
+    "queue_wait_ms",
     "deadline_slack_ms",
     "projected_wait_ms",
     "est_service_ms",
@@ -43,7 +45,8 @@ const STABLE_FIELDS: [&str; 17] = [
     "tokens_spent",
     "tokens_wasted",
     "in_flight",
-    "depth",
+    "queued_ahead",
+    "pool_depth",
     "action",
     "reason",
 ];
@@ -135,11 +138,11 @@ async fn wait_line(g: &TestGate, job: u64, action: &str) -> Value {
     }
 }
 
-/// `slackgate_tokens_held` for the interactive class: must return to 0 (no hold leaks).
+/// `slackgate_ledger_tokens_held`: must return to 0 (no hold leaks).
 async fn tokens_held(g: &TestGate) -> f64 {
     let m = get(&g.url("/metrics")).await;
     let m = String::from_utf8(m.body.to_vec()).unwrap();
-    metric(&m, "slackgate_tokens_held{class=\"interactive\"}").unwrap_or(f64::NAN)
+    metric(&m, "slackgate_ledger_tokens_held").unwrap_or(f64::NAN)
 }
 
 fn assert_stable_fields(line: &Value) {
@@ -192,13 +195,28 @@ async fn non_streaming_chat_is_admitted_forwarded_and_logged() {
     assert_eq!(actions, ["admit", "dispatch", "complete"], "{mine:?}");
     for l in &mine {
         assert_stable_fields(l);
-        assert_eq!(l["job_class"], "interactive");
+        assert_eq!(l["class"], "interactive");
         assert_eq!(l["idempotency_key"], "k-1");
         assert!(l["tenant"].as_str().is_some_and(|t| t.starts_with("t:")));
         assert!(l["ts_ms"].as_u64().is_some_and(|t| t > 1_600_000_000_000));
     }
     assert_eq!(mine[0]["reason"], "within_slack");
     assert!(mine[0]["tokens_held"].as_u64().is_some_and(|t| t >= 8));
+    // One name, one meaning: the decision carries the age of the oldest job ahead and the
+    // count ahead; the dispatch and completion carry the job's own wait and the pool's queue.
+    assert_eq!(
+        (&mine[0]["queue_age_ms"], &mine[0]["queued_ahead"]),
+        (&json!(0), &json!(0))
+    );
+    assert!(mine[0]["queue_wait_ms"].is_null() && mine[0]["pool_depth"].is_null());
+    for l in &mine[1..] {
+        assert!(
+            l["queue_age_ms"].is_null() && l["queued_ahead"].is_null(),
+            "{l}"
+        );
+        assert_eq!(l["queue_wait_ms"], json!(wait), "{l}");
+        assert_eq!(l["pool_depth"], 0, "{l}");
+    }
     assert_eq!(complete["reason"], "completed");
     assert_eq!(complete["status"], 200);
     assert_eq!(complete["tokens_spent"], prompt + completion);
@@ -559,7 +577,7 @@ async fn bad_input_gets_a_clear_error_and_never_reaches_upstream() {
     let r = post(&url, &[("x-job-class", "no-such-class")], &chat(4)).await;
     assert_eq!(r.status, StatusCode::OK);
     let admit = wait_line(&g, job_id(&r.headers), "admit").await;
-    assert_eq!(admit["job_class"], "interactive");
+    assert_eq!(admit["class"], "interactive");
     assert_eq!(admit["class_label"], "no-such-class");
     assert_idle(&g).await;
     assert_eq!(s.stats().requests, 2);
@@ -816,18 +834,27 @@ async fn rejection_is_fast_explained_and_never_reaches_upstream() {
         "action",
         "reason",
         "queue_age_ms",
+        "queue_wait_ms",
         "deadline_slack_ms",
         "projected_wait_ms",
         "in_flight",
-        "depth",
+        "queued_ahead",
+        "pool_depth",
         "retry_hint",
+        "class",
     ] {
         assert!(a.get(f).is_some(), "admission.{f} missing: {a}");
     }
     assert_eq!(a["action"], "reject");
     assert_eq!(a["reason"], "projected_wait_exceeds_slack");
+    assert_eq!(a["class"], "interactive");
     assert_eq!(a["in_flight"], 1);
-    assert_eq!(a["depth"], 0);
+    assert_eq!(a["queued_ahead"], 0);
+    // A decision's body has no queue wait or pool depth of its own (a drop's has).
+    assert!(
+        a["queue_wait_ms"].is_null() && a["pool_depth"].is_null(),
+        "{a}"
+    );
     assert_eq!(a["deadline_slack_ms"], 200);
     let wait = a["projected_wait_ms"].as_u64().unwrap();
     assert!(wait > 200 && wait <= 800, "projected wait {wait}");

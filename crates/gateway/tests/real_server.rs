@@ -61,7 +61,7 @@ async fn gate(slots: u32, name: &str) -> TestGate {
 default_class = "interactive"
 [[pools]]
 name = "default"
-max_in_flight = {slots}
+slots = {slots}
 upstream = "{}"
 [pools.prior]
 overhead_ms = 50
@@ -336,7 +336,7 @@ async fn four_requests_fill_the_servers_four_slots_and_a_fifth_waits_in_the_gate
         assert_eq!(r.status, 200, "{:?}", r.body);
         assert_eq!(r.json()["usage"]["completion_tokens"], 200);
         let line = end_line(&g, common::job_id(&r.headers)).await;
-        queued_ms.push(line["queue_age_ms"].as_u64().unwrap_or(0));
+        queued_ms.push(line["queue_wait_ms"].as_u64().unwrap_or(0));
     }
     // Exactly one request waited in the gate for a slot (about as long as the first four ran),
     // and the server never had to defer one.

@@ -37,7 +37,7 @@ tick_ms = 10
 config_poll_ms = {poll_ms}
 [[pools]]
 name = "default"
-max_in_flight = {slots}
+slots = {slots}
 upstream = "http://{upstream}"
 [pools.prior]
 overhead_ms = 5
@@ -191,7 +191,7 @@ async fn a_bad_reload_is_refused_and_the_old_config_stays() {
             ),
             "classes[2].pool",
         ),
-        (config(up, 0, 30_000, 0, ""), "pools[0].max_in_flight"),
+        (config(up, 0, 30_000, 0, ""), "pools[0].slots"),
         ("[[pools]\nname=".to_string(), "slackgate.toml"),
         (
             config(up, 1, 30_000, 0, "").replace("http://", "ftp://"),
@@ -325,7 +325,7 @@ async fn a_drain_survives_a_reload_that_moves_the_class_to_another_pool() {
             30_000,
             0,
             &format!(
-                "pool = \"{pool}\"\n[[pools]]\nname = \"other\"\nmax_in_flight = 1\nupstream = \"http://{up}\"\n"
+                "pool = \"{pool}\"\n[[pools]]\nname = \"other\"\nslots = 1\nupstream = \"http://{up}\"\n"
             ),
         )
     };

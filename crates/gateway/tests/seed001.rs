@@ -14,7 +14,7 @@ const SEED001: &str = r#"
     tick_ms = 50
     [[pools]]
     name = "free"
-    max_in_flight = 1
+    slots = 1
     upstream = "{UPSTREAM}"
     [pools.prior]
     overhead_ms = 12000        # each hold blocks the one slot for 12 s (declared, not learned)

@@ -20,7 +20,7 @@ fn seed003_config(admit_always: bool) -> String {
         tick_ms = 10
         [[pools]]
         name = "free"
-        max_in_flight = 1
+        slots = 1
         upstream = "{{UPSTREAM}}"
         [pools.prior]
         overhead_ms = 2
@@ -89,7 +89,7 @@ fn lines_of<'a>(
 ) -> Vec<&'a serde_json::Value> {
     lines
         .iter()
-        .filter(|l| l["job_class"] == class && l["action"] == action)
+        .filter(|l| l["class"] == class && l["action"] == action)
         .collect()
 }
 
@@ -155,7 +155,7 @@ async fn seed003_gate_on_sheds_probes_and_no_prod_completes_late() {
     for l in lines_of(&lines, "prod", "reject") {
         assert_eq!(l["reason"], "projected_wait_exceeds_slack", "{l}");
         assert!(
-            l["depth"].as_u64().unwrap() >= 3,
+            l["queued_ahead"].as_u64().unwrap() >= 3,
             "prod rejected without prod work ahead: {l}"
         );
     }
@@ -163,7 +163,7 @@ async fn seed003_gate_on_sheds_probes_and_no_prod_completes_late() {
     let mut queued_prod: HashSet<u64> = HashSet::new();
     for l in &lines {
         let id = l["job_id"].as_u64().unwrap();
-        match (l["job_class"].as_str(), l["action"].as_str()) {
+        match (l["class"].as_str(), l["action"].as_str()) {
             (Some("prod"), Some("admit")) => {
                 queued_prod.insert(id);
             }
@@ -215,7 +215,7 @@ const SEED002: &str = r#"
     tick_ms = 20
     [[pools]]
     name = "free"
-    max_in_flight = 1
+    slots = 1
     upstream = "{UPSTREAM}"
     [pools.prior]
     overhead_ms = 5
@@ -353,7 +353,7 @@ async fn seed002_ci_test_plan() {
     let lines = gate.log_lines().await;
     let sync_decisions: Vec<(String, String)> = lines
         .iter()
-        .filter(|l| l["job_class"] == "sync" && (l["action"] == "admit" || l["action"] == "reject"))
+        .filter(|l| l["class"] == "sync" && (l["action"] == "admit" || l["action"] == "reject"))
         .map(|l| {
             (
                 l["action"].as_str().unwrap().to_string(),

@@ -16,7 +16,7 @@ fn config(trust: bool) -> String {
         ledger = "memory"
         [[pools]]
         name = "p"
-        max_in_flight = 1
+        slots = 1
         upstream = "{{UPSTREAM}}"
         [pools.prior]
         overhead_ms = 0

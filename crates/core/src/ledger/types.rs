@@ -126,6 +126,12 @@ impl Default for LedgerConfig {
 /// the largest value a SQLite integer column holds.
 pub const NEVER: Millis = i64::MAX as Millis;
 
+/// Prefix of the idempotency keys the gate generates for requests that bring none (the
+/// gateway appends its start time and the job id). Spelled here once: the gateway refuses
+/// client keys with it, the ledger treats such keys as never replayable, and the pruner may
+/// delete their settled rows at once.
+pub const GENERATED_KEY_PREFIX: &str = "gen-";
+
 /// Longest idempotency key accepted.
 pub const MAX_KEY_LEN: usize = 256;
 /// Largest token count accepted anywhere in the ledger (a unit mistake beyond this).

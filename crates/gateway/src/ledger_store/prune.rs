@@ -22,15 +22,39 @@ use std::collections::BTreeMap;
 /// Rows deleted per transaction at most.
 pub const PRUNE_BATCH: usize = 5_000;
 
-/// Key prefix of the per-tenant carry rows.
+/// Key prefix of the per-tenant carry rows: a generated key
+/// ([`slackgate_core::ledger::GENERATED_KEY_PREFIX`]), so no client can name one.
 pub const CARRY_PREFIX: &str = "gen-carry:";
 
+// Checked when compiling: a carry key is a generated key.
+const _: () = assert!(starts_with(
+    CARRY_PREFIX,
+    slackgate_core::ledger::GENERATED_KEY_PREFIX
+));
+
+const fn starts_with(s: &str, prefix: &str) -> bool {
+    let (s, p) = (s.as_bytes(), prefix.as_bytes());
+    if p.len() > s.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < p.len() {
+        if s[i] != p[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// The prefixes are bound as parameters (?3 the carry prefix, ?4 the generated-key prefix)
+/// so they are spelled only in their constants.
 const SELECT_PRUNABLE: &str = "
 SELECT key, tenant, tokens_spent + prior_spent, tokens_wasted + prior_wasted
 FROM holds
 WHERE state != 'held'
-  AND substr(key, 1, 10) != 'gen-carry:'
-  AND (updated_at_ms < ?1 OR substr(key, 1, 4) = 'gen-')
+  AND substr(key, 1, length(?3)) != ?3
+  AND (updated_at_ms < ?1 OR substr(key, 1, length(?4)) = ?4)
 LIMIT ?2
 ";
 
@@ -63,7 +87,12 @@ pub fn prune_batch(
     let mut carry: BTreeMap<Option<String>, (i64, i64)> = BTreeMap::new();
     {
         let mut select = tx.prepare_cached(SELECT_PRUNABLE)?;
-        let mut rows = select.query(params![horizon, PRUNE_BATCH as i64])?;
+        let mut rows = select.query(params![
+            horizon,
+            PRUNE_BATCH as i64,
+            CARRY_PREFIX,
+            slackgate_core::ledger::GENERATED_KEY_PREFIX
+        ])?;
         while let Some(row) = rows.next()? {
             let key: String = row.get(0)?;
             let tenant: Option<String> = row.get(1)?;

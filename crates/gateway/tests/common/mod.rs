@@ -191,7 +191,7 @@ default_class = "interactive"
 {server}
 [[pools]]
 name = "default"
-max_in_flight = {slots}
+slots = {slots}
 upstream = "{{UPSTREAM}}"
 [pools.prior]
 overhead_ms = {overhead_ms:.1}
