@@ -121,7 +121,7 @@ impl Overrides {
         }
         if let Some(s) = self.slots {
             for p in cfg.gate.pools.iter_mut() {
-                p.max_in_flight = s;
+                p.slots = s;
             }
         }
         if let Some(l) = &self.log {
@@ -385,13 +385,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("cannot bind the demo upstream")?;
-        let slots = cfg
-            .gate
-            .pools
-            .iter()
-            .map(|p| p.max_in_flight)
-            .max()
-            .unwrap_or(4) as usize;
+        let slots = cfg.gate.pools.iter().map(|p| p.slots).max().unwrap_or(4) as usize;
         let stub = slackgate_stub::Stub::spawn(
             listener,
             StubConfig {

@@ -25,7 +25,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use slackgate_core::{
-    ClassConfig, ClassId, Completion, Event, Gate, GateConfig, JobId, Millis, PoolConfig,
+    ClassConfig, Completion, Event, Gate, GateConfig, JobId, LaneId, Millis, PoolConfig,
     PriorConfig, Request,
 };
 use std::collections::VecDeque;
@@ -39,9 +39,9 @@ const MAX_TOKENS: u32 = 40;
 /// Start of the benchmark clock.
 const T0: Millis = 1_000_000;
 
-const INTERACTIVE: ClassId = ClassId(0);
-const STANDARD: ClassId = ClassId(1);
-const BATCH: ClassId = ClassId(2);
+const INTERACTIVE: LaneId = LaneId(0);
+const STANDARD: LaneId = LaneId(1);
+const BATCH: LaneId = LaneId(2);
 
 fn config() -> GateConfig {
     let class = |name: &str, priority| ClassConfig {
@@ -56,7 +56,7 @@ fn config() -> GateConfig {
     GateConfig {
         pools: vec![PoolConfig {
             name: "gpu".into(),
-            max_in_flight: SLOTS,
+            slots: SLOTS,
             // The bench queues 100k jobs on purpose; the default cap is 10k.
             max_queued: 1_000_000,
             // No batching term: the bench's arithmetic (every job 1100 ms) holds whatever
@@ -77,7 +77,7 @@ fn config() -> GateConfig {
     }
 }
 
-fn request(class: ClassId, deadline: Option<Millis>) -> Request {
+fn request(class: LaneId, deadline: Option<Millis>) -> Request {
     Request {
         class: Some(class),
         deadline,

@@ -71,12 +71,10 @@ pub const DEPRECATED_KEYS: &[(&str, &str, &str)] = &[("pools", "max_in_flight", 
 pub struct PoolConfig {
     /// Name used by classes (`pool = "..."`), metrics and logs.
     pub name: String,
-    /// Slots: the number of requests sent upstream at once. The config key is `slots`; the
-    /// old key `max_in_flight` is still read for one release (see
-    /// [`DEPRECATED_KEYS`]). The Rust field keeps its old name until the gate's own code
-    /// is renamed with it.
-    #[serde(rename = "slots", alias = "max_in_flight")]
-    pub max_in_flight: u32,
+    /// Slots: the number of requests sent upstream at once. The old key `max_in_flight` is
+    /// still read for one release (see [`DEPRECATED_KEYS`]).
+    #[serde(alias = "max_in_flight")]
+    pub slots: u32,
     /// Seed 000's depth rule: reject when every slot is busy and more than this many times
     /// `slots` jobs are queued ahead. `None` disables the rule.
     pub max_depth_factor: Option<f64>,
@@ -101,7 +99,7 @@ impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
             name: "default".into(),
-            max_in_flight: 4,
+            slots: 4,
             max_depth_factor: None,
             max_queued: 10_000,
             prior: PriorConfig::default(),
@@ -316,7 +314,7 @@ impl GateConfig {
                     format!("duplicate pool name {:?}", p.name),
                 ));
             }
-            if p.max_in_flight == 0 || p.max_in_flight > 100_000 {
+            if p.slots == 0 || p.slots > 100_000 {
                 return Err(ConfigError::new(
                     at("slots"),
                     "must be between 1 and 100000",
@@ -508,7 +506,7 @@ mod tests {
         assert_eq!(e.map(|e| e.path), Some("classes[1].aliases[3]".to_string()));
 
         let mut c = GateConfig::default();
-        c.pools[0].max_in_flight = 0;
+        c.pools[0].slots = 0;
         assert!(c.validate().is_err());
 
         let mut c = GateConfig::default();

@@ -23,7 +23,7 @@ pub use estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSn
 pub use gate::ops::{DrainClass, DrainPool, DrainStatus};
 pub use gate::reconfigure::ReconfigureReport;
 pub use gate::{
-    ClassId, ClassSnapshot, Completed, Completion, Decision, Event, Gate, GateSnapshot, JobId,
+    ClassSnapshot, Completed, Completion, Decision, Event, Gate, GateSnapshot, JobId, LaneId,
     PoolId, PoolSnapshot, Request,
 };
 pub use ledger::{HoldRecord, HoldState};

@@ -48,8 +48,8 @@ use slackgate_core::ledger::{
     Ledger, LedgerConfig, LedgerReject, LedgerStats, SettleError, MAX_TOKENS,
 };
 use slackgate_core::{
-    ClassConfig, ClassId, Completion, Event, Gate, GateConfig, HoldRecord, HoldState, JobId,
-    Millis, PoolConfig, Reason, Request,
+    ClassConfig, Completion, Event, Gate, GateConfig, HoldRecord, HoldState, JobId, LaneId, Millis,
+    PoolConfig, Reason, Request,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -974,7 +974,7 @@ fn gate_spec() -> impl Strategy<Value = GateSpec> {
 fn gate_config(s: &GateSpec) -> GateConfig {
     GateConfig {
         pools: vec![PoolConfig {
-            max_in_flight: s.slots,
+            slots: s.slots,
             max_queued: 8,
             ..PoolConfig::default()
         }],
@@ -1114,7 +1114,7 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
                 let d = g.offer(
                     now,
                     Request {
-                        class: Some(ClassId(o.class)),
+                        class: Some(LaneId(o.class)),
                         deadline: o.deadline_ms.map(|d| now + d),
                         prompt_tokens: o.prompt_tokens,
                         max_tokens: o.max_tokens,
@@ -1280,7 +1280,7 @@ fn settling_an_expired_key_persists_its_expiry_once() {
     let d = g.offer(
         1_000,
         Request {
-            class: Some(ClassId(0)),
+            class: Some(LaneId(0)),
             idempotency_key: Some("k3".into()),
             reservation: true,
             ..Request::default()

@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 fn pool(name: &str, slots: u32, ms: f64) -> PoolConfig {
     PoolConfig {
         name: name.into(),
-        max_in_flight: slots,
+        slots: slots,
         max_queued: 6,
         prior: PriorConfig {
             overhead_ms: ms,
@@ -77,8 +77,8 @@ fn variant(v: u8) -> GateConfig {
             cfg.classes[1].pool = "a".into();
         }
         1 => {
-            cfg.pools[0].max_in_flight = 3;
-            cfg.pools[1].max_in_flight = 1;
+            cfg.pools[0].slots = 3;
+            cfg.pools[1].slots = 1;
             cfg.classes[0].overflow = OverflowMode::Hint;
         }
         2 => {
@@ -172,7 +172,7 @@ impl Model {
     fn note_slots(&mut self) {
         for p in &self.gate.config().pools {
             let e = self.max_slots.entry(p.name.clone()).or_insert(0);
-            *e = (*e).max(p.max_in_flight);
+            *e = (*e).max(p.slots);
         }
     }
 

@@ -24,7 +24,7 @@
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use slackgate_core::{
-    Action, ClassConfig, ClassId, Completion, Event, Gate, GateConfig, JobId, Millis, PoolConfig,
+    Action, ClassConfig, Completion, Event, Gate, GateConfig, JobId, LaneId, Millis, PoolConfig,
     PriorConfig, Reason, Request,
 };
 use std::collections::BTreeMap;
@@ -271,7 +271,7 @@ fn config(spec: &Spec) -> GateConfig {
             .enumerate()
             .map(|(i, p)| PoolConfig {
                 name: format!("p{i}"),
-                max_in_flight: p.slots,
+                slots: p.slots,
                 max_depth_factor: p.depth_factor,
                 prior: PriorConfig {
                     overhead_ms: p.overhead_ms,
@@ -456,7 +456,7 @@ impl Harness {
             Op::Toggle(i) => {
                 let i = i % self.spec.classes.len();
                 self.enabled[i] = !self.enabled[i];
-                self.gate.set_class_enabled(ClassId(i), self.enabled[i]);
+                self.gate.set_class_enabled(LaneId(i), self.enabled[i]);
             }
         }
         self.drain()?;

@@ -745,7 +745,7 @@ async fn run_mode(
             let slots = match &opts.target {
                 Target::Real(RealUpstream {
                     config: Some(cfg), ..
-                }) => cfg.gate.pools.first().map_or(1, |p| p.max_in_flight),
+                }) => cfg.gate.pools.first().map_or(1, |p| p.slots),
                 _ => s.upstream.slots,
             };
             joblog::refused_on_a_free_slot(j, &class_names, slots)

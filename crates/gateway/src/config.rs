@@ -546,13 +546,7 @@ mod tests {
         };
         let slots = |text: &str| {
             Config::from_toml(text)
-                .map(|c| {
-                    c.gate
-                        .pools
-                        .iter()
-                        .map(|p| p.max_in_flight)
-                        .collect::<Vec<_>>()
-                })
+                .map(|c| c.gate.pools.iter().map(|p| p.slots).collect::<Vec<_>>())
                 .map_err(|e| e.to_string())
         };
         let new = pools("slots = 3");
@@ -563,7 +557,7 @@ mod tests {
         let warnings = Config::deprecations(&old);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(
-            warnings[0].starts_with("pools[1].max_in_flight is deprecated")
+            warnings[0].starts_with("pools[1].slots is deprecated")
                 && warnings[0].ends_with("rename it to slots"),
             "{warnings:?}"
         );

@@ -565,7 +565,10 @@ fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
             d.queue_age_ms
         ),
         Reason::QueueDepthExceeded => {
-            format!("{} jobs already queued ahead with every slot busy", d.depth)
+            format!(
+                "{} jobs already queued ahead with every slot busy",
+                d.queued_ahead
+            )
         }
         Reason::ProjectedWaitExceedsSlack => format!(
             "projected wait {} ms exceeds deadline slack {} ms",

@@ -36,6 +36,9 @@ pub struct AdmissionBody {
     pub deadline_slack_ms: Option<i64>,
     /// Projected wait for a slot.
     pub projected_wait_ms: u64,
+    /// On a decision: the part of `projected_wait_ms` forecast from higher-priority work
+    /// expected to arrive meanwhile (`null` on a drop).
+    pub forecast_wait_ms: Option<u64>,
     /// Estimated service once dispatched.
     pub est_service_ms: u64,
     /// In flight on the pool.

@@ -212,11 +212,7 @@ impl Shared {
             .load()
             .map_err(|e| format!("cannot load the ledger: {e}"))?;
         // Generated keys carry the start time, so they never collide with an earlier run's.
-        gate.set_key_prefix(&format!(
-            "{}{:x}",
-            slackgate_core::ledger::GENERATED_KEY_PREFIX,
-            clock.now_ms()
-        ));
+        gate.set_key_run_tag(&format!("{:x}", clock.now_ms()));
         gate.restore_ledger(records, clock.now_ms());
         let restored = gate.take_ledger_records();
         store.write(restored);
@@ -633,7 +629,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 deadline_slack_ms,
                 est_service_ms,
                 in_flight,
-                depth,
+                pool_depth,
                 ..
             } => {
                 let Some(w) = st.waiting.get_mut(&job_id) else {
@@ -648,7 +644,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 line.deadline_slack_ms = deadline_slack_ms;
                 line.est_service_ms = Some(est_service_ms);
                 line.in_flight = Some(in_flight);
-                line.pool_depth = Some(depth);
+                line.pool_depth = Some(pool_depth);
                 lines.push(line);
                 if w.reservation {
                     // The worker holds the slot from now until it commits or cancels.
@@ -687,7 +683,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 deadline_slack_ms,
                 projected_wait_ms,
                 in_flight,
-                depth,
+                pool_depth,
                 retry_after_ms,
                 should_retry,
                 ..
@@ -700,7 +696,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 line.deadline_slack_ms = deadline_slack_ms;
                 line.projected_wait_ms = Some(projected_wait_ms);
                 line.in_flight = Some(in_flight);
-                line.pool_depth = Some(depth);
+                line.pool_depth = Some(pool_depth);
                 line.tokens_held = Some(w.meta.tokens_held);
                 lines.push(line);
                 if let Some(tx) = w.tx.take() {
@@ -717,10 +713,11 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                             queue_wait_ms: Some(queue_wait_ms),
                             deadline_slack_ms,
                             projected_wait_ms,
+                            forecast_wait_ms: None,
                             est_service_ms: 0,
                             in_flight,
                             queued_ahead: None,
-                            pool_depth: Some(depth),
+                            pool_depth: Some(pool_depth),
                             retry_hint: None,
                             retry_after_ms,
                             job_id: job_id.0,
@@ -785,10 +782,10 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     line.queue_age_ms = Some(d.queue_age_ms);
     line.deadline_slack_ms = d.deadline_slack_ms;
     line.projected_wait_ms = Some(d.projected_wait_ms);
+    line.forecast_wait_ms = Some(d.forecast_wait_ms);
     line.est_service_ms = Some(d.est_service_ms);
     line.in_flight = Some(d.in_flight);
-    // The core's `Decision::depth` counts the jobs queued ahead of the request.
-    line.queued_ahead = Some(d.depth);
+    line.queued_ahead = Some(d.queued_ahead);
     // A rejection holds nothing: `null`, on the proxy's and the reservation API's alike.
     line.tokens_held = d.admitted().then_some(meta.tokens_held);
     line.displaced_job_id = d.displaced.map(|id| id.0);
@@ -825,7 +822,7 @@ fn end_line(
     line.queue_wait_ms = Some(c.queue_wait_ms);
     line.deadline_slack_ms = c.deadline_slack_ms;
     line.in_flight = Some(c.in_flight);
-    line.pool_depth = Some(c.depth);
+    line.pool_depth = Some(c.pool_depth);
     line.turnaround_ms = Some(c.turnaround_ms);
     line.ttft_ms = c.time_to_first_token_ms;
     line.tokens_held = Some(meta.tokens_held);
@@ -872,10 +869,10 @@ fn admission_body(d: &Decision, meta: &JobMeta, retry_hint: Option<String>) -> A
         queue_wait_ms: None,
         deadline_slack_ms: d.deadline_slack_ms,
         projected_wait_ms: d.projected_wait_ms,
+        forecast_wait_ms: Some(d.forecast_wait_ms),
         est_service_ms: d.est_service_ms,
         in_flight: d.in_flight,
-        // The core's `Decision::depth` counts the jobs queued ahead of the request.
-        queued_ahead: Some(d.depth),
+        queued_ahead: Some(d.queued_ahead),
         pool_depth: None,
         retry_hint,
         retry_after_ms: d.retry_after_ms,

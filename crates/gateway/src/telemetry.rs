@@ -52,6 +52,9 @@ pub struct LogLine {
     pub deadline_slack_ms: Option<i64>,
     /// Projected wait for a slot.
     pub projected_wait_ms: Option<u64>,
+    /// On decision lines: the part of `projected_wait_ms` that higher-priority work expected to
+    /// arrive while the request waits adds (the class's `forecast`; 0 for the top priority).
+    pub forecast_wait_ms: Option<u64>,
     /// Estimated service time.
     pub est_service_ms: Option<u64>,
     /// Tokens reserved for this job (prompt estimate + expected output).
@@ -144,12 +147,13 @@ pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
     ("shutdown", &["actor", "message"]),
 ];
 
-const DECISION_ADMITTED: [&str; 16] = concat_fields(
+const DECISION_ADMITTED: [&str; 17] = concat_fields(
     JOB,
     [
         "queue_age_ms",
         "deadline_slack_ms",
         "projected_wait_ms",
+        "forecast_wait_ms",
         "est_service_ms",
         "in_flight",
         "queued_ahead",
@@ -157,12 +161,13 @@ const DECISION_ADMITTED: [&str; 16] = concat_fields(
         "displaced_job_id",
     ],
 );
-const DECISION_REJECTED: [&str; 15] = concat_fields(
+const DECISION_REJECTED: [&str; 16] = concat_fields(
     JOB,
     [
         "queue_age_ms",
         "deadline_slack_ms",
         "projected_wait_ms",
+        "forecast_wait_ms",
         "est_service_ms",
         "in_flight",
         "queued_ahead",

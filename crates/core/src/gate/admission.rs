@@ -16,9 +16,9 @@ struct Offer {
     now: Millis,
     req: Request,
     /// The class's primary lane (the one offers are made to).
-    class: ClassId,
+    class: LaneId,
     /// The lane it would queue on: the class's own, or its overflow lane once routed.
-    lane: ClassId,
+    lane: LaneId,
     /// The pool of the class's own lane: Retry-After is about it, wherever the job would run.
     primary_pool: PoolId,
     expected_output: u32,
@@ -84,7 +84,7 @@ impl Gate {
 
     /// The lane an offer for `class` is made to: a live class's primary lane (overflow lanes
     /// are reached from it, retired ones take nothing new).
-    fn offered_lane(&self, class: Option<ClassId>) -> Option<ClassId> {
+    fn offered_lane(&self, class: Option<LaneId>) -> Option<LaneId> {
         class.filter(|c| {
             self.classes
                 .get(c.0)
@@ -93,7 +93,7 @@ impl Gate {
     }
 
     /// Evaluate the request on its class's lane and draft the answer from what it sees.
-    fn open_offer(&self, now: Millis, job_id: JobId, class: ClassId, req: Request) -> Offer {
+    fn open_offer(&self, now: Millis, job_id: JobId, class: LaneId, req: Request) -> Offer {
         let expected_output = match (req.expected_output_tokens, req.max_tokens) {
             (Some(hint), Some(cap)) => hint.min(cap),
             (Some(hint), None) => hint,
@@ -119,7 +119,7 @@ impl Gate {
             est_service_ms: e.est.service_ms,
             expected_output_tokens: expected_output,
             in_flight: e.in_flight,
-            depth: e.count_ahead,
+            queued_ahead: e.count_ahead,
             retry_after_ms: None,
             should_retry: false,
             deadline: e.deadline,
@@ -246,7 +246,7 @@ impl Gate {
         d.forecast_wait_ms = e.forecast_ms;
         d.est_service_ms = e.est.service_ms;
         d.in_flight = e.in_flight;
-        d.depth = e.count_ahead;
+        d.queued_ahead = e.count_ahead;
         d.deadline = e.deadline;
         o.eval = e;
         o.verdict = Ok(Reason::OverflowRouted);
@@ -268,7 +268,7 @@ impl Gate {
                 o.d.forecast_wait_ms = forecast;
                 o.eval.count_ahead = o.eval.count_ahead.saturating_sub(1);
                 o.d.projected_wait_ms = wait;
-                o.d.depth = o.eval.count_ahead;
+                o.d.queued_ahead = o.eval.count_ahead;
                 o.verdict = Ok(Reason::WithinSlack);
             }
             None => {}
@@ -304,7 +304,7 @@ impl Gate {
         }
         let generated_key = o.req.idempotency_key.is_none();
         let key = if generated_key {
-            format!("{}-{}", self.key_prefix, job_id.0)
+            format!("{}{}", self.key_prefix, job_id.0)
         } else {
             std::mem::take(&mut o.d.idempotency_key)
         };
@@ -333,8 +333,11 @@ impl Gate {
             first_token_at: None,
             max_tokens: req.max_tokens,
             // Warm-up jobs run on an untrusted estimate; a reservation's worker was already
-            // told to go: neither is dropped on slack.
-            protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe) || req.reservation,
+            // told to go; a shadowed job was promised no deadline (it stays so when shadow
+            // mode is switched off while it waits): none is dropped on slack.
+            protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe)
+                || req.reservation
+                || o.shadowed.is_some(),
             key,
             generated_key,
             reservation: req.reservation,
@@ -398,7 +401,7 @@ impl Gate {
                 d.action = Action::Reject;
                 d.reason = Reason::RejectDuplicate;
                 d.ledger = Some(rej);
-                (d.projected_wait_ms, d.depth) = o.refused_wait;
+                (d.projected_wait_ms, d.queued_ahead) = o.refused_wait;
                 ControlFlow::Break(d)
             }
         }

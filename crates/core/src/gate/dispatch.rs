@@ -28,7 +28,7 @@ impl Gate {
                 continue;
             }
             // Highest priority first; among equal priorities, earliest deadline.
-            let mut best: Option<(u32, QueueKey, ClassId, JobId)> = None;
+            let mut best: Option<(u32, QueueKey, LaneId, JobId)> = None;
             for cid in &pool.classes {
                 let c = &self.classes[cid.0];
                 if let Some((key, id)) = c.queue.front() {
@@ -104,7 +104,7 @@ impl Gate {
                 j.est = est;
                 j.model_service_ms = model.service_ms;
             }
-            let depth = self.pool_depth(pool_id);
+            let pool_depth = self.pool_depth(pool_id);
             self.events.push_back(Event::Dispatch {
                 job_id: id,
                 class: job.class,
@@ -113,7 +113,7 @@ impl Gate {
                 deadline_slack_ms: job.slack_after(now, 0),
                 est_service_ms: est.service_ms,
                 in_flight,
-                depth,
+                pool_depth,
             });
             return true;
         }
@@ -145,7 +145,7 @@ impl Gate {
             deadline_slack_ms: job.slack_after(now, wait),
             projected_wait_ms: wait,
             in_flight: self.pools[pool.0].in_flight.len() as u32,
-            depth: self.pool_depth(pool),
+            pool_depth: self.pool_depth(pool),
             retry_after_ms: None,
             should_retry: false,
         }

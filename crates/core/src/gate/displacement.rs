@@ -15,7 +15,7 @@ impl Gate {
     pub(super) fn displacement_victim(
         &mut self,
         now: Millis,
-        lane: ClassId,
+        lane: LaneId,
         e: &Eval,
     ) -> Option<(JobId, u64, u64)> {
         let window = self.classes[lane.0].displace_within_ms?;

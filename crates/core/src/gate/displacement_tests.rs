@@ -225,7 +225,7 @@ fn shadow_names_the_would_be_victim_and_rollback_drain_and_reload_displace_nothi
     assert!(drain(&mut g, 600).is_empty());
     // A drained (disabled) class refuses before any displacement.
     let (mut g, _) = a_running_b_queued(Some(1000));
-    g.set_class_enabled(ClassId(0), false);
+    g.set_class_enabled(LaneId(0), false);
     let d = g.offer(600, sized(&g, 1500, "c"));
     assert_eq!((d.reason, d.displaced), (Reason::ClassDisabled, None));
     // A reload that turns the window off: B is no longer displaceable.

@@ -43,7 +43,7 @@ impl Gate {
     pub(super) fn evaluate(
         &self,
         now: Millis,
-        lane: ClassId,
+        lane: LaneId,
         req: &Request,
         expected_output: u32,
     ) -> Eval {
@@ -179,7 +179,7 @@ impl Gate {
     /// own deadline told not to retry (`x-should-retry: false`). Probes do not depend on it: a
     /// class's record can be confirmed and stale (its outputs drift while it is refused). A
     /// frozen estimator (`learn = false`) holds the operator's own figures: trusted as such.
-    pub(super) fn estimate_confirmed(&self, lane: ClassId) -> bool {
+    pub(super) fn estimate_confirmed(&self, lane: LaneId) -> bool {
         let pool = &self.pools[self.classes[lane.0].pool.0];
         if !pool.estimator.learns() {
             return true;
@@ -195,7 +195,7 @@ impl Gate {
     /// A probe of the class may be admitted now: probing is on, the estimator learns (a probe
     /// teaches a frozen one nothing), not in shadow mode (which admits anyway), no probe of the
     /// class is still live, and nothing of the class was admitted for `probe_interval_ms`.
-    pub(super) fn may_probe(&self, now: Millis, lane: ClassId) -> bool {
+    pub(super) fn may_probe(&self, now: Millis, lane: LaneId) -> bool {
         let c = &self.classes[self.home(lane).0];
         let learns = self.pools[self.classes[lane.0].pool.0].estimator.learns();
         if c.probe_interval_ms == 0 || !learns || self.cfg.shadow || self.cfg.admit_always {

@@ -23,7 +23,7 @@ fn gate(refused_weight: f64, batch_forecast: bool, inter_deadline: u64, window: 
     Gate::new(GateConfig {
         pools: vec![PoolConfig {
             name: "p".into(),
-            max_in_flight: 1,
+            slots: 1,
             prior: PriorConfig {
                 overhead_ms: 1000.0,
                 prefill_ms_per_token: 0.0,

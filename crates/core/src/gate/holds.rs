@@ -3,7 +3,9 @@
 //! records the caller must persist.
 
 use super::{Gate, JobId, Settle};
-use crate::ledger::{HoldRecord, HoldState, Ledger, LedgerStats, SettleError};
+use crate::ledger::{
+    HoldRecord, HoldState, Ledger, LedgerStats, SettleError, GENERATED_KEY_PREFIX,
+};
 use crate::reason::Reason;
 use crate::Millis;
 
@@ -23,10 +25,10 @@ impl Gate {
         self.ledger.stats()
     }
 
-    /// Prefix for generated idempotency keys; make it unique per process start so keys never
-    /// collide with those persisted by an earlier run.
-    pub fn set_key_prefix(&mut self, prefix: &str) {
-        self.key_prefix = prefix.to_string();
+    /// Tag generated idempotency keys (`gen-<tag>-<job id>`) with something unique per process
+    /// start, so they never collide with those persisted by an earlier run.
+    pub fn set_key_run_tag(&mut self, tag: &str) {
+        self.key_prefix = format!("{GENERATED_KEY_PREFIX}{tag}-");
     }
 
     /// Rebuild the ledger from persisted records after a restart. Holds still inside their TTL
@@ -122,7 +124,7 @@ impl Gate {
                 self.ledger_out.push(r);
                 continue;
             }
-            let mut generated = r.key.starts_with("gen-");
+            let mut generated = r.key.starts_with(GENERATED_KEY_PREFIX);
             if let Some(id) = self.keys.remove(&r.key) {
                 if let Some((job, pool, started)) = self.take_job(id) {
                     generated |= job.generated_key;

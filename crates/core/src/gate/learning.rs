@@ -250,7 +250,7 @@ impl Gate {
             time_to_first_token_ms: job.first_token_at.map(|t| t.saturating_sub(job.arrived_at)),
             deadline_slack_ms: job.deadline.map(|d| signed_diff(d, now)),
             in_flight: self.pools[pool.0].in_flight.len() as u32,
-            depth: self.pool_depth(pool),
+            pool_depth: self.pool_depth(pool),
             hold,
             est_service_ms: job.est.service_ms,
             concurrency: sharing.concurrency,

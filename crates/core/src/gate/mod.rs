@@ -18,7 +18,7 @@ use crate::config::{ConfigError, GateConfig, OverflowMode, PriorConfig};
 use crate::estimator::{
     ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing,
 };
-use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError};
+use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError, GENERATED_KEY_PREFIX};
 use crate::queue::{ClassQueue, QueueKey};
 use crate::reason::{Action, Reason};
 use crate::tokens::TokenCounter;
@@ -30,10 +30,10 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 #[derive(Debug)]
 pub struct Gate {
     cfg: GateConfig,
-    classes: Vec<ClassState>,
+    classes: Vec<LaneState>,
     pools: Vec<PoolState>,
-    labels: HashMap<String, ClassId>,
-    default_class: Option<ClassId>,
+    labels: HashMap<String, LaneId>,
+    default_class: Option<LaneId>,
     jobs: HashMap<JobId, Job, IdHash>,
     events: VecDeque<Event>,
     next_id: u64,
@@ -72,7 +72,7 @@ impl Gate {
             ledger: Ledger::new(cfg.ledger.clone()),
             ledger_out: Vec::new(),
             keys: HashMap::new(),
-            key_prefix: "gen".into(),
+            key_prefix: GENERATED_KEY_PREFIX.into(),
             closing_at: None,
             unlabeled_suspended: false,
         };
@@ -88,14 +88,14 @@ impl Gate {
 
     /// Resolve a client's class label (name or alias, case-insensitive). Missing or unknown
     /// labels get the default class, or `None` when there is none (`reject_unlabeled`).
-    pub fn classify(&self, label: Option<&str>) -> Option<ClassId> {
+    pub fn classify(&self, label: Option<&str>) -> Option<LaneId> {
         label
             .and_then(|l| self.labels.get(&l.trim().to_ascii_lowercase()).copied())
             .or(self.default_class.filter(|_| !self.unlabeled_suspended))
     }
 
     /// Canonical name of a class.
-    pub fn class_name(&self, class: ClassId) -> &str {
+    pub fn class_name(&self, class: LaneId) -> &str {
         self.classes.get(class.0).map_or("", |c| c.name.as_str())
     }
 
@@ -106,7 +106,7 @@ impl Gate {
 
     /// Where a rejected client of a class should go instead: its configured `retry_hint`,
     /// or else the name of its overflow pool.
-    pub fn retry_hint(&self, class: ClassId) -> Option<&str> {
+    pub fn retry_hint(&self, class: LaneId) -> Option<&str> {
         let c = self.classes.get(class.0)?;
         c.retry_hint.as_deref().or_else(|| {
             c.overflow
@@ -121,7 +121,7 @@ impl Gate {
     }
 
     /// Switch a class on or off. Queued work of a disabled class stays queued.
-    pub fn set_class_enabled(&mut self, class: ClassId, enabled: bool) {
+    pub fn set_class_enabled(&mut self, class: LaneId, enabled: bool) {
         if let Some(c) = self.classes.get_mut(class.0) {
             c.enabled = enabled;
             let name = c.name.clone();
@@ -143,14 +143,14 @@ impl Gate {
     }
 
     /// The class a lane belongs to (itself for a primary lane).
-    pub(super) fn home(&self, lane: ClassId) -> ClassId {
+    pub(super) fn home(&self, lane: LaneId) -> LaneId {
         self.classes
             .get(lane.0)
             .and_then(|c| c.overflow_of)
             .unwrap_or(lane)
     }
 
-    pub(super) fn expected_output(&self, class: ClassId, max_tokens: Option<u32>) -> u32 {
+    pub(super) fn expected_output(&self, class: LaneId, max_tokens: Option<u32>) -> u32 {
         let c = &self.classes[self.home(class).0];
         let pool = &self.pools[c.pool.0];
         let learned = c

@@ -3,7 +3,7 @@
 //! take `now`, do no I/O and report what the caller must perform (jobs to cancel upstream,
 //! queued jobs dropped through [`super::Event::Drop`]).
 
-use super::{ClassId, Gate, JobId, Settle, WaterFiller};
+use super::{Gate, JobId, LaneId, Settle, WaterFiller};
 use crate::queue::QueueKey;
 use crate::reason::Reason;
 use crate::Millis;
@@ -56,11 +56,11 @@ impl Gate {
     }
 
     /// A live class (not an overflow lane, not retired) by its canonical name.
-    pub fn class_by_name(&self, name: &str) -> Option<ClassId> {
+    pub fn class_by_name(&self, name: &str) -> Option<LaneId> {
         self.classes
             .iter()
             .position(|c| c.name == name && c.overflow_of.is_none() && !c.retired)
-            .map(ClassId)
+            .map(LaneId)
     }
 
     /// Names of the live classes, in configuration order.
@@ -74,20 +74,20 @@ impl Gate {
 
     /// Every lane of a class, by its name: its own, its overflow lane, and lanes a reload
     /// retired (the pool it moved away from still runs the work admitted there).
-    fn lanes_of(&self, class: ClassId) -> Vec<ClassId> {
+    fn lanes_of(&self, class: LaneId) -> Vec<LaneId> {
         let Some(name) = self.classes.get(class.0).map(|c| c.name.as_str()) else {
             return Vec::new();
         };
         (0..self.classes.len())
             .filter(|&i| self.classes[i].name == name)
-            .map(ClassId)
+            .map(LaneId)
             .collect()
     }
 
     /// Set whether a class is drained. The flag belongs to the class, not to one lane: it is
     /// kept on each of its non-overflow lanes, so a reload that moves the class to another
     /// pool (a new lane) or back (a retired one) finds it whatever lane it picks.
-    fn set_draining(&mut self, class: ClassId, on: bool) {
+    fn set_draining(&mut self, class: LaneId, on: bool) {
         for lane in self.lanes_of(class) {
             let l = &mut self.classes[lane.0];
             l.draining = on && l.overflow_of.is_none();
@@ -98,7 +98,7 @@ impl Gate {
     /// and, with `cancel`, drop their queued jobs at once (`drained`). Their in-flight jobs
     /// are the caller's to end: with `cancel`, the ids of those the gateway must cancel
     /// upstream are returned (reservation-API holds are not: their workers settle them).
-    pub fn drain(&mut self, now: Millis, classes: &[ClassId], cancel: bool) -> Vec<JobId> {
+    pub fn drain(&mut self, now: Millis, classes: &[LaneId], cancel: bool) -> Vec<JobId> {
         let now = self.clock(now);
         let mut in_flight = Vec::new();
         for &class in classes {
@@ -137,7 +137,7 @@ impl Gate {
     }
 
     /// End the drain of classes: they admit again (unless switched off by `enabled`).
-    pub fn end_drain(&mut self, classes: &[ClassId]) {
+    pub fn end_drain(&mut self, classes: &[LaneId]) {
         for &class in classes {
             self.set_draining(class, false);
         }
@@ -161,7 +161,7 @@ impl Gate {
                 continue;
             }
             let (mut queued, mut in_flight) = (0u32, 0u32);
-            for lane in self.lanes_of(ClassId(i)) {
+            for lane in self.lanes_of(LaneId(i)) {
                 let l = &self.classes[lane.0];
                 let lane_queued = l.queue.len() as u32;
                 let lane_in_flight = self.pools[l.pool.0]

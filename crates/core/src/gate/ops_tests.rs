@@ -11,7 +11,7 @@ use crate::config::{ClassConfig, OverflowMode, PoolConfig, PriorConfig};
 fn pool(name: &str, slots: u32, service_ms: f64) -> PoolConfig {
     PoolConfig {
         name: name.into(),
-        max_in_flight: slots,
+        slots: slots,
         prior: PriorConfig {
             overhead_ms: service_ms,
             prefill_ms_per_token: 0.0,
@@ -36,6 +36,7 @@ fn shadow_admits_would_be_rejections_and_reports_the_reason() {
         drain(&mut g, 0);
     }
     let d = g.offer(0, req(&g, "prod"));
+    let shadowed = d.job_id;
     assert_eq!(d.action, Action::ShadowReject);
     assert_eq!(d.reason, Reason::ProjectedWaitExceedsSlack);
     assert!(d.admitted(), "shadow mode admits");
@@ -46,7 +47,7 @@ fn shadow_admits_would_be_rejections_and_reports_the_reason() {
     assert!(drain(&mut g, 4_000).is_empty());
     assert_eq!(g.live_jobs(), 6);
     // An operator's switch is not a threshold: a disabled class stays refused.
-    g.set_class_enabled(ClassId(1), false);
+    g.set_class_enabled(LaneId(1), false);
     let d = g.offer(4_000, req(&g, "probe"));
     assert_eq!(
         (d.action, d.reason),
@@ -56,6 +57,18 @@ fn shadow_admits_would_be_rejections_and_reports_the_reason() {
     g.set_shadow(false);
     let d = g.offer(4_000, req(&g, "prod"));
     assert_eq!(d.action, Action::Reject);
+    // The jobs admitted under the rules are held to their deadlines again (the four queued
+    // ones are past theirs); the one shadow mode admitted against them was promised no
+    // deadline, and keeps that promise.
+    g.tick(4_000);
+    let dropped: Vec<JobId> = drain(&mut g, 4_000)
+        .iter()
+        .filter(|e| matches!(e, Event::Drop { .. }))
+        .map(Event::job_id)
+        .collect();
+    assert_eq!(dropped.len(), 4, "{dropped:?}");
+    assert!(!dropped.contains(&shadowed));
+    assert_eq!(g.live_jobs(), 2, "the running job and the shadowed one");
 }
 
 #[test]
@@ -116,7 +129,7 @@ fn a_drain_can_suspend_unlabeled_work() {
     assert_eq!(g.classify(Some("nightly")), None);
     assert_eq!(
         g.classify(Some("prod")),
-        Some(ClassId(0)),
+        Some(LaneId(0)),
         "labels still work"
     );
     g.suspend_unlabeled(false);
@@ -327,7 +340,7 @@ fn overflow_route_admits_on_the_overflow_pool_when_it_fits() {
 #[test]
 fn overflow_route_rejects_when_the_overflow_pool_cannot_make_it_either() {
     let mut c = overflow_cfg(OverflowMode::Route);
-    c.pools[1].max_in_flight = 1;
+    c.pools[1].slots = 1;
     c.pools[1].prior.overhead_ms = 3_000.0;
     let mut g = Gate::new(c).unwrap();
     for _ in 0..5 {
@@ -364,7 +377,7 @@ fn overflow_hint_names_the_pool_in_the_retry_hint() {
     let mut c = overflow_cfg(OverflowMode::Hint);
     c.classes[0].retry_hint = Some("dedicated_pool".into());
     let g = Gate::new(c).unwrap();
-    assert_eq!(g.retry_hint(ClassId(0)), Some("dedicated_pool"));
+    assert_eq!(g.retry_hint(LaneId(0)), Some("dedicated_pool"));
 }
 
 #[test]

@@ -21,7 +21,7 @@
 //! changed (a new model or new defaults mean the old figures no longer apply). A class's
 //! learned output length survives too.
 
-use super::{ClassId, ClassState, Gate, PoolId, PoolState};
+use super::{Gate, LaneId, LaneState, PoolId, PoolState};
 use crate::config::{ConfigError, GateConfig};
 use crate::estimator::{ErrorTracker, Estimator};
 use crate::queue::ClassQueue;
@@ -84,7 +84,7 @@ impl Gate {
                     p.prior = pc.prior.clone();
                     p.upstream = pc.upstream.clone();
                     p.retired = false;
-                    p.slots = pc.max_in_flight;
+                    p.slots = pc.slots;
                     p.max_depth_factor = pc.max_depth_factor;
                     p.max_queued = pc.max_queued;
                     p.forecast_bucket_ms = forecast_bucket_ms(pc);
@@ -98,7 +98,7 @@ impl Gate {
                         upstream: pc.upstream.clone(),
                         retired: false,
                         name: pc.name.clone(),
-                        slots: pc.max_in_flight,
+                        slots: pc.slots,
                         max_depth_factor: pc.max_depth_factor,
                         max_queued: pc.max_queued,
                         forecast_bucket_ms: forecast_bucket_ms(pc),
@@ -205,7 +205,7 @@ impl Gate {
             p.classes.clear();
         }
         for (i, l) in self.classes.iter().enumerate() {
-            self.pools[l.pool.0].classes.push(ClassId(i));
+            self.pools[l.pool.0].classes.push(LaneId(i));
         }
         let classes = &self.classes;
         for p in &mut self.pools {
@@ -275,15 +275,15 @@ impl Gate {
         pool: PoolId,
         expected_output: Option<u32>,
         free: &mut Vec<usize>,
-    ) -> ClassId {
+    ) -> LaneId {
         if let Some(i) = self
             .classes
             .iter()
             .position(|l| l.name == name && l.pool == pool)
         {
-            return ClassId(i);
+            return LaneId(i);
         }
-        let fresh = ClassState {
+        let fresh = LaneState {
             name: name.to_string(),
             pool,
             priority: 0,
@@ -313,10 +313,10 @@ impl Gate {
         };
         if let Some(i) = free.pop() {
             self.classes[i] = fresh;
-            return ClassId(i);
+            return LaneId(i);
         }
         self.classes.push(fresh);
-        ClassId(self.classes.len() - 1)
+        LaneId(self.classes.len() - 1)
     }
 }
 

@@ -56,7 +56,7 @@ impl Gate {
     pub(super) fn rejection(
         &self,
         job_id: JobId,
-        class: Option<ClassId>,
+        class: Option<LaneId>,
         reason: Reason,
     ) -> Decision {
         let (after, retry) = match reason {
@@ -78,7 +78,7 @@ impl Gate {
             est_service_ms: 0,
             expected_output_tokens: 0,
             in_flight: 0,
-            depth: 0,
+            queued_ahead: 0,
             retry_after_ms: Some(after),
             should_retry: retry,
             deadline: None,

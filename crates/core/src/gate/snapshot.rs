@@ -47,7 +47,7 @@ pub struct ClassSnapshot {
 pub struct PoolSnapshot {
     /// Pool name.
     pub name: String,
-    /// Slots (`max_in_flight`).
+    /// Slots (`slots`).
     pub slots: u32,
     /// Slots taken.
     pub in_flight: u32,
@@ -116,7 +116,7 @@ impl Gate {
             .filter(|(i, c)| !c.retired || !c.queue.is_empty() || lane_in_flight[*i] > 0)
             .map(|(i, c)| {
                 let (work, count, _) = self.ahead(c.pool, c.priority);
-                let home = &self.classes[self.home(ClassId(i)).0];
+                let home = &self.classes[self.home(LaneId(i)).0];
                 ClassSnapshot {
                     name: c.name.clone(),
                     pool: self.pools[c.pool.0].name.clone(),
@@ -129,7 +129,7 @@ impl Gate {
                         .map_or(0, |t| now.saturating_sub(t)),
                     queued_work_ms: c.queue.work_ms(),
                     projected_wait_ms: self.projected_wait(c.pool, now, work, count),
-                    expected_output_tokens: self.expected_output(ClassId(i), None),
+                    expected_output_tokens: self.expected_output(LaneId(i), None),
                     in_flight: lane_in_flight[i],
                     draining: home.draining,
                     overflow: c.overflow_of.is_some(),

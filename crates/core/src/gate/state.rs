@@ -6,8 +6,8 @@ use super::*;
 
 #[derive(Clone, Debug)]
 pub(super) struct Job {
-    /// The lane (class entry) it is queued on; see [`ClassState`].
-    pub(super) class: ClassId,
+    /// The lane (class entry) it is queued on; see [`LaneState`].
+    pub(super) class: LaneId,
     /// The pool it runs on (its lane's pool, fixed at admission: a reload that moves the
     /// class leaves this job where it was admitted).
     pub(super) pool: PoolId,
@@ -85,11 +85,11 @@ impl Job {
 
 /// One lane: a class's queue on one pool. Every configured class has its primary lane on its
 /// own pool; a class with an `overflow_pool` has a second lane there, holding the work routed
-/// to it. Lanes are indexed by [`ClassId`]: the first ones are the configured classes, in
+/// to it. Lanes are indexed by [`LaneId`]: the first ones are the configured classes, in
 /// order, and ids never change or get reused while the gate lives (a reload appends, and a
 /// removed lane is only retired), so a queued or in-flight job's lane is always valid.
 #[derive(Debug)]
-pub(super) struct ClassState {
+pub(super) struct LaneState {
     pub(super) name: String,
     pub(super) pool: PoolId,
     pub(super) priority: u32,
@@ -109,9 +109,9 @@ pub(super) struct ClassState {
     /// Configured `retry_hint`.
     pub(super) retry_hint: Option<String>,
     /// The class's overflow lane and what to do with it (primary lanes only).
-    pub(super) overflow: Option<(ClassId, OverflowMode)>,
+    pub(super) overflow: Option<(LaneId, OverflowMode)>,
     /// For an overflow lane: the class it serves.
-    pub(super) overflow_of: Option<ClassId>,
+    pub(super) overflow_of: Option<LaneId>,
     /// Removed by a reload: no new work; its queued and in-flight jobs run to their end.
     pub(super) retired: bool,
     /// Configured `displace_within_ms` (primary lanes only): how recently admitted a queued
@@ -129,7 +129,7 @@ pub(super) struct ClassState {
     /// When the class last admitted a request (probes aside).
     pub(super) last_admit_at: Option<Millis>,
     /// actual / estimated service of the class's recent completions, against the estimator's
-    /// own figure: the class's empirical correction (see [`ClassState::correction`]).
+    /// own figure: the class's empirical correction (see [`LaneState::correction`]).
     pub(super) ratios: VecDeque<f64>,
     /// Prompt tokens of other jobs that started while the class's recent completions ran
     /// (EWMA): what a newcomer of the class should expect to be held up by.
@@ -145,7 +145,7 @@ pub(super) struct ClassState {
     pub(super) refused: RateWindow,
 }
 
-/// A class's record as admission reads it (see [`ClassState::refresh_record`]).
+/// A class's record as admission reads it (see [`LaneState::refresh_record`]).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ClassRecord {
     pub(super) errors: ErrorSummary,
@@ -164,7 +164,7 @@ impl Default for ClassRecord {
     }
 }
 
-impl ClassState {
+impl LaneState {
     /// A per-class empirical model on top of the shared estimator: the median of actual over
     /// estimated service of the class's last completions. The estimator fits every class's
     /// requests with one set of coefficients, and a class whose requests the fit serves badly
@@ -195,8 +195,8 @@ impl ClassState {
     /// The share by which a request's wait and service are padded before they are held to its
     /// deadline: the 90th percentile of the class's recent relative errors, within
     /// [0, MAX_MARGIN] (0 until a handful completed, and for a frozen estimator, whose figures
-    /// are the operator's). The median was tried first: against a real llama-server it left
-    /// 3.6% of admitted interactive requests late or dropped (`docs/config.md`).
+    /// are the operator's). The median was tried first and left admitted interactive
+    /// requests late or dropped in front of a real llama-server (BENCHMARKS.md).
     pub(super) fn margin(&self, learning: bool) -> f64 {
         let e = self.record.errors;
         if !learning || e.samples < CONFIRM_SAMPLES {
@@ -256,7 +256,7 @@ pub(super) struct PoolState {
     /// In-flight jobs: id -> (started_at, estimated service).
     pub(super) in_flight: BTreeMap<JobId, (Millis, u64)>,
     /// Classes of this pool, highest priority first (ties by class index, for determinism).
-    pub(super) classes: Vec<ClassId>,
+    pub(super) classes: Vec<LaneId>,
 }
 
 /// Hasher for job ids. Ids are assigned by the gate (sequential, never from input), so
@@ -286,10 +286,9 @@ pub(super) const EWMA_ALPHA: f64 = 0.2;
 
 /// Which quantile of a class's output lengths a request with no size hint must fit in its
 /// deadline. The mean admits long requests that are later dropped when their slack runs out
-/// (a 429 after the client waited); the 0.9 quantile refuses them at once. In the simulator,
-/// without hints: seed 000 keeps its on-time count (74 -> 75) and admitted SLO attainment
-/// goes from 52.5% to 78.1%; the trace at 2x loses 3% of its on-time count (3227 -> 3138)
-/// for 73.4% -> 84.8%.
+/// (a 429 after the client waited); the 0.9 quantile refuses them at once, for a higher
+/// admitted SLO attainment at a small cost in on-time count (measured without size hints in
+/// the simulator: BENCHMARKS.md).
 pub(super) const OUTPUT_QUANTILE: f64 = 0.9;
 
 /// Step of the streaming quantile tracker, as a fraction of the class's mean output.

@@ -11,7 +11,7 @@ pub(super) fn cfg(slots: u32, service_ms: f64) -> GateConfig {
     GateConfig {
         pools: vec![PoolConfig {
             name: "free".into(),
-            max_in_flight: slots,
+            slots: slots,
             max_depth_factor: None,
             max_queued: 10_000,
             prior: PriorConfig {
@@ -70,8 +70,8 @@ pub(super) fn drain(g: &mut Gate, now: Millis) -> Vec<Event> {
 #[test]
 fn classify_uses_aliases_and_unlabeled_policy() {
     let g = Gate::new(cfg(1, 800.0)).unwrap();
-    assert_eq!(g.classify(Some("SYNC")), Some(ClassId(0)));
-    assert_eq!(g.classify(Some(" eval ")), Some(ClassId(1)));
+    assert_eq!(g.classify(Some("SYNC")), Some(LaneId(0)));
+    assert_eq!(g.classify(Some(" eval ")), Some(LaneId(1)));
     assert_eq!(g.classify(Some("nightly")), None);
     assert_eq!(g.classify(None), None);
     let mut g = Gate::new(cfg(1, 800.0)).unwrap();
@@ -85,7 +85,7 @@ fn classify_uses_aliases_and_unlabeled_policy() {
     let mut c = cfg(1, 800.0);
     c.default_class = Some("probe".into());
     let g = Gate::new(c).unwrap();
-    assert_eq!(g.classify(Some("nightly")), Some(ClassId(1)));
+    assert_eq!(g.classify(Some("nightly")), Some(LaneId(1)));
 }
 
 #[test]
@@ -132,7 +132,7 @@ fn lower_priority_work_is_not_counted_ahead() {
     }
     let d = g.offer(0, req(&g, "prod"));
     assert_eq!(d.projected_wait_ms, 800);
-    assert_eq!(d.depth, 0);
+    assert_eq!(d.queued_ahead, 0);
     assert!(d.admitted());
     // The next dispatch after the probe completes is prod, not the older probes.
     let first_probe = JobId(1);
@@ -143,7 +143,7 @@ fn lower_priority_work_is_not_counted_ahead() {
         matches!(
             ev[0],
             Event::Dispatch {
-                class: ClassId(0),
+                class: LaneId(0),
                 ..
             }
         ),
@@ -178,7 +178,7 @@ fn depth_rule_needs_all_slots_busy() {
     let mut actions = Vec::new();
     for _ in 0..6 {
         let d = g.offer(0, req(&g, "prod"));
-        actions.push((d.depth, d.reason));
+        actions.push((d.queued_ahead, d.reason));
         drain(&mut g, 0);
     }
     assert_eq!(actions[4], (2, Reason::WithinSlack));
@@ -188,7 +188,7 @@ fn depth_rule_needs_all_slots_busy() {
 #[test]
 fn disabled_class_and_admit_always() {
     let mut g = Gate::new(cfg(1, 800.0)).unwrap();
-    g.set_class_enabled(ClassId(1), false);
+    g.set_class_enabled(LaneId(1), false);
     let d = g.offer(0, req(&g, "probe"));
     assert_eq!(d.reason, Reason::ClassDisabled);
     assert!(!d.should_retry);
@@ -444,7 +444,7 @@ fn a_stuck_slot_ages_the_queue_seed_002() {
         (Reason::QueueAgeExceeded, 2000),
         "{d:?}"
     );
-    assert_eq!(g.retry_hint(ClassId(0)), Some("dedicated_pool"));
+    assert_eq!(g.retry_hint(LaneId(0)), Some("dedicated_pool"));
 }
 
 #[test]

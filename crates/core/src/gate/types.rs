@@ -16,7 +16,7 @@ impl std::fmt::Display for JobId {
 
 /// Index of a class in the configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub struct ClassId(pub usize);
+pub struct LaneId(pub usize);
 
 /// Index of a pool in the configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -26,7 +26,7 @@ pub struct PoolId(pub usize);
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Request {
     /// Resolved class (see [`Gate::classify`]); `None` means unlabeled with no default.
-    pub class: Option<ClassId>,
+    pub class: Option<LaneId>,
     /// Absolute deadline for the whole response. `None`: the class default applies.
     pub deadline: Option<Millis>,
     /// Absolute deadline for the first token (`x-slo-ttft-ms`).
@@ -70,7 +70,7 @@ pub struct Decision {
     /// Assigned id (also for rejections, so log lines can be joined).
     pub job_id: JobId,
     /// Resolved class, if any.
-    pub class: Option<ClassId>,
+    pub class: Option<LaneId>,
     /// Pool the class runs on.
     pub pool: Option<PoolId>,
     /// `admit` or `reject`.
@@ -95,7 +95,7 @@ pub struct Decision {
     /// Requests in flight on the pool at decision time.
     pub in_flight: u32,
     /// Jobs queued ahead of this one (same or higher priority) at decision time.
-    pub depth: u32,
+    pub queued_ahead: u32,
     /// For rejections: when a retry could succeed.
     pub retry_after_ms: Option<u64>,
     /// For rejections: whether a retry can succeed soon (`x-should-retry`).
@@ -134,7 +134,7 @@ pub enum Event {
         /// The job.
         job_id: JobId,
         /// Its class.
-        class: ClassId,
+        class: LaneId,
         /// Its pool.
         pool: PoolId,
         /// Time it spent queued.
@@ -146,14 +146,14 @@ pub enum Event {
         /// In flight on the pool after this dispatch.
         in_flight: u32,
         /// Still queued on the pool.
-        depth: u32,
+        pool_depth: u32,
     },
     /// This queued job will not be sent: answer its client with the reason.
     Drop {
         /// The job.
         job_id: JobId,
         /// Its class.
-        class: ClassId,
+        class: LaneId,
         /// Its pool.
         pool: PoolId,
         /// Why (`deadline_unmeetable`).
@@ -167,7 +167,7 @@ pub enum Event {
         /// In flight on the pool.
         in_flight: u32,
         /// Still queued on the pool.
-        depth: u32,
+        pool_depth: u32,
         /// When a retry could succeed, for drops whose client may try again (`displaced`);
         /// `None`: the caller's default for the reason.
         retry_after_ms: Option<u64>,
@@ -202,7 +202,7 @@ pub struct Completed {
     /// The job.
     pub job_id: JobId,
     /// Its class.
-    pub class: ClassId,
+    pub class: LaneId,
     /// Its pool.
     pub pool: PoolId,
     /// Whether it had been dispatched (false: cancelled while queued).
@@ -220,7 +220,7 @@ pub struct Completed {
     /// In flight on the pool after the slot was released.
     pub in_flight: u32,
     /// Queued on the pool.
-    pub depth: u32,
+    pub pool_depth: u32,
     /// The job's hold as settled in the ledger (spent or wasted tokens).
     pub hold: Option<HoldRecord>,
     /// The service time the gate estimated for it when it was dispatched (admission's

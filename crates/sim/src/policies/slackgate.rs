@@ -6,7 +6,7 @@
 use crate::policy::{Action, Job, Policy, Verdict};
 use crate::scenario::{RetryMode, Scenario};
 use slackgate_core::config::{ClassConfig, GateConfig, PoolConfig, PriorConfig};
-use slackgate_core::{ClassId, Completion, ConfigError, Event, Gate, JobId, Request};
+use slackgate_core::{Completion, ConfigError, Event, Gate, JobId, LaneId, Request};
 use std::collections::HashMap;
 
 /// The core, driven by the simulator.
@@ -32,7 +32,7 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
     let u = &s.upstream;
     let pool = PoolConfig {
         name: "upstream".into(),
-        max_in_flight: u.slots,
+        slots: u.slots,
         max_depth_factor: s.slackgate.max_depth_factor,
         max_queued: PoolConfig::default()
             .max_queued
@@ -181,7 +181,7 @@ impl Policy for Slackgate {
     fn offer(&mut self, now: u64, job: &Job, _in_flight: u32) -> Verdict {
         self.drain_ledger();
         let req = Request {
-            class: Some(ClassId(job.class)),
+            class: Some(LaneId(job.class)),
             deadline: job.deadline_ms,
             prompt_tokens: job.prompt_tokens,
             max_tokens: Some(job.max_tokens),
