@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 fn pool(name: &str, slots: u32, ms: f64) -> PoolConfig {
     PoolConfig {
         name: name.into(),
-        slots: slots,
+        slots,
         max_queued: 6,
         prior: PriorConfig {
             overhead_ms: ms,

@@ -11,7 +11,7 @@ use crate::config::{ClassConfig, OverflowMode, PoolConfig, PriorConfig};
 fn pool(name: &str, slots: u32, service_ms: f64) -> PoolConfig {
     PoolConfig {
         name: name.into(),
-        slots: slots,
+        slots,
         prior: PriorConfig {
             overhead_ms: service_ms,
             prefill_ms_per_token: 0.0,

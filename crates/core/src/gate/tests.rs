@@ -11,7 +11,7 @@ pub(super) fn cfg(slots: u32, service_ms: f64) -> GateConfig {
     GateConfig {
         pools: vec![PoolConfig {
             name: "free".into(),
-            slots: slots,
+            slots,
             max_depth_factor: None,
             max_queued: 10_000,
             prior: PriorConfig {
