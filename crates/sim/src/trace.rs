@@ -1,24 +1,27 @@
 //! Reading request traces (`TIMESTAMP,ContextTokens,GeneratedTokens`).
 //!
-//! A trace is a CSV file with a header. The three columns are found by name (case-insensitive,
-//! in any order; other columns are ignored), so the Azure LLM inference traces and any file a
-//! user exports in the same schema read alike. `TIMESTAMP` is `YYYY-MM-DD HH:MM:SS` with an
-//! optional fraction of up to nine digits (a `T` may replace the space); it is read as a wall
-//! clock without a time zone, and only differences between rows matter. Fields may be padded
-//! with spaces or wrapped in double quotes; quoted commas are not supported (the schema never
-//! needs them).
+//! A trace is a CSV file with a header, split into fields by the `csv` crate: a field in double
+//! quotes may hold commas, line breaks and quotes written twice (`"say ""hi"", then go"`), as
+//! spreadsheets export them. The three columns are found by name (case-insensitive, in any
+//! order; other columns are ignored), so the Azure LLM inference traces and any file a user
+//! exports in the same schema read alike. `TIMESTAMP` is `YYYY-MM-DD HH:MM:SS` with an optional
+//! fraction of up to nine digits (a `T` may replace the space); it is read as a wall clock
+//! without a time zone, and only differences between rows matter. Fields may be padded with
+//! spaces, also around their quotes (` "12" ` reads as `12`).
 //!
 //! The reader is strict where a mistake would silently skew a simulation (a bad number, an
-//! impossible date, an absurd token count) and lenient about layout (CRLF, a UTF-8 BOM, blank
-//! lines, a missing final newline, rows out of time order). Every error names the file, the
-//! 1-based line and the field, so a user can fix their trace without reading this code.
+//! impossible date, an absurd token count, a quote left open that would swallow the rows after
+//! it) and lenient about layout (CRLF, a UTF-8 BOM, blank lines, a missing final newline, rows
+//! out of time order). Every error names the file, the 1-based line (where the row starts) and
+//! the field, so a user can fix their trace without reading this code.
 
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
-/// Longest line accepted, in bytes (without the line ending).
+/// Longest line accepted, in bytes (without the line ending). Checked before the CSV reader
+/// runs, so a hostile file without line breaks is refused without buffering it as one row.
 pub const MAX_LINE_BYTES: usize = 4096;
 /// Largest trace file accepted, in bytes (1 GiB).
 pub const MAX_FILE_BYTES: u64 = 1 << 30;
@@ -149,6 +152,21 @@ pub enum TraceError {
          ContextTokens, GeneratedTokens)"
     )]
     NoRows { file: String, line: usize },
+    /// A row holds an odd number of double quotes: a quoted field left open (it would run on
+    /// over the rows after it) or a stray quote inside an unquoted field.
+    #[error(
+        "{file}:{line}: unbalanced double quote: a quoted field must be closed, and a quote \
+         inside it written twice (\"\")"
+    )]
+    UnbalancedQuote { file: String, line: usize },
+    /// The CSV reader refused the input (not expected for text that is valid UTF-8; kept
+    /// rather than unwrapped).
+    #[error("{file}:{line}: cannot read CSV: {message}")]
+    Csv {
+        file: String,
+        line: usize,
+        message: String,
+    },
     /// A row ends before a required column.
     #[error("{file}:{line}: field {column}: missing (the row has {found} fields)")]
     MissingField {
@@ -207,38 +225,21 @@ pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
 pub fn parse_trace(name: &str, text: &str) -> Result<Trace, TraceError> {
     check_size(name, text.len() as u64)?;
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-    let mut lines = text
-        .split('\n')
-        .enumerate()
-        .map(|(i, line)| (i + 1, line.strip_suffix('\r').unwrap_or(line)));
+    for (i, line) in text.split('\n').enumerate() {
+        check_line_length(name, i + 1, line.strip_suffix('\r').unwrap_or(line))?;
+    }
+    let mut rows = Rows::new(name, text);
 
-    // The header is the first non-blank line.
-    let (header_line, header) = loop {
-        match lines.next() {
-            None => {
-                return Err(TraceError::Empty {
-                    file: name.to_owned(),
-                })
-            }
-            Some((n, line)) => {
-                check_line_length(name, n, line)?;
-                if !line.trim().is_empty() {
-                    break (n, line);
-                }
-            }
-        }
+    // The header is the first non-blank row.
+    let Some((header_line, header)) = rows.next_row()? else {
+        return Err(TraceError::Empty {
+            file: name.to_owned(),
+        });
     };
-    let columns = find_columns(name, header_line, header)?;
+    let columns = find_columns(name, header_line, &header)?;
 
     let mut parsed: Vec<(i128, TraceRow)> = Vec::new();
-    let mut fields: Vec<&str> = Vec::new();
-    for (n, line) in lines {
-        check_line_length(name, n, line)?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        fields.clear();
-        fields.extend(line.split(',').map(clean));
+    while let Some((n, fields)) = rows.next_row()? {
         let mut values = [""; 3];
         for (value, (column, index)) in values.iter_mut().zip(Column::ALL.into_iter().zip(columns))
         {
@@ -305,6 +306,88 @@ pub fn parse_trace(name: &str, text: &str) -> Result<Trace, TraceError> {
     Ok(Trace { rows, span_ms })
 }
 
+/// The rows of a trace as the `csv` crate splits them, blank lines left out, each with the
+/// line it starts on.
+struct Rows<'a> {
+    name: &'a str,
+    text: &'a str,
+    reader: csv::Reader<&'a [u8]>,
+    record: csv::StringRecord,
+    /// Line breaks counted so far: `line` is the 1-based line of byte `counted_to`.
+    line: usize,
+    counted_to: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn new(name: &'a str, text: &'a str) -> Rows<'a> {
+        let reader = csv::ReaderBuilder::new()
+            // The header is read as a row: it is the first non-blank one, found here.
+            .has_headers(false)
+            // Rows may stop short of trailing extra columns or carry more than the header.
+            .flexible(true)
+            .from_reader(text.as_bytes());
+        Rows {
+            name,
+            text,
+            reader,
+            record: csv::StringRecord::new(),
+            line: 1,
+            counted_to: 0,
+        }
+    }
+
+    /// The next row that is not blank: its first line and its fields, each without padding
+    /// spaces or one pair of enclosing quotes the reader left on it.
+    fn next_row(&mut self) -> Result<Option<(usize, Vec<&str>)>, TraceError> {
+        loop {
+            let start = self.reader.position().byte() as usize;
+            let line = self.line_of(start);
+            match self.reader.read_record(&mut self.record) {
+                Ok(true) => {}
+                Ok(false) => return Ok(None),
+                Err(e) => {
+                    return Err(TraceError::Csv {
+                        file: self.name.to_owned(),
+                        line,
+                        message: e.to_string(),
+                    })
+                }
+            }
+            // The csv crate closes a quote left open at the end of the input and takes a
+            // stray quote literally; either leaves an odd count in the row's raw text, and
+            // either would otherwise read as something the file does not say.
+            let end = self.reader.position().byte() as usize;
+            let raw = self.text.as_bytes().get(start..end).unwrap_or_default();
+            if raw.iter().filter(|&&b| b == b'"').count() % 2 == 1 {
+                return Err(TraceError::UnbalancedQuote {
+                    file: self.name.to_owned(),
+                    line,
+                });
+            }
+            // A line of spaces is a row of one blank field; empty lines the reader skips.
+            let blank = self.record.len() == 1 && self.record.iter().all(|f| f.trim().is_empty());
+            if !blank {
+                return Ok(Some((line, self.record.iter().map(clean).collect())));
+            }
+        }
+    }
+
+    /// The 1-based line on which a row read from byte `start` begins. The reader's own
+    /// position sits before the line ending of the previous row and any blank lines, so
+    /// those are skipped first; rows come in order, so the count goes on from the last call.
+    fn line_of(&mut self, start: usize) -> usize {
+        let bytes = self.text.as_bytes();
+        let mut at = start.min(bytes.len());
+        while matches!(bytes.get(at), Some(b'\r' | b'\n')) {
+            at += 1;
+        }
+        let from = self.counted_to.min(at);
+        self.line += bytes[from..at].iter().filter(|&&b| b == b'\n').count();
+        self.counted_to = at;
+        self.line
+    }
+}
+
 fn check_size(name: &str, len: u64) -> Result<(), TraceError> {
     if len > MAX_FILE_BYTES {
         return Err(TraceError::FileTooLarge {
@@ -327,8 +410,7 @@ fn check_line_length(name: &str, line: usize, text: &str) -> Result<(), TraceErr
 }
 
 /// The index of each required column (in [`Column::ALL`] order) in the header.
-fn find_columns(name: &str, line: usize, header: &str) -> Result<[usize; 3], TraceError> {
-    let names: Vec<&str> = header.split(',').map(clean).collect();
+fn find_columns(name: &str, line: usize, names: &[&str]) -> Result<[usize; 3], TraceError> {
     let mut indexes = [0; 3];
     for (slot, column) in indexes.iter_mut().zip(Column::ALL) {
         let mut matches = names
@@ -353,7 +435,8 @@ fn find_columns(name: &str, line: usize, header: &str) -> Result<[usize; 3], Tra
     Ok(indexes)
 }
 
-/// A field without surrounding spaces or one pair of enclosing double quotes.
+/// A field without surrounding spaces or one pair of enclosing double quotes. The csv crate
+/// unquotes a field only when the quote is its first byte, so ` "12" ` reaches here quoted.
 fn clean(field: &str) -> &str {
     let field = field.trim();
     field
@@ -738,6 +821,91 @@ mod tests {
     }
 
     #[test]
+    fn quoted_fields_may_hold_commas_quotes_and_line_breaks() {
+        let trace = parse(concat!(
+            "\"Note, free text\",TIMESTAMP,\"ContextTokens\",GeneratedTokens\r\n",
+            "\"a, b and \"\"c\"\"\",\"2023-01-01 00:00:00\",\"12\",3\r\n",
+            "\"two\r\nlines, \"\"quoted\"\"\",2023-01-01 00:00:01, \"5\" ,6\r\n",
+            "\"\",2023-01-01 00:00:02,7,8\r\n",
+        ));
+        let got: Vec<(f64, u32, u32, usize)> = trace
+            .rows
+            .iter()
+            .map(|r| (r.offset_ms, r.prompt_tokens, r.output_tokens, r.line))
+            .collect();
+        // The second row spans lines 3 and 4, so the third starts on line 5.
+        assert_eq!(got, [(0.0, 12, 3, 2), (1000.0, 5, 6, 3), (2000.0, 7, 8, 5)]);
+        // A quoted comma inside a required field is part of the value, not a separator.
+        let m = error(&format!("{HEADER}2023-01-01 00:00:00,\"1,000\",5\n"));
+        assert_eq!(
+            m,
+            "traces/x.csv:2: field ContextTokens: not a non-negative integer: \"1,000\""
+        );
+        // Errors after a row with line breaks name the true line.
+        let m = error(&format!(
+            "{}2023-01-01 00:00:00,1,1,\"a\n\nb\"\n2023-01-01 00:00:00,x,1\n",
+            "TIMESTAMP,ContextTokens,GeneratedTokens,Note\n"
+        ));
+        assert_eq!(
+            m,
+            "traces/x.csv:5: field ContextTokens: not a non-negative integer: \"x\""
+        );
+    }
+
+    #[test]
+    fn an_open_or_stray_quote_is_refused_with_its_line() {
+        let header = "TIMESTAMP,ContextTokens,GeneratedTokens,Note\n";
+        let want = |line: usize| {
+            format!(
+                "traces/x.csv:{line}: unbalanced double quote: a quoted field must be closed, \
+                 and a quote inside it written twice (\"\")"
+            )
+        };
+        // Left open, the note would swallow the two rows after it.
+        let m = error(&format!(
+            "{header}2023-01-01 00:00:00,1,1,ok\n\n2023-01-01 00:00:01,1,1,\"open\n\
+             2023-01-01 00:00:02,1,1,x\n2023-01-01 00:00:03,1,1,y\n"
+        ));
+        assert_eq!(m, want(4));
+        assert_eq!(
+            error(&format!("{header}2023-01-01 00:00:00,1,2\"\n")),
+            want(2)
+        );
+        assert_eq!(
+            error("TIMESTAMP,\"ContextTokens,GeneratedTokens\n"),
+            want(1)
+        );
+        assert_eq!(
+            error(&format!("{HEADER}2023-01-01 00:00:00,1,1\r\n\"2023")),
+            want(3)
+        );
+    }
+
+    #[test]
+    fn hostile_input_is_refused_without_panicking() {
+        // Only separators, only quotes, very many fields, control bytes, a lone CR.
+        for text in [
+            ",,,,,,,,\n,,,\n".to_string(),
+            "\"".repeat(4000),
+            format!("\"{}\"", "\"\"".repeat(2000)),
+            format!("{HEADER}{}\n", ",".repeat(4000)),
+            format!("{HEADER}2023-01-01 00:00:00,1,1\0\x07\n"),
+            format!("{HEADER}2023-01-01 00:00:00,1,1\r2023-01-01 00:00:01,2,2\r"),
+            "\r\n\r\n\r\n".to_string(),
+        ] {
+            let _ = parse_trace("traces/x.csv", &text);
+        }
+        let m = error(&format!("{HEADER}{}\n", ",".repeat(4000)));
+        assert_eq!(m, "traces/x.csv:2: field TIMESTAMP: empty");
+        // A whole file on one line is refused by length before the CSV reader buffers it.
+        let m = error(&format!("{HEADER}{}", "\"a,".repeat(100_000)));
+        assert_eq!(
+            m,
+            "traces/x.csv:2: line is longer than the limit of 4096 bytes"
+        );
+    }
+
+    #[test]
     fn huge_files_are_refused_before_reading() {
         // A sparse file: over the limit in length, no data on disk.
         let path = scratch("huge.csv");
@@ -811,5 +979,35 @@ mod tests {
         assert!((12..=14).contains(&p50_output), "p50 output {p50_output}");
         let max_output = trace.rows.iter().map(|r| r.output_tokens).max();
         assert_eq!(max_output, Some(1_899));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Any text, and CSV-like text after a valid header, gives rows or an error naming a
+        /// line of the file: never a panic.
+        #[test]
+        fn any_text_gives_rows_or_a_located_error(
+            body in "[0-9a-zA-Z:. ,\"\r\n-]{0,300}",
+            junk in proptest::prelude::any::<String>(),
+        ) {
+            for text in [format!("{HEADER}{body}"), junk] {
+                match parse_trace("t.csv", &text) {
+                    Ok(trace) => {
+                        let lines = text.split('\n').count();
+                        proptest::prop_assert!(trace.rows.iter().all(|r| (2..=lines).contains(&r.line)));
+                    }
+                    Err(e) => {
+                        let m = e.to_string();
+                        let line: usize = m
+                            .strip_prefix("t.csv:")
+                            .and_then(|r| r.split(':').next())
+                            .and_then(|n| n.parse().ok())
+                            .unwrap_or(0);
+                        proptest::prop_assert!(line >= 1 && line <= text.split('\n').count(), "{}", m);
+                    }
+                }
+            }
+        }
     }
 }
