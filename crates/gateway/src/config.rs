@@ -557,7 +557,7 @@ mod tests {
         let warnings = Config::deprecations(&old);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(
-            warnings[0].starts_with("pools[1].slots is deprecated")
+            warnings[0].starts_with("pools[1].max_in_flight is deprecated")
                 && warnings[0].ends_with("rename it to slots"),
             "{warnings:?}"
         );
