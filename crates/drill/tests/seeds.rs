@@ -245,11 +245,11 @@ fn batching_upstream_drill_agrees_with_the_simulator() {
 }
 
 /// Issue 14: two deadline classes on the production trace (`trace-azure-two-class`: the quarter
-/// of requests with the longest prompts is batch, 120 s). Its first 400 s at 2x load, live at a
-/// tenth of real time (about 5,400 requests in 40 s): with the forecast, the gate keeps every
-/// batch admission (none dropped after waiting); without it, batch requests are admitted and
-/// then dropped once interactive work overtook them. Each run agrees with the simulator's
-/// prediction for the same requests.
+/// of requests with the longest prompts is batch, 120 s). Its first 400 s at 2x load (about
+/// 5,400 requests), live at a quarter of real time: the gate keeps every batch admission (none
+/// is dropped after waiting), and the run agrees with the simulator's prediction for the same
+/// requests. Without the forecast the simulator drops batch requests in that window after
+/// they waited (checked here too, in the simulator only: the contrast costs no second drill).
 #[test]
 fn two_deadline_classes_keep_their_admissions_live_as_in_the_simulator() {
     if slackgate_testkit::production_trace(
@@ -261,34 +261,32 @@ fn two_deadline_classes_keep_their_admissions_live_as_in_the_simulator() {
     }
     let mut s = scenario("trace-azure-two-class.toml");
     s.duration_s = 400.0;
-    let batch = |d: &Drill| {
-        d.report.policies[0]
+    let batch = |rep: &slackgate_sim::report::Report| {
+        rep.policies[0]
             .classes
             .iter()
             .find(|(n, _)| n == "batch")
             .map(|(_, st)| st.clone())
             .unwrap()
     };
-    let (_s, with) = drill_with(s.clone(), 0.1, vec![Mode::On]);
-    sane(&with);
-    assert_agrees(&with, 0.15);
-    let mut off = s;
-    off.slackgate.forecast = false;
-    let (_s, without) = drill_with(off, 0.1, vec![Mode::On]);
-    sane(&without);
-    assert_agrees(&without, 0.15);
-    let (w, wo) = (batch(&with), batch(&without));
-    // The simulator: 0 dropped of 1,075 admitted with the forecast, 256 of 1,747 without.
-    assert!(w.dropped * 100 <= w.admitted, "with the forecast: {w:?}");
-    assert!(w.admitted_slo_attainment >= 0.99, "{w:?}");
+    let mut without = s.clone();
+    without.slackgate.forecast = false;
+    let (sim_without, _) =
+        slackgate_sim::simulate_with(&without, &["slackgate".into()], false).unwrap();
+    let wo = batch(&sim_without);
     assert!(
         wo.dropped * 10 >= wo.admitted,
         "without the forecast: {wo:?}"
     );
+    let (_s, d) = drill_with(s, 0.25, vec![Mode::On]);
+    sane(&d);
+    assert_agrees(&d, 0.15);
+    let w = batch(&d.report);
     assert!(
-        w.drop_latency_ms.p99 < wo.drop_latency_ms.p99.max(1),
-        "{w:?} {wo:?}"
+        w.dropped * 100 <= w.admitted,
+        "live, with the forecast: {w:?}"
     );
+    assert!(w.admitted_slo_attainment >= 0.99, "{w:?}");
 }
 
 #[test]

@@ -799,7 +799,7 @@ mod tests {
         let keep = std::env::var_os("CHART_EXAMPLE_DIR").map(std::path::PathBuf::from);
         let dir = keep.clone().unwrap_or_else(|| {
             std::env::temp_dir()
-                .join(format!("slackgate-chart-{}", std::process::id()))
+                .join(format!("slackgate-chart-files-{}", std::process::id()))
                 .join("nested")
         });
         for (stem, chart) in [

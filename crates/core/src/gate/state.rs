@@ -194,7 +194,7 @@ impl LaneState {
 
     /// The share by which a request's wait and service are padded before they are held to its
     /// deadline: the 90th percentile of the class's recent relative errors, within
-    /// [0, MAX_MARGIN] (0 until a handful completed, and for a frozen estimator, whose figures
+    /// [MIN_MARGIN, MAX_MARGIN] (0 until a handful completed, and for a frozen estimator, whose figures
     /// are the operator's). The median was tried first and left admitted interactive
     /// requests late or dropped in front of a real llama-server (BENCHMARKS.md).
     pub(super) fn margin(&self, learning: bool) -> f64 {
@@ -202,7 +202,7 @@ impl LaneState {
         if !learning || e.samples < CONFIRM_SAMPLES {
             return 0.0;
         }
-        e.p90.clamp(0.0, MAX_MARGIN)
+        e.p90.clamp(MIN_MARGIN, MAX_MARGIN)
     }
 
     /// Record a completion's actual service against the estimator's figure for it.
@@ -317,6 +317,11 @@ pub(super) const CORRECTION_RANGE: (f64, f64) = (0.5, 4.0);
 
 /// The largest margin a class's error pads its requests with.
 pub(super) const MAX_MARGIN: f64 = 0.5;
+/// The smallest, once a learning estimator has a record: the estimates of the work ahead are
+/// made again at dispatch with what was learned since, and a request admitted exactly at the
+/// edge of its slack is dropped by the first millisecond they move (seen in the simulator at
+/// noise 0: admitted with wait = slack, dropped 0.3 s and 2.3 s later).
+pub(super) const MIN_MARGIN: f64 = 0.01;
 
 /// Weight of one completion in a pool's recent mean concurrency (EWMA).
 pub(super) const CONCURRENCY_ALPHA: f64 = 0.1;
