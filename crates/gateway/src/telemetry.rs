@@ -147,7 +147,8 @@ pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
     ("shutdown", &["actor", "message"]),
 ];
 
-const DECISION_ADMITTED: [&str; 17] = concat_fields(
+/// What every decision line carries beside the job's fields: the figures it was decided on.
+const DECISION: [&str; 15] = concat_fields(
     JOB,
     [
         "queue_age_ms",
@@ -157,23 +158,10 @@ const DECISION_ADMITTED: [&str; 17] = concat_fields(
         "est_service_ms",
         "in_flight",
         "queued_ahead",
-        "tokens_held",
-        "displaced_job_id",
     ],
 );
-const DECISION_REJECTED: [&str; 16] = concat_fields(
-    JOB,
-    [
-        "queue_age_ms",
-        "deadline_slack_ms",
-        "projected_wait_ms",
-        "forecast_wait_ms",
-        "est_service_ms",
-        "in_flight",
-        "queued_ahead",
-        "status",
-    ],
-);
+const DECISION_ADMITTED: [&str; 17] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
+const DECISION_REJECTED: [&str; 16] = concat_fields(DECISION, ["status"]);
 const DISPATCH: [&str; 13] = concat_fields(
     JOB,
     [

@@ -157,29 +157,20 @@ fn the_fields_per_kind_are_the_documented_ones() {
 
 /// One slot; a request asking for 1000 tokens is estimated at 10 s, so one held on the stub
 /// keeps the slot busy and a 1 s interactive request behind it cannot fit.
-const CONFIG: &str = r#"
-default_class = "interactive"
-[server]
-tick_ms = 10
-trust_tenant_header = true
-[[pools]]
-name = "default"
-slots = 1
-upstream = "{UPSTREAM}"
-[pools.prior]
-overhead_ms = 5
-prefill_ms_per_token = 0
-decode_ms_per_token = 10
-learn = false
-[[classes]]
-name = "interactive"
-priority = 100
-deadline_ms = 5000
-[[classes]]
-name = "batch"
-priority = 10
-deadline_ms = 600000
-"#;
+fn config() -> String {
+    // The usual two classes, with a short interactive deadline, a batch deadline (so its
+    // lines carry slack) and tenants from a header.
+    two_class_config(
+        1,
+        5.0,
+        0.0,
+        10.0,
+        false,
+        "tick_ms = 10\ntrust_tenant_header = true",
+    )
+    .replace("deadline_ms = 30000", "deadline_ms = 5000")
+        + "deadline_ms = 600000\n"
+}
 
 /// The headers that fill every per-request field: a class label, a tenant, a key, an attempt.
 fn headers(class: &str, key: &str) -> Vec<(String, String)> {
@@ -220,7 +211,7 @@ async fn has_line(g: &TestGate, action: &str, reason: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_line_sets_exactly_its_documented_fields() {
     let stub = stub(4, "tokens:prefill_us=0,decode_us=1000").await;
-    let g = TestGate::start_admin(CONFIG, stub.local_addr(), "reference", Some(TOKEN)).await;
+    let g = TestGate::start_admin(&config(), stub.local_addr(), "reference", Some(TOKEN)).await;
     let stream = r#"{"model":"stub","stream":true,"messages":[{"role":"user","content":"hello"}],"max_tokens":8}"#;
 
     // admit, dispatch, complete: streamed, so the first token is timed.
@@ -277,7 +268,7 @@ async fn every_kind_of_line_sets_exactly_its_documented_fields() {
         200
     );
     // reload, applied and refused; shutdown.
-    let text = CONFIG.replace("{UPSTREAM}", &format!("http://{}", stub.local_addr()));
+    let text = config().replace("{UPSTREAM}", &format!("http://{}", stub.local_addr()));
     let cfg = slackgate_gateway::Config::from_toml(&text).unwrap();
     assert!(g.gate.shared().reload(cfg, "test").is_ok());
     g.gate.shared().reload_refused_text("a test", "test");
@@ -325,7 +316,7 @@ async fn every_kind_of_line_sets_exactly_its_documented_fields() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metric_families_are_the_documented_ones() {
     let stub = stub(1, "fixed:1ms").await;
-    let g = TestGate::start(CONFIG, stub.local_addr(), "reference-metrics").await;
+    let g = TestGate::start(&config(), stub.local_addr(), "reference-metrics").await;
     let text = g.metrics().await;
     // Every family has its TYPE line on every scrape, rows or not.
     let code: BTreeSet<String> = text

@@ -160,26 +160,21 @@ pub fn simulate_with(
         .iter_mut()
         .map(|p| engine::run(s, &arrivals, p.as_mut()))
         .collect();
-    let named = runs.iter().position(|r| r.policy == "clairvoyant");
-    let extra = match named {
-        None if with_reference => {
-            let mut p = build_policy(s, "clairvoyant")?;
-            Some(engine::run(s, &arrivals, p.as_mut()))
+    // A reference run: the named policy's own run if it was asked for, else one more run
+    // (unless references are off).
+    let extra_run = |name: &str| -> Result<Option<engine::RunResult>, SimError> {
+        if !with_reference || runs.iter().any(|r| r.policy == name) {
+            return Ok(None);
         }
-        _ => None,
+        let mut p = build_policy(s, name)?;
+        Ok(Some(engine::run(s, &arrivals, p.as_mut())))
     };
-    let reference = named.map(|i| &runs[i]).or(extra.as_ref());
+    let (extra, extra_firm) = (extra_run("clairvoyant")?, extra_run("clairvoyant-firm")?);
+    let find = |name: &str| runs.iter().find(|r| r.policy == name);
+    let reference = find("clairvoyant").or(extra.as_ref());
     // The reference that keeps every admission: what a gate whose admission is a promise
     // could have served, knowing the future.
-    let named_firm = runs.iter().position(|r| r.policy == "clairvoyant-firm");
-    let extra_firm = match named_firm {
-        None if with_reference => {
-            let mut p = build_policy(s, "clairvoyant-firm")?;
-            Some(engine::run(s, &arrivals, p.as_mut()))
-        }
-        _ => None,
-    };
-    let firm = named_firm.map(|i| &runs[i]).or(extra_firm.as_ref());
+    let firm = find("clairvoyant-firm").or(extra_firm.as_ref());
     // Every run saw the same requests: any of them gives their windows and sizes.
     let requests = runs
         .first()

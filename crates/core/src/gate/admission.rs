@@ -188,18 +188,9 @@ impl Gate {
             o.bypass_ledger = true;
             return ControlFlow::Continue(o);
         }
-        let e = &o.eval;
+        let (after, retry) = self.refusal_retry(&o, reason);
         let mut d = o.d;
         d.reason = reason;
-        let (after, retry) = self.retry_after(
-            d.job_id,
-            reason,
-            e.wait,
-            e.slack_ms,
-            e.count_ahead,
-            o.primary_pool,
-            e.hopeless && e.sure,
-        );
         d.retry_after_ms = Some(after);
         d.should_retry = retry;
         ControlFlow::Break(d)
@@ -234,7 +225,11 @@ impl Gate {
             return;
         }
         if o.shadow {
-            o.verdict = Err(Reason::OverflowRouted);
+            // Reported as the route it would have taken; but the pool's hard queue cap is
+            // enforced in shadow mode too, and then the refusal is the cap's.
+            if !o.eval.hard_cap {
+                o.verdict = Err(Reason::OverflowRouted);
+            }
             return;
         }
         o.lane = overflow_lane;
@@ -410,6 +405,7 @@ impl Gate {
     /// Refuse with a reason: record it under a client's key (a retry may follow; a generated
     /// key holds nothing and can never be replayed), and say when a retry could fit.
     fn refuse(&mut self, o: Offer, reason: Reason) -> Decision {
+        let (after, retry) = self.refusal_retry(&o, reason);
         let mut d = o.d;
         let req = &o.req;
         d.reason = reason;
@@ -428,21 +424,26 @@ impl Gate {
                 self.ledger_out.push(r);
             }
         }
-        let e = &o.eval;
-        let (after, retry) = self.retry_after(
-            d.job_id,
-            reason,
-            e.wait,
-            e.slack_ms,
-            e.count_ahead,
-            o.primary_pool,
-            e.hopeless && e.sure,
-        );
         d.retry_after_ms = Some(after);
         // With an absolute deadline the slack shrinks exactly as fast as the queue drains:
         // the same request retried later can never fit.
         let absolute_miss = req.deadline_is_absolute && reason == Reason::ProjectedWaitExceedsSlack;
         d.should_retry = retry && !absolute_miss;
         d
+    }
+
+    /// Retry-After and whether a retry can help, for refusing `o` with `reason`: about its
+    /// class's own pool, from the wait (forecast included) it was refused on.
+    fn refusal_retry(&self, o: &Offer, reason: Reason) -> (u64, bool) {
+        let e = &o.eval;
+        self.retry_after(
+            o.d.job_id,
+            reason,
+            e.wait,
+            e.slack_ms,
+            e.count_ahead,
+            o.primary_pool,
+            e.hopeless && e.sure,
+        )
     }
 }
