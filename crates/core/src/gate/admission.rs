@@ -38,9 +38,9 @@ struct Offer {
     verdict: Result<Reason, Reason>,
     /// A queued job it takes the place of, removed once it is queued.
     victim: Option<JobId>,
-    /// Its wait and count ahead before a displacement made room (restored if it is refused
-    /// after all).
-    refused_wait: (u64, u32),
+    /// Its wait, the wait's forecast part and its count ahead before a displacement made
+    /// room (restored if it is refused after all), on the lane it would queue on.
+    refused_wait: (u64, u64, u32),
 }
 
 impl Gate {
@@ -137,7 +137,7 @@ impl Gate {
             lane: class,
             primary_pool: e.pool,
             expected_output,
-            refused_wait: (e.wait, e.count_ahead),
+            refused_wait: (e.wait, e.forecast_ms, e.count_ahead),
             eval: e,
             d,
             hold_tokens,
@@ -243,6 +243,7 @@ impl Gate {
         d.in_flight = e.in_flight;
         d.queued_ahead = e.count_ahead;
         d.deadline = e.deadline;
+        o.refused_wait = (e.wait, e.forecast_ms, e.count_ahead);
         o.eval = e;
         o.verdict = Ok(Reason::OverflowRouted);
     }
@@ -396,7 +397,7 @@ impl Gate {
                 d.action = Action::Reject;
                 d.reason = Reason::RejectDuplicate;
                 d.ledger = Some(rej);
-                (d.projected_wait_ms, d.queued_ahead) = o.refused_wait;
+                (d.projected_wait_ms, d.forecast_wait_ms, d.queued_ahead) = o.refused_wait;
                 ControlFlow::Break(d)
             }
         }
@@ -409,7 +410,10 @@ impl Gate {
         let mut d = o.d;
         let req = &o.req;
         d.reason = reason;
-        if reason.is_capacity() && !o.req.reservation {
+        // Demand for a slot the request could have used: not a reservation (its worker holds
+        // no place in the queue), not one too big for its deadline even alone (it could never
+        // take a slot), and once per key (a retry is the same demand again).
+        if reason.is_capacity() && !o.req.reservation && !o.eval.hopeless && o.req.attempt == 0 {
             let width = self.pools[o.eval.pool.0].forecast_bucket_ms;
             self.classes[o.lane.0]
                 .refused

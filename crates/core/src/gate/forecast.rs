@@ -28,16 +28,18 @@ use super::*;
 
 /// Buckets in a demand window.
 pub(super) const FORECAST_BUCKETS: usize = 12;
+/// Buckets kept: the window's, plus the one it is sliding out of (the window starts inside it).
+const RING: usize = FORECAST_BUCKETS + 1;
 /// The higher-priority share counted at most: at 1 the lower class would never start, and
 /// its wait would be infinite; this caps the inflation at 1 / (1 - 0.98) = 50x.
 pub(super) const MAX_RHO: f64 = 0.98;
 
 /// Estimated work (ms) recorded per bucket of `bucket_ms` over the last [`FORECAST_BUCKETS`]
-/// buckets, in a ring aligned on multiples of `bucket_ms`: O(1) to record and to read one
-/// bucket.
+/// buckets and the one before, in a ring aligned on multiples of `bucket_ms`: O(1) to record
+/// and to read one bucket.
 #[derive(Clone, Debug, Default)]
 pub(super) struct RateWindow {
-    buckets: [u64; FORECAST_BUCKETS],
+    buckets: [u64; RING],
     bucket_ms: u64,
     /// Index of the bucket that `head_start` opens.
     head: usize,
@@ -63,11 +65,11 @@ impl RateWindow {
         let start = now - now % bucket_ms;
         if start > self.head_start {
             let steps = (start - self.head_start) / bucket_ms;
-            if steps >= FORECAST_BUCKETS as u64 {
-                self.buckets = [0; FORECAST_BUCKETS];
+            if steps >= RING as u64 {
+                self.buckets = [0; RING];
             } else {
                 for _ in 0..steps {
-                    self.head = (self.head + 1) % FORECAST_BUCKETS;
+                    self.head = (self.head + 1) % RING;
                     self.buckets[self.head] = 0;
                 }
             }
@@ -84,10 +86,16 @@ impl RateWindow {
             return 0;
         }
         let back = (self.head_start - start) / bucket_ms;
-        if back >= FORECAST_BUCKETS as u64 {
+        if back >= RING as u64 {
             return 0;
         }
-        self.buckets[(self.head + FORECAST_BUCKETS - back as usize) % FORECAST_BUCKETS]
+        self.buckets[(self.head + RING - back as usize) % RING]
+    }
+
+    /// When work was first recorded in buckets of `bucket_ms` (`None`: never, or in another
+    /// width, which is no history for this one).
+    fn since(&self, bucket_ms: u64) -> Option<Millis> {
+        self.since.filter(|_| self.bucket_ms == bucket_ms)
     }
 }
 
@@ -112,47 +120,57 @@ impl Gate {
         (base_wait as f64 * rho / (1.0 - rho)).round().min(1e15) as u64
     }
 
-    /// The share of `pool`'s slots that classes above `priority` recently asked for, each
-    /// bucket capped at what the slots serve in it (see the module docs).
+    /// The share of `pool`'s slots that classes above `priority` asked for over the window
+    /// ending at `now`: each bucket's demand capped at what the slots serve in a bucket, the
+    /// bucket the window starts inside weighted by the part of it inside, over the window's
+    /// length (or the time since the first record, if shorter: a fresh gate is not diluted by
+    /// a window of nothing; at least a quarter bucket). See the module docs.
     pub(super) fn higher_demand(&self, now: Millis, pool: PoolId, priority: u32) -> f64 {
         let p = &self.pools[pool.0];
         let width = p.forecast_bucket_ms.max(1);
-        // Lanes are ordered highest priority first.
+        // Lanes are ordered highest priority first; a lane retired by a reload takes no new
+        // work, so its history says nothing of what will arrive.
         let higher = || {
             p.classes
                 .iter()
                 .map(|l| &self.classes[l.0])
                 .take_while(move |l| l.priority > priority)
+                .filter(|l| !l.retired)
         };
         let Some(since) = higher()
-            .flat_map(|l| [l.admitted.since, l.refused.since])
+            .flat_map(|l| [l.admitted.since(width), l.refused.since(width)])
             .flatten()
             .min()
         else {
             return 0.0;
         };
-        let capacity = f64::from(p.slots.max(1)) * width as f64;
+        let slots = f64::from(p.slots.max(1));
+        let capacity = slots * width as f64;
         let newest = now - now % width;
-        let (mut served, mut buckets) = (0.0, 0u32);
-        for back in 0..FORECAST_BUCKETS as u64 {
+        let into = now - newest;
+        let mut served = 0.0;
+        for back in 0..RING as u64 {
             let Some(start) = newest.checked_sub(back * width) else {
                 break;
             };
             if start.saturating_add(width) <= since {
                 break;
             }
+            let inside = if back == FORECAST_BUCKETS as u64 {
+                (width - into) as f64 / width as f64
+            } else {
+                1.0
+            };
             let asked: f64 = higher()
                 .map(|l| {
                     l.admitted.at(start, width) as f64
                         + p.forecast_refused_weight * l.refused.at(start, width) as f64
                 })
                 .sum();
-            served += asked.min(capacity);
-            buckets += 1;
+            served += inside * asked.min(capacity);
         }
-        if buckets == 0 {
-            return 0.0;
-        }
-        served / (capacity * f64::from(buckets))
+        let window = width.saturating_mul(FORECAST_BUCKETS as u64);
+        let span = window.min(now.saturating_sub(since)).max(width / 4).max(1);
+        served / (slots * span as f64)
     }
 }

@@ -90,13 +90,14 @@ fn steady_stream(g: &mut Gate) -> JobId {
 fn a_batch_request_lets_a_steady_interactive_stream_pass() {
     let mut g = two_class(1.0, true);
     steady_stream(&mut g);
-    // At 12.5 s the job started at 12 s has 500 ms left: the base wait. The last 12 buckets
-    // (starts 1 s .. 12 s) hold 1000 ms of admitted interactive work in the six even ones:
-    // rho = 6000 / 12000 = 0.5, so the wait is 500 / (1 - 0.5) = 1000, 500 of it forecast.
+    // At 12.5 s the job started at 12 s has 500 ms left: the base wait. The 12 s window
+    // (0.5 s .. 12.5 s) holds the jobs of 2, 4, ..., 12 s (1000 ms each) and half of the
+    // bucket of 0 s (its job counts for 500): rho = 6500 / 12000, and the forecast part of the
+    // wait is 500 x rho / (1 - rho) = 500 x 6500 / 5500 = 590.9 -> 591.
     let d = offer(&mut g, 12_500, "batch");
     assert_eq!(d.action, Action::Admit);
-    assert_eq!(d.forecast_wait_ms, 500);
-    assert_eq!(d.projected_wait_ms, 1_000);
+    assert_eq!(d.forecast_wait_ms, 591);
+    assert_eq!(d.projected_wait_ms, 1_091);
 }
 
 #[test]
@@ -114,13 +115,13 @@ fn the_forecast_decays_when_the_stream_stops() {
     let last = steady_stream(&mut g);
     done(&mut g, 13_000, last);
     // At 20 s a batch job takes the free slot (no wait, no forecast: nothing overtakes a job
-    // that is running). Another batch request then waits 1000 ms for it. The window (starts
-    // 9 s .. 20 s) still holds the interactive work of 10 s and 12 s: rho = 2000 / 12000,
-    // forecast = 1000 x (1/6) / (5/6) = 200.
+    // that is running). Another batch request then waits 1000 ms for it. The window (8 s ..
+    // 20 s) still holds the interactive work of 8, 10 and 12 s: rho = 3000 / 12000, forecast
+    // = 1000 x (1/4) / (3/4) = 333.
     let first = offer(&mut g, 20_000, "batch");
     assert_eq!((first.projected_wait_ms, first.forecast_wait_ms), (0, 0));
     let d = offer(&mut g, 20_000, "batch");
-    assert_eq!(d.forecast_wait_ms, 200);
+    assert_eq!(d.forecast_wait_ms, 333);
     // By 25 s the last interactive bucket (12 s) has left the window: no forecast.
     done(&mut g, 21_000, first.job_id);
     done(&mut g, 22_000, d.job_id);
@@ -134,7 +135,9 @@ fn the_forecast_decays_when_the_stream_stops() {
 fn a_flooded_bucket_counts_as_the_whole_slot() {
     // 30 interactive requests at once: slack 10000 - 1000 = 9000 lets waits 0, 1000, ...,
     // 9000 in (10 jobs) and refuses 20. Bucket [0, 1 s) asks 10 s of work (admitted alone)
-    // of a slot that serves 1 s in it: capped, the class takes the whole slot (rho = 1).
+    // of a slot that serves 1 s in it: capped at 1000 ms, over the half second seen so far
+    // (a fresh gate is not diluted by a window of nothing), the class takes the whole slot
+    // and more (rho = 2, counted as 0.98).
     for weight in [0.0, 1.0] {
         let mut g = two_class(weight, true);
         let refused = (0..30)
@@ -142,7 +145,7 @@ fn a_flooded_bucket_counts_as_the_whole_slot() {
             .count();
         assert_eq!(refused, 20);
         let rho = g.higher_demand(500, PoolId(0), 10);
-        assert!((rho - 1.0).abs() < 1e-9, "{rho}");
+        assert!((rho - 2.0).abs() < 1e-9, "{rho}");
         // A batch request behind 9.5 s of interactive work: the wait is inflated by the
         // largest factor there is, 1 / (1 - 0.98) = 50, and it is refused at once, with a
         // Retry-After from the same forecast (far beyond a minute).
@@ -175,7 +178,8 @@ fn refused_work_is_what_tells_a_saturated_class_from_a_light_one() {
             assert_eq!(admitted.len(), 1);
             done(&mut g, t + 1_000, admitted[0]);
         }
-        rho.push(g.higher_demand(11_999, PoolId(0), 10));
+        // At 12 s the window (0 .. 12 s) holds the six buckets of 2 s seen.
+        rho.push(g.higher_demand(12_000, PoolId(0), 10));
     }
     assert!((rho[0] - 0.5).abs() < 1e-9, "admitted only: {}", rho[0]);
     assert!((rho[1] - 1.0).abs() < 1e-9, "with refusals: {}", rho[1]);
@@ -189,10 +193,11 @@ fn rate_window_buckets_roll_and_clear() {
     w.record(1_000, 7, 1_000);
     assert_eq!(w.at(0, 1_000), 150);
     assert_eq!(w.at(1_000, 1_000), 7);
-    // Eleven buckets on, bucket 0 is the oldest still kept; twelve on, it is gone.
-    w.record(11_000, 1, 1_000);
-    assert_eq!(w.at(0, 1_000), 150);
+    // Twelve buckets on, bucket 0 is the oldest still kept (the window starts inside it);
+    // thirteen on, it is gone.
     w.record(12_000, 1, 1_000);
+    assert_eq!(w.at(0, 1_000), 150);
+    w.record(13_000, 1, 1_000);
     assert_eq!(w.at(0, 1_000), 0);
     assert_eq!(w.at(1_000, 1_000), 7);
     // A long silence clears everything; a new width starts again.
@@ -202,4 +207,28 @@ fn rate_window_buckets_roll_and_clear() {
     w.record(1_000_000, 5, 2_000);
     assert_eq!(w.at(1_000_000, 1_000), 0);
     assert_eq!(w.at(1_000_000, 2_000), 5);
+}
+
+#[test]
+fn a_reload_that_changes_the_window_starts_its_history_again() {
+    let mut g = two_class(1.0, true);
+    steady_stream(&mut g);
+    let mut cfg = g.config().clone();
+    assert_eq!(cfg.pools.len(), 1);
+    cfg.pools[0].forecast_window_ms = 24_000;
+    g.reconfigure(12_100, cfg).unwrap();
+    // Buckets of 1 s are no history for buckets of 2 s: nothing to forecast from (not a
+    // window of 12 buckets of 2 s holding one bucket of work, which would read as a light
+    // class for the next 24 s).
+    let d = offer(&mut g, 12_500, "batch");
+    assert_eq!((d.projected_wait_ms, d.forecast_wait_ms), (500, 0));
+    // The next interactive admission starts the new history. At 13.5 s: 1000 ms asked, seen
+    // for 0.1 s, over at least a quarter bucket (0.5 s): rho = 2, counted as 0.98. The base
+    // wait of a batch request is the batch job running since 13 s (500 ms left) and the
+    // interactive job queued ahead of it (1000): 1500 x 0.98 / 0.02 = 73500.
+    done(&mut g, 13_000, JobId(7));
+    let i = offer(&mut g, 13_400, "inter");
+    assert_eq!(i.action, Action::Admit);
+    let d = offer(&mut g, 13_500, "batch");
+    assert_eq!(d.forecast_wait_ms, 73_500);
 }
