@@ -105,7 +105,7 @@ impl Default for PoolConfig {
             prior: PriorConfig::default(),
             upstream: None,
             forecast_window_ms: 300_000,
-            forecast_refused_weight: 1.0,
+            forecast_refused_weight: 0.5,
         }
     }
 }

@@ -256,7 +256,7 @@ fn false_rejections_are_bounded_by_what_revocation_buys() {
         // slackgate keeps every admission and serves about as many on time as a clairvoyant
         // that keeps every admission: more on seed 000; on the trace at 2x, the forecast of
         // interactive work that refuses batch requests at arrival (instead of dropping them
-        // after a minute) costs 1.7% of that (4,416 against 4,492; docs/simulator.md).
+        // after a minute) costs 0.7% of that (4,460 against 4,492; BENCHMARKS.md).
         assert!(
             ours.on_time as f64 >= 0.97 * firm.on_time as f64,
             "{file}: {} < 0.97 x {}",
