@@ -19,7 +19,10 @@ if [ -z "${SLACKGATE_BIN:-}" ]; then
     # cargo decides what (if anything) to rebuild, and waits if another build holds the lock.
     echo "test-python: cargo build --release -p slackgate"
     cargo build --release -p slackgate --locked --quiet
-    export SLACKGATE_BIN="$root/target/release/slackgate"
+    # Where cargo put it: CARGO_TARGET_DIR when set (relative to the checkout), else target/.
+    target_dir="${CARGO_TARGET_DIR:-target}"
+    case "$target_dir" in /*) ;; *) target_dir="$root/$target_dir" ;; esac
+    export SLACKGATE_BIN="$target_dir/release/slackgate"
 fi
 
 echo "test-python: $("$venv_python" -c 'import openai, sys; print(f"python {sys.version.split()[0]}, openai {openai.__version__}")'), binary $SLACKGATE_BIN"
