@@ -28,7 +28,7 @@ impl Gate {
         if longest <= e.own_service_ms {
             return None;
         }
-        let (priority, forecast) = (c.priority, c.forecast);
+        let priority = c.priority;
         let (work, count, _) = self.ahead(e.pool, priority);
         let wait = self.projected_wait(
             e.pool,
@@ -36,11 +36,7 @@ impl Gate {
             work.saturating_sub(longest),
             count.saturating_sub(1),
         );
-        let forecast = if forecast {
-            self.forecast_wait(now, e.pool, priority, wait)
-        } else {
-            0
-        };
+        let forecast = self.forecast_wait(now, lane, wait);
         let wait = wait.saturating_add(forecast);
         (i128::from(wait) <= i128::from(slack)).then_some((id, wait, forecast))
     }

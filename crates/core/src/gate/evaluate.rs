@@ -59,11 +59,7 @@ impl Gate {
         // Its own service, sharing the server as it likely will.
         let home = &self.classes[self.home(lane).0];
         let sharing = p.expected_sharing(base_wait, count_ahead, home.recent_others_prefill);
-        let forecast_ms = if c.forecast {
-            self.forecast_wait(now, pool, c.priority, base_wait)
-        } else {
-            0
-        };
+        let forecast_ms = self.forecast_wait(now, lane, base_wait);
         let wait = base_wait.saturating_add(forecast_ms);
         let factor = home.correction();
         let model_est = p

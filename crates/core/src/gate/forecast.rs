@@ -55,14 +55,14 @@ impl RateWindow {
     /// starts the window again).
     pub(super) fn record(&mut self, now: Millis, work_ms: u64, bucket_ms: u64) {
         let bucket_ms = bucket_ms.max(1);
+        let start = now - now % bucket_ms;
         if bucket_ms != self.bucket_ms {
             *self = RateWindow {
                 bucket_ms,
-                head_start: now - now % bucket_ms,
+                head_start: start,
                 ..RateWindow::default()
             };
         }
-        let start = now - now % bucket_ms;
         if start > self.head_start {
             let steps = (start - self.head_start) / bucket_ms;
             if steps >= RING as u64 {
@@ -100,20 +100,15 @@ impl RateWindow {
 }
 
 impl Gate {
-    /// The part of a `priority` request's wait on `pool` that higher-priority arrivals will
-    /// add while it waits `base_wait`: `base_wait * rho / (1 - rho)`, `rho` the higher
-    /// classes' share of the pool (see the module docs).
-    pub(super) fn forecast_wait(
-        &self,
-        now: Millis,
-        pool: PoolId,
-        priority: u32,
-        base_wait: u64,
-    ) -> u64 {
-        if base_wait == 0 {
+    /// The part of the wait of a request on `lane` that higher-priority arrivals will add
+    /// while it waits `base_wait`: `base_wait * rho / (1 - rho)`, `rho` the higher classes'
+    /// share of the lane's pool (see the module docs); 0 for a lane without `forecast`.
+    pub(super) fn forecast_wait(&self, now: Millis, lane: LaneId, base_wait: u64) -> u64 {
+        let l = &self.classes[lane.0];
+        if base_wait == 0 || !l.forecast {
             return 0;
         }
-        let rho = self.higher_demand(now, pool, priority).min(MAX_RHO);
+        let rho = self.higher_demand(now, l.pool, l.priority).min(MAX_RHO);
         if rho <= 0.0 {
             return 0;
         }
