@@ -93,6 +93,322 @@ pub struct PoolConfig {
     /// The share of a higher class's refused work (refused for want of capacity) counted as
     /// demand in the forecast, beside all of its admitted work.
     pub forecast_refused_weight: f64,
+    /// Several servers behind the pool, each with its own slots, in place of one `upstream`:
+    /// the pool's capacity is the sum of its healthy endpoints' slots, and each dispatched
+    /// request goes to the endpoint that can start it soonest. Empty: one endpoint, the
+    /// pool's `upstream` with the pool's `slots`.
+    pub endpoints: Vec<EndpointConfig>,
+    /// Credentials the gateway sends upstream (a provider's API key). The core ignores it.
+    pub auth: AuthConfig,
+    /// TLS for `https://` upstreams. The core ignores it.
+    pub tls: TlsConfig,
+    /// How the gateway checks endpoints, ejects failing ones and readmits them.
+    pub health: HealthConfig,
+    /// Read the server's own queue from its metrics endpoint (off when absent): work the gate
+    /// did not send counts in the projected wait.
+    pub server_metrics: Option<ServerMetricsConfig>,
+}
+
+/// One server of a pool.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// Name in logs, metrics and the admin API (default: `e0`, `e1`, ... by position).
+    #[serde(default)]
+    pub name: String,
+    /// Base URL (`http://10.0.0.7:8080`, `https://api.openai.com/v1`).
+    pub url: String,
+    /// Requests sent to this endpoint at once (vLLM's `max_num_seqs`, llama.cpp's `-np`).
+    pub slots: u32,
+}
+
+/// Upstream credentials of a pool: at most one of `api_key_env` and `api_key_file`. The key
+/// is sent as `authorization: Bearer KEY` (or as the bare key in any other `header`, e.g.
+/// Azure's `api-key`), never logged.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Environment variable holding the key.
+    pub api_key_env: Option<String>,
+    /// File holding the key (surrounding whitespace is trimmed), read at start and reload.
+    pub api_key_file: Option<String>,
+    /// Header carrying the key (default `authorization`, as `Bearer KEY`).
+    pub header: Option<String>,
+    /// Send the client's own `Authorization` upstream. Without a pool key it always is; with
+    /// one, the client's header wins when this is true and the pool's key replaces it when
+    /// false (the default).
+    pub pass_client_authorization: bool,
+}
+
+/// TLS settings for a pool's `https://` endpoints.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// PEM file of extra root certificates (a private CA), trusted beside the system's.
+    pub ca_file: Option<String>,
+    /// Trust the system's root certificates (default true).
+    pub system_roots: bool,
+}
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        TlsConfig {
+            ca_file: None,
+            system_roots: true,
+        }
+    }
+}
+
+/// Endpoint health: passive (failed requests) and active (a probe on a timer).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Path probed with a GET (a 2xx is healthy).
+    pub path: String,
+    /// How often every endpoint is probed, in milliseconds (0: no active probes; an
+    /// ejected endpoint is then probed at 1 s).
+    pub interval_ms: u64,
+    /// Consecutive failures (connection refused or reset, 5xx, a failed probe) that eject
+    /// an endpoint; one successful probe readmits it.
+    pub eject_after: u32,
+    /// Probe timeout in milliseconds.
+    pub timeout_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            path: "/v1/models".into(),
+            interval_ms: 5_000,
+            eject_after: 3,
+            timeout_ms: 2_000,
+        }
+    }
+}
+
+/// Which server a pool's metrics come from: the names of its running and waiting gauges.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServerKind {
+    /// llama.cpp's `llama-server --metrics`.
+    Llamacpp,
+    /// vLLM.
+    Vllm,
+    /// Hugging Face text-generation-inference.
+    Tgi,
+    /// SGLang.
+    Sglang,
+    /// Any server: give `running` and `waiting`.
+    Custom,
+}
+
+impl ServerKind {
+    /// The built-in (running, waiting) gauge names; `None` for `custom`.
+    pub fn gauges(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            ServerKind::Llamacpp => {
+                Some(("llamacpp:requests_processing", "llamacpp:requests_deferred"))
+            }
+            ServerKind::Vllm => Some(("vllm:num_requests_running", "vllm:num_requests_waiting")),
+            ServerKind::Tgi => Some(("tgi_batch_current_size", "tgi_queue_size")),
+            ServerKind::Sglang => Some(("sglang:num_running_reqs", "sglang:num_queue_reqs")),
+            ServerKind::Custom => None,
+        }
+    }
+}
+
+/// Scraping a server's own queue (`[pools.server_metrics]`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServerMetricsConfig {
+    /// The server, for its gauge names.
+    pub kind: ServerKind,
+    /// Path of its Prometheus text endpoint (default `/metrics`).
+    #[serde(default = "default_metrics_path")]
+    pub path: String,
+    /// Scrape interval in milliseconds (default 1000).
+    #[serde(default = "default_metrics_interval")]
+    pub interval_ms: u64,
+    /// A reading older than this is stale and ignored: the gate falls back to its own view
+    /// (default 5000).
+    #[serde(default = "default_metrics_stale")]
+    pub stale_ms: u64,
+    /// Gauge of requests running (overrides the kind's; required for `custom`). Series of
+    /// the same name are summed over their labels.
+    pub running: Option<String>,
+    /// Gauge of requests waiting in the server's queue (as `running`).
+    pub waiting: Option<String>,
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+fn default_metrics_interval() -> u64 {
+    1_000
+}
+fn default_metrics_stale() -> u64 {
+    5_000
+}
+
+impl ServerMetricsConfig {
+    /// The (running, waiting) gauge names in force.
+    pub fn gauges(&self) -> Option<(String, String)> {
+        let builtin = self.kind.gauges();
+        let running = self
+            .running
+            .clone()
+            .or_else(|| builtin.map(|b| b.0.to_string()))?;
+        let waiting = self
+            .waiting
+            .clone()
+            .or_else(|| builtin.map(|b| b.1.to_string()))?;
+        Some((running, waiting))
+    }
+}
+
+impl PoolConfig {
+    /// The endpoints in force: the configured ones (unnamed ones named by position), or the
+    /// pool's `upstream` and `slots` as a single endpoint `e0` (none without an upstream).
+    pub fn endpoint_list(&self) -> Vec<EndpointConfig> {
+        if self.endpoints.is_empty() {
+            return self
+                .upstream
+                .iter()
+                .map(|u| EndpointConfig {
+                    name: "e0".into(),
+                    url: u.clone(),
+                    slots: self.slots,
+                })
+                .collect();
+        }
+        self.endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| EndpointConfig {
+                name: if e.name.trim().is_empty() {
+                    format!("e{i}")
+                } else {
+                    e.name.clone()
+                },
+                ..e.clone()
+            })
+            .collect()
+    }
+
+    /// Check the endpoints, credentials, health and metrics settings; `at` names a field.
+    fn validate_endpoints(&self, at: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
+        if !self.endpoints.is_empty() && self.upstream.is_some() {
+            return Err(ConfigError::new(
+                at("endpoints"),
+                "give either `upstream` (one server) or `endpoints`, not both",
+            ));
+        }
+        if self.endpoints.len() > 256 {
+            return Err(ConfigError::new(at("endpoints"), "at most 256 endpoints"));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut total = 0u64;
+        for (j, e) in self.endpoint_list().iter().enumerate() {
+            let f = |k: &str| at(&format!("endpoints[{j}].{k}"));
+            if e.url.trim().is_empty() {
+                return Err(ConfigError::new(f("url"), "must not be empty"));
+            }
+            if e.slots == 0 || e.slots > 100_000 {
+                return Err(ConfigError::new(f("slots"), "must be between 1 and 100000"));
+            }
+            if !names.insert(e.name.clone()) {
+                return Err(ConfigError::new(
+                    f("name"),
+                    format!("duplicate endpoint name {:?}", e.name),
+                ));
+            }
+            total += u64::from(e.slots);
+        }
+        if total > 100_000 {
+            return Err(ConfigError::new(
+                at("endpoints"),
+                "the endpoints' slots add up to more than 100000",
+            ));
+        }
+        if self.auth.api_key_env.is_some() && self.auth.api_key_file.is_some() {
+            return Err(ConfigError::new(
+                at("auth"),
+                "give at most one of api_key_env and api_key_file",
+            ));
+        }
+        if let Some(h) = &self.auth.header {
+            let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+            if h.is_empty() || !h.chars().all(token) {
+                return Err(ConfigError::new(
+                    at("auth.header"),
+                    format!("{h:?} is not an HTTP header name"),
+                ));
+            }
+        }
+        let hc = &self.health;
+        if !hc.path.starts_with('/') || hc.path.len() > 1024 {
+            return Err(ConfigError::new(
+                at("health.path"),
+                "must be a path starting with /",
+            ));
+        }
+        if hc.eject_after == 0 {
+            return Err(ConfigError::new(
+                at("health.eject_after"),
+                "must be at least 1",
+            ));
+        }
+        if hc.interval_ms > MAX_CONFIG_MS || (hc.interval_ms != 0 && hc.interval_ms < 100) {
+            return Err(ConfigError::new(
+                at("health.interval_ms"),
+                "must be 0 (no probes) or between 100 and 86400000",
+            ));
+        }
+        if !(1..=60_000).contains(&hc.timeout_ms) {
+            return Err(ConfigError::new(
+                at("health.timeout_ms"),
+                "must be between 1 and 60000",
+            ));
+        }
+        if let Some(m) = &self.server_metrics {
+            if !m.path.starts_with('/') || m.path.len() > 1024 {
+                return Err(ConfigError::new(
+                    at("server_metrics.path"),
+                    "must be a path starting with /",
+                ));
+            }
+            if !(100..=3_600_000).contains(&m.interval_ms) {
+                return Err(ConfigError::new(
+                    at("server_metrics.interval_ms"),
+                    "must be between 100 and 3600000",
+                ));
+            }
+            if m.stale_ms < m.interval_ms || m.stale_ms > MAX_CONFIG_MS {
+                return Err(ConfigError::new(
+                    at("server_metrics.stale_ms"),
+                    "must be at least interval_ms and at most 86400000",
+                ));
+            }
+            if m.gauges().is_none() {
+                return Err(ConfigError::new(
+                    at("server_metrics"),
+                    "kind = \"custom\" needs both `running` and `waiting` gauge names",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The pool's slots: the sum of its endpoints' when it lists them.
+    pub fn total_slots(&self) -> u32 {
+        if self.endpoints.is_empty() {
+            self.slots
+        } else {
+            self.endpoints
+                .iter()
+                .fold(0u32, |a, e| a.saturating_add(e.slots))
+        }
+    }
 }
 
 impl Default for PoolConfig {
@@ -106,6 +422,11 @@ impl Default for PoolConfig {
             upstream: None,
             forecast_window_ms: 300_000,
             forecast_refused_weight: 0.5,
+            endpoints: Vec::new(),
+            auth: AuthConfig::default(),
+            tls: TlsConfig::default(),
+            health: HealthConfig::default(),
+            server_metrics: None,
         }
     }
 }
@@ -323,6 +644,7 @@ impl GateConfig {
             if p.max_queued == 0 {
                 return Err(ConfigError::new(at("max_queued"), "must be at least 1"));
             }
+            p.validate_endpoints(&at)?;
             if !(1_000..=86_400_000).contains(&p.forecast_window_ms) {
                 return Err(ConfigError::new(
                     at("forecast_window_ms"),
