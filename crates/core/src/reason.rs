@@ -50,7 +50,8 @@ pub enum Reason {
     InvalidDeadline,
     /// A well-formed body with a missing or invalid field (reservation API).
     InvalidRequest,
-    /// The upstream refused the connection or could not be reached.
+    /// The upstream refused the connection or could not be reached; at admission, every
+    /// endpoint of the pool is ejected or drained (a capacity refusal: another pool can help).
     UpstreamUnavailable,
     /// The upstream stayed silent past the request's deadline.
     UpstreamTimeout,
@@ -84,6 +85,7 @@ impl Reason {
             Reason::QueueAgeExceeded
                 | Reason::QueueDepthExceeded
                 | Reason::ProjectedWaitExceedsSlack
+                | Reason::UpstreamUnavailable
         )
     }
 

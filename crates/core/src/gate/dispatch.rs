@@ -24,7 +24,12 @@ impl Gate {
     pub(super) fn dispatch_one(&mut self, now: Millis) -> bool {
         for pi in 0..self.pools.len() {
             let pool = &self.pools[pi];
-            if pool.in_flight.len() as u32 >= pool.slots {
+            // A free slot on an endpoint that can take the job now; neighbours waiting in the
+            // servers' own queues take freed slots before the gate's next job would.
+            let Some(endpoint) = pool.place(now) else {
+                continue;
+            };
+            if pool.outside_waiting() >= pool.free_now(now) {
                 continue;
             }
             // Highest priority first; among equal priorities, earliest deadline.
@@ -86,7 +91,17 @@ impl Gate {
             let est = scale_estimate(model, factor);
             let pool = &mut self.pools[pi];
             pool.advance_busy(now);
-            pool.in_flight.insert(id, (now, est.service_ms));
+            pool.in_flight.insert(
+                id,
+                Running {
+                    started: now,
+                    est: est.service_ms,
+                    endpoint,
+                },
+            );
+            if let Some(e) = pool.endpoints.get_mut(endpoint) {
+                e.in_flight += 1;
+            }
             pool.context_now += job.context;
             pool.prefill_dispatched = pool
                 .prefill_dispatched
@@ -109,6 +124,7 @@ impl Gate {
                 job_id: id,
                 class: job.class,
                 pool: pool_id,
+                endpoint,
                 queue_wait_ms: now.saturating_sub(job.arrived_at),
                 deadline_slack_ms: job.slack_after(now, 0),
                 est_service_ms: est.service_ms,
@@ -167,15 +183,18 @@ impl Gate {
         for pi in 0..self.pools.len() {
             let pool_id = PoolId(pi);
             let pool = &self.pools[pi];
-            let slots = (pool.slots as usize).max(1);
-            let free = slots - pool.in_flight.len().min(slots);
             // Per-slot remaining times, sorted once: each job's wait is a water fill of the
-            // queued work ahead of it over these (see `PoolState::wait_for_slot`).
+            // queued work ahead of it over these (see `PoolState::wait_for_slot`). With no
+            // endpoint available nothing is projected: only jobs already past their deadline
+            // are dropped, the rest wait for an endpoint to return.
             let mut r = vec![0; pool.slot_count()];
-            pool.free_times(now, &mut r);
-            let mut work = 0u64;
-            let mut count = 0usize;
-            let mut filler = WaterFiller::new(&r);
+            let filled = pool.free_times(now, &mut r);
+            let free = pool.free_now(now) as usize;
+            // Neighbours waiting in the servers' queues are ahead of every queued job.
+            let outside = pool.outside_waiting();
+            let mut work = u64::from(outside).saturating_mul(pool.outside_unit_ms());
+            let mut count = outside as usize;
+            let mut filler = WaterFiller::new(&r[..filled]);
             let mut doomed: Vec<(JobId, u64)> = Vec::new();
             let classes = self.pools[pi].classes.clone();
             let mut i = 0;
@@ -209,7 +228,11 @@ impl Gate {
                     let Some(job) = self.jobs.get(&id) else {
                         continue;
                     };
-                    let wait = if count < free { 0 } else { filler.level(work) };
+                    let wait = if count < free || filled == 0 {
+                        0
+                    } else {
+                        filler.level(work)
+                    };
                     if !job.protected && job.slack_after(now, wait).is_some_and(|s| s < 0) {
                         doomed.push((id, wait));
                     } else {

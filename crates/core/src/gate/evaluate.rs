@@ -123,7 +123,11 @@ impl Gate {
         let in_flight = p.in_flight.len() as u32;
         let sure = self.estimate_confirmed(lane);
         let mut hard_cap = false;
-        let verdict = if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
+        let verdict = if p.slots == 0 && padded_slack.is_some() {
+            // Every endpoint is ejected or drained: nothing with a deadline can be promised
+            // until one returns (best-effort work queues for it).
+            Err(Reason::UpstreamUnavailable)
+        } else if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
             Err(Reason::QueueAgeExceeded)
         } else if self.pool_depth(pool) >= p.max_queued {
             // Hard cap on everything queued on the pool, whatever the class: each queued

@@ -14,6 +14,9 @@ pub(super) enum Settle {
     AlreadyExpired,
 }
 
+/// Weight of the newest completion in a pool's recent mean service time.
+const SERVICE_ALPHA: f64 = 0.05;
+
 impl Gate {
     /// Record the first token of a dispatched job (for time-to-first-token figures).
     pub fn on_first_token(&mut self, now: Millis, id: JobId) {
@@ -230,12 +233,24 @@ impl Gate {
         };
         let p = &mut self.pools[pool.0];
         p.advance_busy(now);
-        if p.in_flight.remove(&id).is_some() {
+        if let Some(run) = p.in_flight.remove(&id) {
             p.context_now = (p.context_now - job.context).max(0.0);
             if p.in_flight.is_empty() {
                 // No rounding left behind: an idle pool has no context.
                 p.context_now = 0.0;
             }
+            // What the server took for a job that ran to its end: the size assumed for a
+            // neighbour's request, and the endpoint's speed.
+            let served =
+                matches!(settle, Settle::Commit(_)).then(|| now.saturating_sub(run.started));
+            if let Some(ms) = served {
+                p.recent_service_ms = if p.recent_service_ms > 0.0 {
+                    p.recent_service_ms + SERVICE_ALPHA * (ms as f64 - p.recent_service_ms)
+                } else {
+                    ms as f64
+                };
+            }
+            self.leave_endpoint(now, pool, run, served);
         }
         let hold = self.settle_hold(now, &job, settle);
         let queue_wait_ms = started_at.unwrap_or(now).saturating_sub(job.arrived_at);

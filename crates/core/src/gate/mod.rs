@@ -170,6 +170,9 @@ mod dispatch;
 mod displacement;
 #[cfg(test)]
 mod displacement_tests;
+mod endpoints;
+#[cfg(test)]
+mod endpoints_tests;
 mod evaluate;
 mod forecast;
 #[cfg(test)]
@@ -190,6 +193,7 @@ mod state;
 mod tests;
 mod types;
 
+pub use endpoints::EndpointView;
 use evaluate::*;
 use forecast::*;
 use learning::*;

@@ -226,12 +226,13 @@ impl Gate {
         let Some(at) = self.closing_at else { return };
         for pi in 0..self.pools.len() {
             let pool = &self.pools[pi];
-            let slots = (pool.slots as usize).max(1);
-            let free = slots - pool.in_flight.len().min(slots);
             let mut r = vec![0; pool.slot_count()];
-            pool.free_times(now, &mut r);
-            let mut filler = WaterFiller::new(&r);
-            let (mut work, mut count) = (0u64, 0usize);
+            let filled = pool.free_times(now, &mut r);
+            let free = pool.free_now(now) as usize;
+            let mut filler = WaterFiller::new(&r[..filled]);
+            let outside = pool.outside_waiting();
+            let mut work = u64::from(outside).saturating_mul(pool.outside_unit_ms());
+            let mut count = outside as usize;
             let mut doomed = Vec::new();
             let lanes = pool.classes.clone();
             let mut i = 0;
@@ -247,7 +248,14 @@ impl Gate {
                     let Some(job) = self.jobs.get(&id) else {
                         continue;
                     };
-                    let wait = if count < free { 0 } else { filler.level(work) };
+                    // No endpoint available: nothing can finish before the shutdown.
+                    let wait = if filled == 0 {
+                        super::UNAVAILABLE_WAIT_MS
+                    } else if count < free {
+                        0
+                    } else {
+                        filler.level(work)
+                    };
                     let finish = now.saturating_add(wait).saturating_add(job.est.service_ms);
                     if finish > at && !job.reservation {
                         doomed.push((id, wait));

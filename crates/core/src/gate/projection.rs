@@ -50,6 +50,10 @@ pub(super) fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
     (elapsed - est).max(est / 8).max(1)
 }
 
+/// The wait projected on a pool with no available endpoint (all ejected or drained): a day,
+/// which no deadline survives; best-effort work queues until an endpoint returns.
+pub(super) const UNAVAILABLE_WAIT_MS: u64 = crate::config::MAX_CONFIG_MS;
+
 /// Slot counts up to this are handled on the stack when projecting a wait.
 pub(super) const STACK_SLOTS: usize = 64;
 
@@ -59,7 +63,7 @@ impl PoolState {
         let dt = now.saturating_sub(self.busy_at);
         self.busy = self
             .busy
-            .saturating_add(u128::from(dt) * self.in_flight.len() as u128);
+            .saturating_add(u128::from(dt) * self.sharing_count() as u128);
         self.context_busy += dt as f64 * self.context_now;
         self.busy_at = self.busy_at.max(now);
     }
@@ -92,7 +96,13 @@ impl PoolState {
     pub(super) fn busy_until(&self, now: Millis) -> u128 {
         let dt = now.saturating_sub(self.busy_at);
         self.busy
-            .saturating_add(u128::from(dt) * self.in_flight.len() as u128)
+            .saturating_add(u128::from(dt) * self.sharing_count() as u128)
+    }
+
+    /// Requests running on the pool's servers now: the gate's own and, by the servers' own
+    /// metrics, its neighbours' (they batch with the gate's and slow them alike).
+    pub(super) fn sharing_count(&self) -> usize {
+        self.in_flight.len() + self.outside_running() as usize
     }
 
     /// Mean in-flight count (at least 1: the job itself) over a job's life so far.
@@ -104,7 +114,7 @@ impl PoolState {
     ) -> f64 {
         let dt = now.saturating_sub(started_at);
         if dt == 0 {
-            return (self.in_flight.len() as f64).max(1.0);
+            return (self.sharing_count() as f64).max(1.0);
         }
         let area = self.busy_until(now).saturating_sub(busy_at_start);
         (area as f64 / dt as f64).max(1.0)
@@ -119,7 +129,7 @@ impl PoolState {
         if wait > 0 {
             return slots;
         }
-        let others = self.in_flight.len() as f64 + f64::from(count_ahead);
+        let others = self.sharing_count() as f64 + f64::from(count_ahead);
         if others == 0.0 {
             // An idle pool: alone, whatever ran before (the recent mean is history and only
             // decays with completions, which an idle pool does not have).
@@ -163,7 +173,7 @@ impl PoolState {
     pub(super) fn in_flight_remaining(&self, now: Millis) -> u64 {
         self.in_flight
             .values()
-            .map(|&(started, est)| remaining(now, started, est))
+            .map(|run| remaining(now, run.started, run.est))
             .fold(0, u64::saturating_add)
     }
 
@@ -182,36 +192,23 @@ impl PoolState {
             heap.resize(n, 0);
             &mut heap
         };
-        self.free_times(now, r);
-        water_fill(r, work_ahead)
-    }
-
-    /// Entries [`PoolState::free_times`] needs: one per slot, or per in-flight job if more
-    /// run than there are slots (slots lowered under load).
-    pub(super) fn slot_count(&self) -> usize {
-        (self.slots as usize).max(1).max(self.in_flight.len())
-    }
-
-    /// When each slot frees, from now, sorted: in-flight jobs' remaining times, 0 for free
-    /// slots. `r` has [`PoolState::slot_count`] entries.
-    pub(super) fn free_times(&self, now: Millis, r: &mut [u64]) {
-        r.fill(0);
-        for (slot, &(started, est)) in r.iter_mut().zip(self.in_flight.values()) {
-            *slot = remaining(now, started, est);
+        let filled = self.free_times(now, r);
+        if filled == 0 {
+            return UNAVAILABLE_WAIT_MS;
         }
-        r.sort_unstable();
+        water_fill(&r[..filled], work_ahead)
     }
 
     /// How long the pool has failed to free a slot: when every slot is busy, the age of the
     /// youngest in-flight job (all of them have held their slot at least that long); 0 when a
     /// slot is free.
     pub(super) fn slot_age(&self, now: Millis) -> u64 {
-        if (self.in_flight.len() as u32) < self.slots {
+        if self.free_now(now) > 0 {
             return 0;
         }
         self.in_flight
             .values()
-            .map(|&(started, _)| now.saturating_sub(started))
+            .map(|run| now.saturating_sub(run.started))
             .min()
             .unwrap_or(0)
     }
@@ -313,11 +310,13 @@ impl Gate {
         count_ahead: u32,
     ) -> u64 {
         let p = &self.pools[pool.0];
-        let busy = p.in_flight.len() as u32;
-        if busy.saturating_add(count_ahead) < p.slots {
+        // Neighbours waiting in the server's own queue start before anything sent next.
+        let outside = p.outside_waiting();
+        if count_ahead.saturating_add(outside) < p.free_now(now) {
             return 0;
         }
-        p.wait_for_slot(now, work_ahead)
+        let outside_work = u64::from(outside).saturating_mul(p.outside_unit_ms());
+        p.wait_for_slot(now, work_ahead.saturating_add(outside_work))
     }
 
     pub(super) fn pool_depth(&self, pool: PoolId) -> u32 {

@@ -31,6 +31,9 @@ impl Gate {
             | Reason::RejectDuplicate
             | Reason::RejectRetryCap
             | Reason::BudgetExhausted => return (r.hopeless_retry_after_ms, false),
+            // No endpoint of the pool is available: when one returns is not known; health
+            // probes run about every second or few, so the floor is the honest answer.
+            Reason::UpstreamUnavailable => r.min_retry_after_ms,
             Reason::ProjectedWaitExceedsSlack => match slack_ms {
                 // Even an empty queue cannot make this deadline: retrying the same request
                 // is pointless, if the estimate is to be trusted.

@@ -72,6 +72,8 @@ pub struct PoolSnapshot {
     pub template_tokens: f64,
     /// Mean number of requests in flight while recent completions ran.
     pub mean_concurrency: f64,
+    /// Its servers: slots, health, drain, provider pause and neighbours' load.
+    pub endpoints: Vec<super::EndpointView>,
 }
 
 /// Live view of the whole gate.
@@ -157,7 +159,7 @@ impl Gate {
                 oldest_in_flight_age_ms: p
                     .in_flight
                     .values()
-                    .map(|&(started, _)| now.saturating_sub(started))
+                    .map(|run| now.saturating_sub(run.started))
                     .max()
                     .unwrap_or(0),
                 estimator: p.estimator.snapshot(),
@@ -167,6 +169,7 @@ impl Gate {
                 chars_per_token: p.tokens.chars_per_token(),
                 template_tokens: p.tokens.template_tokens(),
                 mean_concurrency: p.recent_concurrency,
+                endpoints: self.endpoints(now, PoolId(i)),
             })
             .collect();
         GateSnapshot {

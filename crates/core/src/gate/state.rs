@@ -218,6 +218,14 @@ impl LaneState {
     }
 }
 
+/// A job holding a slot: when it started, its estimated service, and its endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Running {
+    pub(super) started: Millis,
+    pub(super) est: u64,
+    pub(super) endpoint: usize,
+}
+
 #[derive(Debug)]
 pub(super) struct PoolState {
     /// The configuration it was built from: a reload keeps the learned estimator unless
@@ -227,6 +235,7 @@ pub(super) struct PoolState {
     /// Removed by a reload: no class admits to it; it keeps its slots until its jobs end.
     pub(super) retired: bool,
     pub(super) name: String,
+    /// Capacity in force: the available endpoints' slots in force, summed.
     pub(super) slots: u32,
     pub(super) max_depth_factor: Option<f64>,
     pub(super) max_queued: u32,
@@ -253,8 +262,13 @@ pub(super) struct PoolState {
     /// Mean concurrency of recent completions (EWMA): what a newcomer will likely share the
     /// server with once the pool is in its usual state.
     pub(super) recent_concurrency: f64,
-    /// In-flight jobs: id -> (started_at, estimated service).
-    pub(super) in_flight: BTreeMap<JobId, (Millis, u64)>,
+    /// In-flight jobs.
+    pub(super) in_flight: BTreeMap<JobId, Running>,
+    /// The servers behind the pool (see [`super::endpoints`]); `slots` is their capacity.
+    pub(super) endpoints: Vec<super::endpoints::EndpointState>,
+    /// Mean service time of recent completions (EWMA, 0 before any): the size a
+    /// neighbour's request is assumed to have.
+    pub(super) recent_service_ms: f64,
     /// Classes of this pool, highest priority first (ties by class index, for determinism).
     pub(super) classes: Vec<LaneId>,
 }

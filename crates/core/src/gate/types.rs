@@ -137,6 +137,9 @@ pub enum Event {
         class: LaneId,
         /// Its pool.
         pool: PoolId,
+        /// The endpoint of the pool it goes to (an index of the pool's endpoints: see
+        /// [`Gate::endpoints`]).
+        endpoint: usize,
         /// Time it spent queued.
         queue_wait_ms: u64,
         /// Slack left at dispatch (deadline - now - estimated service).

@@ -1,0 +1,390 @@
+//! A pool's servers: several endpoints, each with its own slots, behind one pool.
+//!
+//! The pool's capacity in every projection is the sum of its available endpoints' slots in
+//! force: an endpoint ejected by the gateway's health checks or drained through the admin API
+//! counts for nothing (its in-flight work runs to its end). A provider's 429 pauses its
+//! endpoint until the provider's Retry-After and halves its slots in force, which grow back by
+//! one per completion (additive increase, multiplicative decrease).
+//!
+//! Work the gate did not send shows in the server's own metrics (running and waiting
+//! requests). The gateway hands the core each reading; what exceeds the gate's own in-flight
+//! count on that endpoint is a neighbour's, and counts in the projection at the pool's recent
+//! mean service time per request: running requests hold slots, waiting ones queue ahead of
+//! anything the gate sends next (the server's queue is first come, first served).
+//!
+//! The projection stays water filling: each available endpoint contributes its slots' free
+//! times (its own jobs' remaining times and its neighbours', paused until the provider allows,
+//! the largest ones when more run than its slots in force), and the gate dispatches onto the
+//! endpoint that starts the job now and, among those, runs it fastest.
+
+use super::*;
+
+/// One server of a pool, as admission sees it.
+#[derive(Clone, Debug)]
+pub(super) struct EndpointState {
+    pub(super) name: String,
+    pub(super) url: String,
+    /// Configured slots.
+    pub(super) slots: u32,
+    /// Slots in force: `slots`, lowered by a provider's 429 and grown back per completion.
+    pub(super) limit: u32,
+    /// Jobs of the gate running on it.
+    pub(super) in_flight: u32,
+    /// Taken out by the gateway's health checks.
+    pub(super) ejected: bool,
+    /// Taken out through the admin API (a rolling restart): its work runs to its end.
+    pub(super) draining: bool,
+    /// Removed by a reload: kept (ids are positions) until its jobs end, never used again.
+    pub(super) retired: bool,
+    /// The provider asked for nothing before this time (its 429's Retry-After).
+    pub(super) paused_until: Millis,
+    /// Requests of others the server reported running and waiting at the last fresh reading.
+    pub(super) outside_running: u32,
+    pub(super) outside_waiting: u32,
+    /// When the last reading arrived (`None`: no signal; the gate's own view stands).
+    pub(super) reading_at: Option<Millis>,
+    /// Actual over estimated service of its recent completions (EWMA): a slower server
+    /// reads above 1. Placement only.
+    pub(super) speed: f64,
+}
+
+/// Weight of the newest completion in an endpoint's speed.
+const SPEED_ALPHA: f64 = 0.1;
+
+impl EndpointState {
+    pub(super) fn new(name: &str, url: &str, slots: u32) -> EndpointState {
+        EndpointState {
+            name: name.to_string(),
+            url: url.to_string(),
+            slots,
+            limit: slots,
+            in_flight: 0,
+            ejected: false,
+            draining: false,
+            retired: false,
+            paused_until: 0,
+            outside_running: 0,
+            outside_waiting: 0,
+            reading_at: None,
+            speed: 1.0,
+        }
+    }
+
+    /// Takes new work (at some point): not ejected, drained or retired.
+    pub(super) fn available(&self) -> bool {
+        !self.ejected && !self.draining && !self.retired
+    }
+
+    /// Slots held now: the gate's jobs and the neighbours' running requests.
+    pub(super) fn occupied(&self) -> u32 {
+        self.in_flight.saturating_add(self.outside_running)
+    }
+
+    /// Can start a job at `now`.
+    pub(super) fn startable(&self, now: Millis) -> bool {
+        self.available() && self.paused_until <= now && self.occupied() < self.limit
+    }
+}
+
+/// An endpoint as the gateway and the operator see it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EndpointView {
+    /// Its name.
+    pub name: String,
+    /// Its base URL.
+    pub url: String,
+    /// Configured slots.
+    pub slots: u32,
+    /// Slots in force (lowered after a provider's 429).
+    pub limit: u32,
+    /// The gate's requests on it now.
+    pub in_flight: u32,
+    /// Ejected by health checks.
+    pub ejected: bool,
+    /// Drained through the admin API.
+    pub draining: bool,
+    /// Milliseconds until the provider's Retry-After passes (0: not paused).
+    pub paused_ms: u64,
+    /// Neighbours' requests running and waiting on it, by its own metrics (0 without a fresh
+    /// reading).
+    pub outside_running: u32,
+    /// See `outside_running`.
+    pub outside_waiting: u32,
+    /// Whether the server's own metrics are in use (a fresh reading).
+    pub signal: bool,
+}
+
+impl PoolState {
+    /// Recompute the pool's slots from its endpoints: the sum of the available ones' slots
+    /// in force. Call after any endpoint changes.
+    pub(super) fn refresh_capacity(&mut self) {
+        self.slots = self
+            .endpoints
+            .iter()
+            .filter(|e| e.available())
+            .fold(0u32, |a, e| a.saturating_add(e.limit));
+    }
+
+    /// Neighbours' waiting requests over every available endpoint: they start before
+    /// anything the gate sends next.
+    pub(super) fn outside_waiting(&self) -> u32 {
+        self.endpoints
+            .iter()
+            .filter(|e| e.available())
+            .fold(0u32, |a, e| a.saturating_add(e.outside_waiting))
+    }
+
+    /// Neighbours' running requests over every endpoint.
+    pub(super) fn outside_running(&self) -> u32 {
+        self.endpoints
+            .iter()
+            .filter(|e| e.available())
+            .fold(0u32, |a, e| a.saturating_add(e.outside_running))
+    }
+
+    /// Slots that can start a job now, over every endpoint.
+    pub(super) fn free_now(&self, now: Millis) -> u32 {
+        self.endpoints
+            .iter()
+            .filter(|e| e.available() && e.paused_until <= now)
+            .fold(0u32, |a, e| {
+                a.saturating_add(e.limit.saturating_sub(e.occupied()))
+            })
+    }
+
+    /// How long a neighbour's request is taken to hold a slot, or to take one when it waits:
+    /// the pool's recent mean service time, or the prior's figure for a default request
+    /// before anything completed.
+    pub(super) fn outside_unit_ms(&self) -> u64 {
+        if self.recent_service_ms > 0.0 {
+            return self.recent_service_ms.round().max(1.0) as u64;
+        }
+        self.estimator
+            .estimate(0, self.default_output_tokens, Sharing::ALONE)
+            .service_ms
+            .max(1)
+    }
+
+    /// The endpoint a job dispatched now should go to: one that can start it now, the one
+    /// that will run it fastest (its speed, slowed by what already runs there), then the
+    /// least occupied, then the first. `None` when no endpoint can start a job.
+    pub(super) fn place(&self, now: Millis) -> Option<usize> {
+        let slowdown = self.prior.batch_slowdown.max(0.0);
+        self.endpoints
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.startable(now))
+            .min_by(|(i, a), (j, b)| {
+                let cost = |e: &EndpointState| e.speed * (1.0 + slowdown * f64::from(e.occupied()));
+                let load = |e: &EndpointState| f64::from(e.occupied()) / f64::from(e.limit.max(1));
+                cost(a)
+                    .total_cmp(&cost(b))
+                    .then(load(a).total_cmp(&load(b)))
+                    .then(i.cmp(j))
+            })
+            .map(|(i, _)| i)
+    }
+
+    /// Slot entries of [`PoolState::free_times`]: the sum of the available endpoints' slots
+    /// in force, or one per in-flight job when that is more (so `r` always fits).
+    pub(super) fn slot_count(&self) -> usize {
+        (self.slots as usize).max(self.in_flight.len()).max(1)
+    }
+
+    /// When each usable slot frees, from now, sorted ascending into `r` (which has
+    /// [`PoolState::slot_count`] entries; entries past the pool's slots are left out of the
+    /// answer by returning how many were filled). Per available endpoint: its jobs' remaining
+    /// times and its neighbours' running requests, of which its slots in force take the
+    /// latest ones (a slot frees for a newcomer only when the count falls below the limit),
+    /// padded with free slots, none earlier than the provider allows.
+    pub(super) fn free_times(&self, now: Millis, r: &mut [u64]) -> usize {
+        r.fill(0);
+        let unit = self.outside_unit_ms();
+        let mut filled = 0usize;
+        let mut mine: Vec<u64> = Vec::new();
+        for (ei, e) in self.endpoints.iter().enumerate() {
+            if !e.available() {
+                continue;
+            }
+            mine.clear();
+            mine.extend(
+                self.in_flight
+                    .values()
+                    .filter(|run| run.endpoint == ei)
+                    .map(|run| remaining(now, run.started, run.est)),
+            );
+            mine.extend(std::iter::repeat_n(unit, e.outside_running as usize));
+            mine.sort_unstable();
+            let limit = e.limit as usize;
+            let skip = mine.len().saturating_sub(limit);
+            let pause = e.paused_until.saturating_sub(now);
+            let busy = &mine[skip..];
+            for k in 0..limit {
+                if filled >= r.len() {
+                    break;
+                }
+                let t = busy.get(k).copied().unwrap_or(0);
+                r[filled] = t.max(pause);
+                filled += 1;
+            }
+        }
+        r[..filled].sort_unstable();
+        filled
+    }
+}
+
+impl Gate {
+    /// The endpoints of a pool (all of them, retired ones included: ids are positions).
+    pub fn endpoints(&self, now: Millis, pool: PoolId) -> Vec<EndpointView> {
+        let Some(p) = self.pools.get(pool.0) else {
+            return Vec::new();
+        };
+        p.endpoints
+            .iter()
+            .map(|e| EndpointView {
+                name: e.name.clone(),
+                url: e.url.clone(),
+                slots: e.slots,
+                limit: e.limit,
+                in_flight: e.in_flight,
+                ejected: e.ejected,
+                draining: e.draining,
+                paused_ms: e.paused_until.saturating_sub(now),
+                outside_running: e.outside_running,
+                outside_waiting: e.outside_waiting,
+                signal: e.reading_at.is_some(),
+            })
+            .collect()
+    }
+
+    /// The endpoint of `pool` named `name`, if any (retired ones are not found).
+    pub fn endpoint_id(&self, pool: PoolId, name: &str) -> Option<usize> {
+        self.pools
+            .get(pool.0)?
+            .endpoints
+            .iter()
+            .position(|e| !e.retired && e.name == name)
+    }
+
+    /// Eject an endpoint (health checks failed) or readmit it (a probe succeeded). Its
+    /// in-flight work runs on; queued work waits for other endpoints. Returns whether
+    /// anything changed.
+    pub fn set_endpoint_ejected(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        endpoint: usize,
+        ejected: bool,
+    ) -> bool {
+        let now = self.clock(now);
+        self.change_endpoint(now, pool, endpoint, |e| {
+            std::mem::replace(&mut e.ejected, ejected) != ejected
+        })
+    }
+
+    /// Drain an endpoint for a rolling restart (no new work) or undrain it. Returns whether
+    /// anything changed.
+    pub fn set_endpoint_draining(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        endpoint: usize,
+        draining: bool,
+    ) -> bool {
+        let now = self.clock(now);
+        self.change_endpoint(now, pool, endpoint, |e| {
+            std::mem::replace(&mut e.draining, draining) != draining
+        })
+    }
+
+    /// The provider answered 429 on `endpoint`: send it nothing for `retry_after_ms`, and
+    /// halve its slots in force (at least one), to grow back one per completion.
+    pub fn throttled(&mut self, now: Millis, pool: PoolId, endpoint: usize, retry_after_ms: u64) {
+        let now = self.clock(now);
+        self.change_endpoint(now, pool, endpoint, |e| {
+            e.paused_until = e.paused_until.max(now.saturating_add(retry_after_ms));
+            e.limit = (e.limit.min(e.in_flight.max(1)) / 2).max(1);
+            true
+        });
+    }
+
+    /// The server's own metrics for `endpoint`: requests it runs and holds waiting (all
+    /// clients), or `None` when the reading failed or went stale (the gate's own view is
+    /// used). What exceeds the gate's own in-flight work there is a neighbour's.
+    pub fn set_server_reading(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        endpoint: usize,
+        reading: Option<(u32, u32)>,
+    ) {
+        let now = self.clock(now);
+        self.change_endpoint(now, pool, endpoint, |e| {
+            match reading {
+                Some((running, waiting)) => {
+                    let outside = running.saturating_add(waiting).saturating_sub(e.in_flight);
+                    // Who runs and who waits is not said: the server's queue is first come,
+                    // first served, so the neighbours are taken to run first.
+                    e.outside_running = outside.min(running);
+                    e.outside_waiting = outside - e.outside_running;
+                    e.reading_at = Some(now);
+                }
+                None => {
+                    e.outside_running = 0;
+                    e.outside_waiting = 0;
+                    e.reading_at = None;
+                }
+            }
+            true
+        });
+    }
+
+    /// Apply `f` to an endpoint; when it reports a change, bring the busy integral up to
+    /// date (neighbours count as sharing) and recompute the pool's capacity.
+    fn change_endpoint(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        endpoint: usize,
+        f: impl FnOnce(&mut EndpointState) -> bool,
+    ) -> bool {
+        let Some(p) = self.pools.get_mut(pool.0) else {
+            return false;
+        };
+        if endpoint >= p.endpoints.len() {
+            return false;
+        }
+        p.advance_busy(now);
+        let changed = f(&mut p.endpoints[endpoint]);
+        if changed {
+            p.refresh_capacity();
+        }
+        changed
+    }
+
+    /// A job left its endpoint: free the slot, learn the endpoint's speed from a completed
+    /// job, and grow a lowered limit back by one.
+    pub(super) fn leave_endpoint(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        run: Running,
+        actual_ms: Option<u64>,
+    ) {
+        let Some(p) = self.pools.get_mut(pool.0) else {
+            return;
+        };
+        let Some(e) = p.endpoints.get_mut(run.endpoint) else {
+            return;
+        };
+        e.in_flight = e.in_flight.saturating_sub(1);
+        if let Some(actual) = actual_ms {
+            let ratio = (actual as f64 / run.est.max(1) as f64).clamp(0.05, 20.0);
+            e.speed += SPEED_ALPHA * (ratio - e.speed);
+            if e.limit < e.slots && e.paused_until <= now {
+                e.limit += 1;
+            }
+        }
+        p.refresh_capacity();
+    }
+}

@@ -1,0 +1,216 @@
+//! Hand-computed cases for endpoints: placement, ejection and drains, a provider's 429, the
+//! server's own queue, and reloads. Every job costs a fixed 1000 ms (frozen estimator, no
+//! per-token cost, no batch slowdown) unless a test says otherwise.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::tests::{cfg, drain, req};
+use super::*;
+use crate::config::EndpointConfig;
+
+const P: PoolId = PoolId(0);
+
+fn ep(name: &str, slots: u32) -> EndpointConfig {
+    EndpointConfig {
+        name: name.into(),
+        url: format!("http://{name}.test:8000"),
+        slots,
+    }
+}
+
+/// `cfg` with the pool's servers given as endpoints.
+fn with_endpoints(endpoints: Vec<EndpointConfig>) -> GateConfig {
+    let mut c = cfg(1, 1000.0);
+    c.pools[0].endpoints = endpoints;
+    c
+}
+
+fn dispatched(events: &[Event]) -> Vec<(JobId, usize)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Dispatch {
+                job_id, endpoint, ..
+            } => Some((*job_id, *endpoint)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn ok() -> Completion {
+    Completion {
+        ok: true,
+        ..Completion::default()
+    }
+}
+
+#[test]
+fn dispatch_spreads_over_endpoints_within_each_ones_slots() {
+    // a has 2 slots, b has 1: the pool has 3.
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 2), ep("b", 1)])).unwrap();
+    assert_eq!(g.snapshot(0).pools[0].slots, 3);
+    let mut placed = Vec::new();
+    for _ in 0..3 {
+        let d = g.offer(0, req(&g, "prod"));
+        assert_eq!(d.action, Action::Admit);
+        placed.extend(dispatched(&drain(&mut g, 0)).into_iter().map(|(_, e)| e));
+    }
+    // Equal speed and no batch slowdown: the least loaded by share of its slots, then the
+    // first. a (0/2) ties b (0/1) -> a; a 1/2 vs b 0/1 -> b; a 1/2 vs b full -> a. A fourth
+    // waits: every slot holds 1000 ms of work, so its projected wait is 1000.
+    assert_eq!(placed, vec![0, 1, 0]);
+    let v = g.endpoints(0, P);
+    assert_eq!((v[0].in_flight, v[1].in_flight), (2, 1));
+    let d = g.offer(0, req(&g, "prod"));
+    assert_eq!(d.projected_wait_ms, 1000);
+}
+
+#[test]
+fn an_ejected_or_drained_endpoint_takes_no_new_work_and_its_running_work_ends() {
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 1), ep("b", 1)])).unwrap();
+    for _ in 0..3 {
+        g.offer(0, req(&g, "prod"));
+    }
+    let first = dispatched(&drain(&mut g, 0));
+    assert_eq!(first, vec![(JobId(1), 0), (JobId(2), 1)]);
+    // b fails its health checks: capacity 1, its running job goes on.
+    assert!(g.set_endpoint_ejected(100, P, 1, true));
+    assert!(
+        !g.set_endpoint_ejected(100, P, 1, true),
+        "no change the second time"
+    );
+    assert_eq!(g.snapshot(100).pools[0].slots, 1);
+    // b's job ends first; the queued job still waits for a, not for b.
+    g.on_complete(500, JobId(2), ok()).unwrap();
+    assert!(dispatched(&drain(&mut g, 500)).is_empty());
+    g.on_complete(1000, JobId(1), ok()).unwrap();
+    assert_eq!(dispatched(&drain(&mut g, 1000)), vec![(JobId(3), 0)]);
+
+    // a drained as well: no endpoint left. A request with a deadline is refused at once
+    // (a capacity refusal, so a retry hint applies), with the floor as Retry-After; work
+    // without a deadline queues for an endpoint to return.
+    assert!(g.set_endpoint_draining(1000, P, 0, true));
+    let d = g.offer(1000, req(&g, "prod"));
+    assert_eq!(
+        (d.action, d.reason),
+        (Action::Reject, Reason::UpstreamUnavailable)
+    );
+    assert!(d.should_retry);
+    assert!((1000..=1200).contains(&d.retry_after_ms.unwrap_or(0)));
+    let d = g.offer(1000, req(&g, "probe"));
+    assert_eq!(d.action, Action::Admit);
+    let probe = d.job_id;
+    assert!(dispatched(&drain(&mut g, 1000)).is_empty());
+    // A tick does not drop queued work for want of an endpoint.
+    g.tick(1500);
+    assert!(drain(&mut g, 1500).is_empty());
+    // b is readmitted: the queued job goes there.
+    assert!(g.set_endpoint_ejected(2000, P, 1, false));
+    assert_eq!(dispatched(&drain(&mut g, 2000)), vec![(probe, 1)]);
+    // a's drained job (3) still ends normally.
+    assert!(g.on_complete(2000, JobId(3), ok()).is_some());
+    assert_eq!(g.endpoints(2000, P)[0].in_flight, 0);
+}
+
+#[test]
+fn a_provider_429_pauses_the_endpoint_and_halves_its_slots() {
+    let mut g = Gate::new(with_endpoints(vec![ep("api", 4)])).unwrap();
+    g.offer(0, req(&g, "prod"));
+    g.offer(0, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
+    // At 100 the provider says: come back in 3000 ms. Slots in force: half of the 2 in
+    // flight = 1; nothing starts before 3100.
+    g.throttled(100, P, 0, 3000);
+    let v = &g.endpoints(100, P)[0];
+    assert_eq!((v.limit, v.paused_ms), (1, 3000));
+    // A newcomer: the one slot in force frees at max(the later job's 900 ms left, the pause's
+    // 3000) = 3000. Its deadline (4000 from 100) leaves 4000 - 1000 = 3000 of slack: it fits
+    // exactly.
+    let d = g.offer(100, req(&g, "prod"));
+    assert_eq!((d.action, d.projected_wait_ms), (Action::Admit, 3000));
+    // The running jobs end at 1000: still paused, nothing starts, the limit stays at 1.
+    g.on_complete(1000, JobId(1), ok()).unwrap();
+    g.on_complete(1000, JobId(2), ok()).unwrap();
+    assert!(dispatched(&drain(&mut g, 1000)).is_empty());
+    assert_eq!(g.endpoints(1000, P)[0].limit, 1);
+    // The pause passes: the queued job starts; its completion grows the limit back by one.
+    assert_eq!(dispatched(&drain(&mut g, 3100)), vec![(JobId(3), 0)]);
+    g.on_complete(4100, JobId(3), ok()).unwrap();
+    assert_eq!(g.endpoints(4100, P)[0].limit, 2);
+}
+
+#[test]
+fn the_servers_own_queue_counts_neighbours_work() {
+    let mut g = Gate::new(with_endpoints(vec![ep("llama", 4)])).unwrap();
+    // The server runs 2 requests the gate did not send (it has none in flight yet).
+    g.set_server_reading(0, P, 0, Some((2, 0)));
+    assert_eq!(g.endpoints(0, P)[0].outside_running, 2);
+    for _ in 0..3 {
+        g.offer(0, req(&g, "prod"));
+    }
+    // Two slots are free: two jobs start, the third waits.
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
+    // A neighbour's request is taken to last the pool's mean service: nothing completed
+    // yet, so the prior's 1000 ms. Every slot holds 1000 ms, one job (1000 ms) is queued
+    // ahead: the next waits 1000 + 1000 / 4 = 1250.
+    let d = g.offer(0, req(&g, "prod"));
+    assert_eq!(d.projected_wait_ms, 1250);
+    // Now the server reports 4 running and 3 waiting; 2 of those 7 are the gate's, so 5 are
+    // the neighbours': 4 running (taken to run first) and 1 waiting. The 2 queued jobs of the
+    // gate and the neighbour's waiting one are ahead: 3000 ms over four slots that free at
+    // 1000: 1000 + 3000 / 4 = 1750.
+    g.set_server_reading(0, P, 0, Some((4, 3)));
+    let v = &g.endpoints(0, P)[0];
+    assert_eq!((v.outside_running, v.outside_waiting), (4, 1));
+    let d = g.offer(0, req(&g, "prod"));
+    assert_eq!(d.projected_wait_ms, 1750);
+    // A stale or failed reading: back to the gate's own view, and the free slots are used.
+    g.set_server_reading(10, P, 0, None);
+    assert_eq!(dispatched(&drain(&mut g, 10)).len(), 2);
+}
+
+#[test]
+fn placement_prefers_the_endpoint_that_has_been_faster() {
+    let mut g = Gate::new(with_endpoints(vec![ep("slow", 1), ep("fast", 1)])).unwrap();
+    g.offer(0, req(&g, "prod"));
+    g.offer(0, req(&g, "prod"));
+    assert_eq!(
+        dispatched(&drain(&mut g, 0)),
+        vec![(JobId(1), 0), (JobId(2), 1)]
+    );
+    // Both estimated at 1000: slow took 2000 (speed 1 + 0.1 x (2 - 1) = 1.1), fast took 500
+    // (1 + 0.1 x (0.5 - 1) = 0.95).
+    g.on_complete(500, JobId(2), ok()).unwrap();
+    g.on_complete(2000, JobId(1), ok()).unwrap();
+    drain(&mut g, 2000);
+    g.offer(2000, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 2000)), vec![(JobId(3), 1)]);
+}
+
+#[test]
+fn a_reload_keeps_endpoint_state_by_name_and_retires_removed_ones() {
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 1), ep("b", 1)])).unwrap();
+    g.offer(0, req(&g, "prod"));
+    g.offer(0, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
+    g.set_endpoint_ejected(0, P, 0, true);
+    // New config: a with 3 slots (still ejected: health is runtime state), b gone, c new.
+    g.reconfigure(10, with_endpoints(vec![ep("a", 3), ep("c", 2)]))
+        .unwrap();
+    let v = g.endpoints(10, P);
+    assert_eq!(
+        v.len(),
+        3,
+        "b is kept (retired) while its job runs: ids are positions"
+    );
+    assert!(v[0].ejected && v[0].slots == 3);
+    assert_eq!(g.endpoint_id(P, "b"), None);
+    assert_eq!(g.endpoint_id(P, "c"), Some(2));
+    // Capacity: c's 2 (a ejected, b retired).
+    assert_eq!(g.snapshot(10).pools[0].slots, 2);
+    // b's job ends normally.
+    assert!(g.on_complete(500, JobId(2), ok()).is_some());
+    assert_eq!(g.endpoints(500, P)[1].in_flight, 0);
+    // New work goes to c.
+    g.offer(500, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 500)), vec![(JobId(3), 2)]);
+}
