@@ -131,7 +131,12 @@ impl Overrides {
             cfg.server.ledger = l.clone();
         }
         if let Some(u) = &self.upstream {
-            for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
+            for p in cfg
+                .gate
+                .pools
+                .iter_mut()
+                .filter(|p| p.upstream.is_none() && p.endpoints.is_empty())
+            {
                 p.upstream = Some(u.clone());
             }
         }
@@ -405,7 +410,12 @@ async fn serve(a: ServeArgs) -> Result<()> {
         if over.upstream.is_none() {
             over.upstream = Some(url);
         } else {
-            for p in cfg.gate.pools.iter_mut().filter(|p| p.upstream.is_none()) {
+            for p in cfg
+                .gate
+                .pools
+                .iter_mut()
+                .filter(|p| p.upstream.is_none() && p.endpoints.is_empty())
+            {
                 p.upstream = Some(url.clone());
             }
         }

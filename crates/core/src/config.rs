@@ -165,9 +165,11 @@ impl Default for TlsConfig {
 pub struct HealthConfig {
     /// Path probed with a GET (a 2xx is healthy).
     pub path: String,
-    /// How often every endpoint is probed, in milliseconds (0: no active probes; an
-    /// ejected endpoint is then probed at 1 s).
-    pub interval_ms: u64,
+    /// How often every endpoint is probed, in milliseconds; 0: no active probes (an ejected
+    /// endpoint is still probed every second, to readmit it). Unset: 5000 for a pool with
+    /// several endpoints, 0 for a pool with one (its failures are seen on its requests, and
+    /// there is nowhere else to send them).
+    pub interval_ms: Option<u64>,
     /// Consecutive failures (connection refused or reset, 5xx, a failed probe) that eject
     /// an endpoint; one successful probe readmits it.
     pub eject_after: u32,
@@ -179,7 +181,7 @@ impl Default for HealthConfig {
     fn default() -> Self {
         HealthConfig {
             path: "/v1/models".into(),
-            interval_ms: 5_000,
+            interval_ms: None,
             eject_after: 3,
             timeout_ms: 2_000,
         }
@@ -248,6 +250,20 @@ fn default_metrics_interval() -> u64 {
 }
 fn default_metrics_stale() -> u64 {
     5_000
+}
+
+/// Active probes of a pool with several endpoints when `health.interval_ms` is unset.
+pub const DEFAULT_PROBE_INTERVAL_MS: u64 = 5_000;
+
+impl HealthConfig {
+    /// The probe interval in force for a pool of `endpoints` endpoints (0: none).
+    pub fn interval_for(&self, endpoints: usize) -> u64 {
+        match self.interval_ms {
+            Some(ms) => ms,
+            None if endpoints > 1 => DEFAULT_PROBE_INTERVAL_MS,
+            None => 0,
+        }
+    }
 }
 
 impl ServerMetricsConfig {
@@ -358,7 +374,8 @@ impl PoolConfig {
                 "must be at least 1",
             ));
         }
-        if hc.interval_ms > MAX_CONFIG_MS || (hc.interval_ms != 0 && hc.interval_ms < 100) {
+        let interval = hc.interval_ms.unwrap_or(0);
+        if interval > MAX_CONFIG_MS || (interval != 0 && interval < 100) {
             return Err(ConfigError::new(
                 at("health.interval_ms"),
                 "must be 0 (no probes) or between 100 and 86400000",

@@ -23,8 +23,8 @@ pub use estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSn
 pub use gate::ops::{DrainClass, DrainPool, DrainStatus};
 pub use gate::reconfigure::ReconfigureReport;
 pub use gate::{
-    ClassSnapshot, Completed, Completion, Decision, Event, Gate, GateSnapshot, JobId, LaneId,
-    PoolId, PoolSnapshot, Request,
+    ClassSnapshot, Completed, Completion, Decision, EndpointView, Event, Gate, GateSnapshot, JobId,
+    LaneId, PoolId, PoolSnapshot, Request,
 };
 pub use ledger::{HoldRecord, HoldState};
 pub use reason::{Action, Reason};

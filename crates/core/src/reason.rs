@@ -53,6 +53,10 @@ pub enum Reason {
     /// The upstream refused the connection or could not be reached; at admission, every
     /// endpoint of the pool is ejected or drained (a capacity refusal: another pool can help).
     UpstreamUnavailable,
+    /// The upstream (a hosted API) answered 429: the gate answers with its own 429 and a
+    /// Retry-After at least the provider's, pauses that endpoint until then and halves its
+    /// slots. The request's hold is released, not spent.
+    UpstreamThrottled,
     /// The upstream stayed silent past the request's deadline.
     UpstreamTimeout,
     /// The upstream broke the response (reset, protocol error) or answered with a server error.
@@ -113,6 +117,7 @@ impl Reason {
             Reason::InvalidDeadline => "invalid_deadline",
             Reason::InvalidRequest => "invalid_request",
             Reason::UpstreamUnavailable => "upstream_unavailable",
+            Reason::UpstreamThrottled => "upstream_throttled",
             Reason::UpstreamTimeout => "upstream_timeout",
             Reason::UpstreamError => "upstream_error",
             Reason::ShuttingDown => "shutting_down",
@@ -124,7 +129,7 @@ impl Reason {
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 28] = [
+    pub const ALL: [Reason; 29] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -146,6 +151,7 @@ impl Reason {
         Reason::InvalidDeadline,
         Reason::InvalidRequest,
         Reason::UpstreamUnavailable,
+        Reason::UpstreamThrottled,
         Reason::UpstreamTimeout,
         Reason::UpstreamError,
         Reason::ShuttingDown,

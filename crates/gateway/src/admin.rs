@@ -378,6 +378,17 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
                 Err(e) => control_error(e),
             }
         }
+        ["admin", "pools", pool, "endpoints", endpoint, action @ ("drain" | "undrain")]
+            if method == Method::POST =>
+        {
+            let draining = *action == "drain";
+            match shared.drain_endpoint(pool, endpoint, draining, &who) {
+                Ok(changed) => response::json(&json!({
+                    "pool": pool, "endpoint": endpoint, "draining": draining, "changed": changed,
+                })),
+                Err(e) => error(StatusCode::NOT_FOUND, "not_found", &truncate(&e)),
+            }
+        }
         ["admin", "queues"] if method == Method::GET => response::json(&queues(shared)),
         ["admin", "estimator"] if method == Method::GET => response::json(&estimator(shared)),
         ["admin", "ledger"] if method == Method::GET => {
@@ -393,6 +404,7 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
         | ["admin", "classes", _, "enabled"]
         | ["admin", "drain"]
         | ["admin", "queues"]
+        | ["admin", "pools", _, "endpoints", _, "drain" | "undrain"]
         | ["admin", "estimator"]
         | ["admin", "ledger"]
         | ["admin", "reload"] => error(
@@ -437,6 +449,7 @@ fn queues(shared: &Shared) -> serde_json::Value {
                 "pool": p.name, "slots": p.slots, "in_flight": p.in_flight, "depth": p.depth,
                 "oldest_in_flight_age_ms": p.oldest_in_flight_age_ms,
                 "in_flight_remaining_ms": p.in_flight_remaining_ms, "retired": p.retired,
+                "endpoints": p.endpoints,
             })
         })
         .collect();

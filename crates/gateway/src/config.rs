@@ -303,6 +303,7 @@ impl Config {
     /// Parse and validate a TOML document. Missing sections take their defaults.
     pub fn from_toml(text: &str) -> Result<Config, ConfigFileError> {
         let f: FileConfig = toml::from_str(text).map_err(|e| parse_error(text, &e))?;
+        slots_beside_endpoints(text)?;
         let defaults = GateConfig::default();
         // A file that defines no classes gets the embedded classes *and* their default
         // class; a file that defines classes decides for itself whether unlabeled work has one.
@@ -383,11 +384,19 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.validate_shape()?;
         for (i, p) in self.gate.pools.iter().enumerate() {
-            if p.upstream.is_none() {
+            if p.upstream.is_none() && p.endpoints.is_empty() {
                 return Err(err(
                     &format!("pools[{i}].upstream"),
-                    "every pool needs an upstream URL (or pass --upstream)",
+                    "every pool needs an upstream URL or endpoints (or pass --upstream)",
                 ));
+            }
+            if let Some(u) = &p.upstream {
+                crate::upstream::parse_base(u)
+                    .map_err(|e| err(&format!("pools[{i}].upstream"), &e))?;
+            }
+            for (j, e) in p.endpoints.iter().enumerate() {
+                crate::upstream::parse_base(&e.url)
+                    .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m))?;
             }
         }
         Ok(())
@@ -515,6 +524,32 @@ fn err(path: &str, message: &str) -> ConfigError {
         path: path.into(),
         message: message.into(),
     }
+}
+
+/// A pool that lists `endpoints` takes its slots from them: a pool-level `slots` (or
+/// `max_in_flight`) beside them would be silently ignored, so it is refused.
+fn slots_beside_endpoints(text: &str) -> Result<(), ConfigFileError> {
+    let Ok(doc) = text.parse::<toml::Table>() else {
+        return Ok(());
+    };
+    let Some(pools) = doc.get("pools").and_then(toml::Value::as_array) else {
+        return Ok(());
+    };
+    for (i, p) in pools.iter().enumerate() {
+        let listed = p
+            .get("endpoints")
+            .and_then(toml::Value::as_array)
+            .is_some_and(|e| !e.is_empty());
+        for key in ["slots", "max_in_flight"] {
+            if listed && p.get(key).is_some() {
+                return Err(ConfigFileError::Invalid(err(
+                    &format!("pools[{i}].{key}"),
+                    "a pool with endpoints takes its slots from them: set slots on each endpoint",
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

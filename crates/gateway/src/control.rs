@@ -97,6 +97,16 @@ pub struct Control {
 }
 
 impl Control {
+    /// The pool named `name` as the config file in force defines it.
+    pub fn pool_config(&self, name: &str) -> Option<slackgate_core::config::PoolConfig> {
+        lock(&self.file)
+            .gate
+            .pools
+            .iter()
+            .find(|p| p.name == name)
+            .cloned()
+    }
+
     /// Controls for a gate started from `cfg`.
     pub fn new(cfg: &Config) -> Control {
         Control {
@@ -203,11 +213,13 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// The upstream of every pool id of `gate` (retired ones included: their in-flight work
 /// still needs them).
-pub(crate) fn pool_upstreams(gate: &Gate) -> Vec<Option<UpstreamBase>> {
+pub(crate) fn pool_upstreams(gate: &Gate) -> Vec<Vec<Option<UpstreamBase>>> {
     (0..gate.pool_count())
         .map(|i| {
-            gate.pool_upstream(PoolId(i))
-                .and_then(|u| crate::upstream::parse_base(u).ok())
+            gate.endpoints(0, PoolId(i))
+                .iter()
+                .map(|e| crate::upstream::parse_base(&e.url).ok())
+                .collect()
         })
         .collect()
 }
@@ -276,6 +288,24 @@ pub enum ControlError {
 
 impl Shared {
     /// Log operator event lines, numbered in the core's order and counted in `/metrics`.
+    /// Log an event about one endpoint (`action: "flag"`, `flag: "endpoint"`): it was
+    /// ejected, readmitted, drained, undrained or throttled by its provider.
+    pub(crate) fn endpoint_event(
+        &self,
+        pool: &str,
+        endpoint: &str,
+        event: &'static str,
+        actor: &str,
+        message: Option<String>,
+    ) {
+        let mut line = Self::event_line("flag", event, actor);
+        line.flag = Some("endpoint".to_string());
+        line.pool = Some(pool.to_string());
+        line.endpoint = Some(endpoint.to_string());
+        line.message = message;
+        self.log_events(vec![line]);
+    }
+
     fn log_events(&self, mut lines: Vec<LogLine>) {
         lock(&self.core).number(&mut lines);
         for line in &lines {

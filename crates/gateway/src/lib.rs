@@ -19,6 +19,7 @@ pub mod config;
 pub mod config_path;
 pub mod connlimit;
 pub mod control;
+pub mod health;
 pub mod ledger_store;
 pub mod metrics;
 pub mod proxy;

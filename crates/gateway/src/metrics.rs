@@ -6,7 +6,7 @@
 //! dashboards in `deploy/` use them.
 
 use crate::telemetry::LogCounters;
-use slackgate_core::{ClassSnapshot, ErrorSummary, GateSnapshot, PoolSnapshot};
+use slackgate_core::{ClassSnapshot, EndpointView, ErrorSummary, GateSnapshot, PoolSnapshot};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -48,6 +48,8 @@ struct Inner {
     tokens_wasted: BTreeMap<String, u64>,
     upstream: BTreeMap<(String, u16), u64>,
     upstream_retries: BTreeMap<(String, &'static str), u64>,
+    endpoint_events: BTreeMap<(String, String, &'static str), u64>,
+    scrapes: BTreeMap<(String, String, &'static str), u64>,
 }
 
 /// The gateway's counters and histograms.
@@ -126,6 +128,24 @@ impl Metrics {
         self.with(|m| {
             *m.upstream_retries
                 .entry((pool.to_string(), reason))
+                .or_default() += 1
+        });
+    }
+
+    /// Count an endpoint event: `ejected`, `readmitted`, `drained`, `undrained`, `throttled`.
+    pub fn endpoint_event(&self, pool: &str, endpoint: &str, event: &'static str) {
+        self.with(|m| {
+            *m.endpoint_events
+                .entry((pool.to_string(), endpoint.to_string(), event))
+                .or_default() += 1
+        });
+    }
+
+    /// Count a scrape of an endpoint's own metrics: `ok`, or why it failed.
+    pub fn scrape(&self, pool: &str, endpoint: &str, outcome: &'static str) {
+        self.with(|m| {
+            *m.scrapes
+                .entry((pool.to_string(), endpoint.to_string(), outcome))
                 .or_default() += 1
         });
     }
@@ -310,7 +330,8 @@ impl Metrics {
             (
                 "slackgate_slots",
                 "gauge",
-                "Configured slots (requests sent upstream at once), per pool.",
+                "Slots in force (requests sent upstream at once), per pool: its available \
+                 endpoints' slots, summed.",
                 |p| f64::from(p.slots),
             ),
             (
@@ -369,6 +390,68 @@ impl Metrics {
                 kind,
                 help,
                 snap.pools.iter().map(|p| (pool_label(p), value(p))),
+            );
+        }
+        let endpoints = || {
+            snap.pools.iter().flat_map(|p| {
+                p.endpoints.iter().filter(|e| !e.retired).map(move |e| {
+                    (
+                        format!("pool=\"{}\",endpoint=\"{}\"", esc(&p.name), esc(&e.name)),
+                        e,
+                    )
+                })
+            })
+        };
+        type EndpointGauge = (&'static str, &'static str, fn(&EndpointView) -> f64);
+        let endpoint_gauges: [EndpointGauge; 8] = [
+            (
+                "slackgate_endpoint_slots",
+                "Slots in force on the endpoint (its configured slots, halved after a provider's 429 and grown back one per completion).",
+                |e| f64::from(e.limit),
+            ),
+            (
+                "slackgate_endpoint_in_flight",
+                "The gate's requests running on the endpoint.",
+                |e| f64::from(e.in_flight),
+            ),
+            (
+                "slackgate_endpoint_ejected",
+                "1 while health checks keep the endpoint out of the pool.",
+                |e| f64::from(u8::from(e.ejected)),
+            ),
+            (
+                "slackgate_endpoint_draining",
+                "1 while the endpoint is drained through the admin API.",
+                |e| f64::from(u8::from(e.draining)),
+            ),
+            (
+                "slackgate_endpoint_paused_seconds",
+                "Time left before the provider's Retry-After lets the gate send to the endpoint again.",
+                |e| ms_to_s(e.paused_ms),
+            ),
+            (
+                "slackgate_endpoint_server_signal",
+                "1 while a fresh reading of the endpoint's own metrics is in use (server_metrics).",
+                |e| f64::from(u8::from(e.signal)),
+            ),
+            (
+                "slackgate_endpoint_neighbour_running",
+                "Requests the endpoint runs that the gate did not send, by its own metrics.",
+                |e| f64::from(e.outside_running),
+            ),
+            (
+                "slackgate_endpoint_neighbour_waiting",
+                "Requests waiting in the endpoint's own queue that the gate did not send.",
+                |e| f64::from(e.outside_waiting),
+            ),
+        ];
+        for (name, help, value) in endpoint_gauges {
+            family(
+                o,
+                name,
+                "gauge",
+                help,
+                endpoints().map(|(l, e)| (l, value(e))),
             );
         }
         family(
@@ -479,6 +562,38 @@ impl Metrics {
                 m.upstream_retries.iter().map(|((pool, reason), n)| {
                     (
                         format!("pool=\"{}\",reason=\"{reason}\"", esc(pool)),
+                        *n as f64,
+                    )
+                }),
+            );
+            family(
+                o,
+                "slackgate_endpoint_events_total",
+                "counter",
+                "Endpoint health and control events: ejected, readmitted, drained, undrained, throttled (a provider's 429).",
+                m.endpoint_events.iter().map(|((pool, endpoint, event), n)| {
+                    (
+                        format!(
+                            "pool=\"{}\",endpoint=\"{}\",event=\"{event}\"",
+                            esc(pool),
+                            esc(endpoint)
+                        ),
+                        *n as f64,
+                    )
+                }),
+            );
+            family(
+                o,
+                "slackgate_server_metrics_scrapes_total",
+                "counter",
+                "Scrapes of an endpoint's own metrics (server_metrics), by outcome: ok, or why the reading was not used.",
+                m.scrapes.iter().map(|((pool, endpoint, outcome), n)| {
+                    (
+                        format!(
+                            "pool=\"{}\",endpoint=\"{}\",outcome=\"{outcome}\"",
+                            esc(pool),
+                            esc(endpoint)
+                        ),
                         *n as f64,
                     )
                 }),

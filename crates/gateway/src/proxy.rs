@@ -7,6 +7,7 @@
 //! request (client gone) drops its [`JobGuard`], which takes it out of the queue.
 
 use crate::body::TrackedBody;
+use crate::health::Verdict;
 use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, BadRequest};
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use crate::state::{Admission, JobGuard, JobMeta, Outcome, Shared, Signal};
@@ -19,6 +20,9 @@ use hyper::body::Incoming;
 use slackgate_core::{Action, Decision, Reason, Request as CoreRequest};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Most endpoints a request that could not connect is moved through before it fails.
+const MAX_ENDPOINT_MOVES: usize = 8;
 
 /// Headers that describe one hop, never forwarded (RFC 9110 section 7.6.1).
 const HOP_BY_HOP: [&str; 9] = [
@@ -304,47 +308,13 @@ pub async fn admitted(
 
     // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
     // this future is dropped (client gone) the guard takes the job out of the queue.
-    let (pool_name, base, queue_wait_ms, mut abort) = match signal.await {
-        Ok(Signal::Go {
-            pool_name,
-            upstream,
-            queue_wait_ms,
-            abort,
-            ..
-        }) => {
-            // The hold must be on disk before upstream tokens are spent on it: a crash after
-            // this point leaves a hold that expires (wasted), never a spend nobody recorded.
-            // Group commit: every request dispatched meanwhile shares the same sync.
-            if let Err(e) = shared.durable().await {
-                shared.note_store_error(&e);
-            }
-            (pool_name, upstream, queue_wait_ms, Some(abort))
-        }
-        Ok(Signal::Dropped(reason, body, advice)) => return dropped(reason, &body, advice),
-        Err(_) => {
-            // The sender vanished without a signal: only possible if the job was ended by
-            // another path; answer rather than hang.
-            return response::error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                Reason::ShuttingDown,
-                "the gate stopped tracking this request",
-                None,
-                None,
-            );
-        }
+    let go = match wait_for_slot(&shared, signal).await {
+        Ok(go) => go,
+        Err(resp) => return resp,
     };
+    let (pool, pool_name, queue_wait_ms) = (go.pool, go.pool_name, go.queue_wait_ms);
+    let (mut endpoint, mut base, mut abort) = (go.endpoint, go.upstream, Some(go.abort));
 
-    let uri = match base.target(parts.uri.path_and_query()) {
-        Ok(u) => u,
-        Err(e) => {
-            return fail(
-                guard,
-                StatusCode::BAD_GATEWAY,
-                Reason::UpstreamUnavailable,
-                &format!("cannot build upstream URL: {e}"),
-            );
-        }
-    };
     let mut headers = upstream_request_headers(parts.headers);
     // The gate reads `usage` from the response as it streams past; a compressed body would
     // hide it (and the SSE chunk boundaries), so ask the upstream for an uncompressed one.
@@ -352,10 +322,7 @@ pub async fn admitted(
         http::header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
     );
-    let mut up = Request::new(bytes);
-    *up.method_mut() = parts.method;
-    *up.uri_mut() = uri;
-    *up.headers_mut() = headers;
+    let path_and_query = parts.uri.path_and_query().cloned();
 
     // The upstream must start answering before the deadline (the gate promised the client an
     // answer by then); without a deadline, the configured ceiling applies.
@@ -369,61 +336,115 @@ pub async fn admitted(
         Some(d) if enforce => d.saturating_sub(shared.clock.now_ms()).max(1),
         _ => shared.server.upstream_timeout_ms,
     };
-    // A stale keep-alive is sent again on a fresh connection inside this same job: same slot,
-    // same hold, same deadline (the timeout covers both attempts), no second decision.
-    let send = shared.client.send(up, |reason| {
-        shared.metrics.upstream_retry(&pool_name, reason.as_str());
-    });
-    let request = tokio::time::timeout(Duration::from_millis(limit_ms), send);
-    // The gate may cancel the job while it waits for the upstream's headers (a drain with
-    // `cancel`, the end of the shutdown grace period): dropping the request cancels it
-    // upstream too.
-    let sent = tokio::select! {
-        sent = request => sent,
-        why = aborted(&mut abort) => {
-            let msg = match why {
-                Reason::Drained => "the request's class was drained with cancel by an operator",
-                _ => "the gate is shutting down and its grace period ended",
-            };
-            guard.cancel_with(why, 0);
-            return response::error(StatusCode::SERVICE_UNAVAILABLE, why, msg, None, None);
-        }
-    };
-    let retried = sent.as_ref().ok().and_then(|exchange| exchange.retried);
-    let resp = match sent.map(|exchange| exchange.result) {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            let reason = if e.is_connect() {
-                Reason::UpstreamUnavailable
-            } else {
-                Reason::UpstreamError
-            };
-            let again = match retried {
-                Some(RetryReason::ConnectionClosed) => {
-                    " (sent again on a new connection after the reused one closed)"
+    // One limit for every attempt: a request moved to another endpoint keeps its deadline.
+    let give_up = tokio::time::Instant::now() + Duration::from_millis(limit_ms);
+    let mut moves = 0usize;
+    let resp = loop {
+        let uri = match base.target(path_and_query.as_ref()) {
+            Ok(u) => u,
+            Err(e) => {
+                return fail(
+                    guard,
+                    StatusCode::BAD_GATEWAY,
+                    Reason::UpstreamUnavailable,
+                    &format!("cannot build upstream URL: {e}"),
+                );
+            }
+        };
+        let mut up = Request::new(bytes.clone());
+        *up.method_mut() = parts.method.clone();
+        *up.uri_mut() = uri;
+        *up.headers_mut() = headers.clone();
+        // A stale keep-alive is sent again on a fresh connection inside this same job: same
+        // slot, same hold, same deadline (the timeout covers both attempts), no second decision.
+        let send = shared.client.send(up, |reason| {
+            shared.metrics.upstream_retry(&pool_name, reason.as_str());
+        });
+        let request = tokio::time::timeout_at(give_up, send);
+        // The gate may cancel the job while it waits for the upstream's headers (a drain with
+        // `cancel`, the end of the shutdown grace period): dropping the request cancels it
+        // upstream too.
+        let sent = tokio::select! {
+            sent = request => sent,
+            why = aborted(&mut abort) => {
+                let msg = match why {
+                    Reason::Drained => "the request's class was drained with cancel by an operator",
+                    _ => "the gate is shutting down and its grace period ended",
+                };
+                guard.cancel_with(why, 0);
+                return response::error(StatusCode::SERVICE_UNAVAILABLE, why, msg, None, None);
+            }
+        };
+        let retried = sent.as_ref().ok().and_then(|exchange| exchange.retried);
+        match sent.map(|exchange| exchange.result) {
+            Ok(Ok(r)) => break r,
+            Ok(Err(e)) if e.is_connect() => {
+                shared.endpoint_verdict(pool, endpoint, Verdict::Failed("connect"), false);
+                // The request never reached the endpoint: another one of the pool that can
+                // start it now takes it, slot and all (at most once per other endpoint).
+                // When none can, it queues again in its place and waits for the next slot.
+                moves += 1;
+                if moves < MAX_ENDPOINT_MOVES {
+                    if let Some((to, b)) = shared.reroute(decision.job_id, pool) {
+                        (endpoint, base) = (to, b);
+                        continue;
+                    }
+                    if let Some(signal) = shared.requeue(decision.job_id) {
+                        match wait_for_slot(&shared, signal).await {
+                            Ok(go) => {
+                                (endpoint, base, abort) =
+                                    (go.endpoint, go.upstream, Some(go.abort));
+                                continue;
+                            }
+                            Err(resp) => return resp,
+                        }
+                    }
                 }
-                Some(RetryReason::ConnectionReset) => {
-                    " (sent again on a new connection after the reused one was reset)"
-                }
-                None => "",
-            };
-            return fail(
-                guard,
-                StatusCode::BAD_GATEWAY,
-                reason,
-                &format!("upstream request failed{again}: {e}"),
-            );
-        }
-        Err(_) => {
-            return fail(
-                guard,
-                StatusCode::GATEWAY_TIMEOUT,
-                Reason::UpstreamTimeout,
-                &format!("upstream sent no response within {limit_ms} ms (the request's deadline)"),
-            );
+                return fail(
+                    guard,
+                    StatusCode::BAD_GATEWAY,
+                    Reason::UpstreamUnavailable,
+                    &format!("upstream request failed: {e}"),
+                );
+            }
+            Ok(Err(e)) => {
+                shared.endpoint_verdict(pool, endpoint, Verdict::Failed("connection"), false);
+                let again = match retried {
+                    Some(RetryReason::ConnectionClosed) => {
+                        " (sent again on a new connection after the reused one closed)"
+                    }
+                    Some(RetryReason::ConnectionReset) => {
+                        " (sent again on a new connection after the reused one was reset)"
+                    }
+                    None => "",
+                };
+                return fail(
+                    guard,
+                    StatusCode::BAD_GATEWAY,
+                    Reason::UpstreamError,
+                    &format!("upstream request failed{again}: {e}"),
+                );
+            }
+            Err(_) => {
+                return fail(
+                    guard,
+                    StatusCode::GATEWAY_TIMEOUT,
+                    Reason::UpstreamTimeout,
+                    &format!(
+                        "upstream sent no response within {limit_ms} ms (the request's deadline)"
+                    ),
+                );
+            }
         }
     };
 
+    // Any answer is a live server; a 5xx is a failing one.
+    let verdict = if resp.status().is_server_error() {
+        Verdict::Failed("status_5xx")
+    } else {
+        Verdict::Healthy
+    };
+    shared.endpoint_verdict(pool, endpoint, verdict, false);
     let (mut rparts, rbody) = resp.into_parts();
     let sse = rparts
         .headers
@@ -464,6 +485,61 @@ pub async fn admitted(
         tracked = tracked.with_abort(abort);
     }
     Response::from_parts(rparts, BodyExt::boxed(tracked))
+}
+
+/// A slot, as [`Signal::Go`] gives it.
+struct Go {
+    pool: slackgate_core::PoolId,
+    endpoint: usize,
+    pool_name: String,
+    upstream: crate::upstream::UpstreamBase,
+    queue_wait_ms: u64,
+    abort: tokio::sync::oneshot::Receiver<Reason>,
+}
+
+/// Wait for a slot. The core drops a job whose deadline became unmeetable and tells us (the
+/// answer is then the `Err`); if this future is dropped (client gone) the caller's guard takes
+/// the job out of the queue.
+async fn wait_for_slot(
+    shared: &Shared,
+    signal: tokio::sync::oneshot::Receiver<Signal>,
+) -> Result<Go, Response<ResBody>> {
+    match signal.await {
+        Ok(Signal::Go {
+            pool,
+            endpoint,
+            pool_name,
+            upstream,
+            queue_wait_ms,
+            abort,
+            ..
+        }) => {
+            // The hold must be on disk before upstream tokens are spent on it: a crash after
+            // this point leaves a hold that expires (wasted), never a spend nobody recorded.
+            // Group commit: every request dispatched meanwhile shares the same sync.
+            if let Err(e) = shared.durable().await {
+                shared.note_store_error(&e);
+            }
+            Ok(Go {
+                pool,
+                endpoint,
+                pool_name,
+                upstream,
+                queue_wait_ms,
+                abort,
+            })
+        }
+        Ok(Signal::Dropped(reason, body, advice)) => Err(dropped(reason, &body, advice)),
+        // The sender vanished without a signal: only possible if the job was ended by
+        // another path; answer rather than hang.
+        Err(_) => Err(response::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Reason::ShuttingDown,
+            "the gate stopped tracking this request",
+            None,
+            None,
+        )),
+    }
 }
 
 /// Wait for the gate to cancel a running job; never resolves if it will not (its sender is

@@ -267,6 +267,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     // The ticker runs until the very end: jobs still queued during the grace period must be
     // dropped when their slack dies, as at any other time.
     let ticker = tokio::spawn(tick_loop(Arc::clone(&shared)));
+    let prober = tokio::spawn(crate::health::probe_loop(Arc::clone(&shared)));
     // Header and idle timeouts, off the request path (see `crate::connlimit`).
     let reaper = tokio::spawn(Arc::clone(&shared.conns).reaper());
     let mut conns = JoinSet::new();
@@ -315,6 +316,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
         conns.shutdown().await;
     }
     ticker.abort();
+    prober.abort();
     reaper.abort();
 }
 

@@ -29,7 +29,11 @@ pub enum Signal {
         pool: PoolId,
         /// That pool's name.
         pool_name: String,
-        /// That pool's upstream (resolved under the lock: a reload cannot move it).
+        /// The endpoint of the pool it goes to (see the core's `Gate::endpoints`).
+        endpoint: usize,
+        /// That endpoint's name.
+        endpoint_name: String,
+        /// That endpoint's base URL (resolved under the lock: a reload cannot move it).
         upstream: UpstreamBase,
         /// Time it waited in the queue.
         queue_wait_ms: u64,
@@ -65,11 +69,13 @@ pub struct JobMeta {
     pub tokens_held: u64,
     /// Pool name.
     pub pool: String,
+    /// The endpoint it was dispatched to (set at dispatch).
+    pub endpoint: Option<String>,
 }
 
 pub(crate) struct Waiting {
     pub(crate) meta: JobMeta,
-    tx: Option<oneshot::Sender<Signal>>,
+    pub(crate) tx: Option<oneshot::Sender<Signal>>,
     /// A reservation-API hold: no HTTP request waits on it; the worker calls the model itself
     /// and settles with commit/cancel (or the hold expires).
     reservation: bool,
@@ -82,9 +88,9 @@ pub struct CoreState {
     /// The admission core.
     pub gate: Gate,
     pub(crate) waiting: HashMap<JobId, Waiting>,
-    /// Upstream of each pool, by pool id (ids are stable across reloads; see the core's
-    /// `reconfigure`).
-    pub(crate) upstreams: Vec<Option<UpstreamBase>>,
+    /// Base URL of each endpoint of each pool, by pool id and endpoint id (both stable
+    /// across reloads; see the core's `reconfigure`).
+    pub(crate) upstreams: Vec<Vec<Option<UpstreamBase>>>,
     /// Sequence number of the last log line; every line gets the next one under this lock,
     /// so `seq` is the order in which the core decided.
     seq: u64,
@@ -160,6 +166,8 @@ pub struct Shared {
     pub conns: Arc<crate::connlimit::ConnTracker>,
     /// The admin listener's open connections and their limits.
     pub admin_conns: Arc<crate::connlimit::ConnTracker>,
+    /// Endpoint failures and probe schedules (see [`crate::health`]).
+    pub health: crate::health::Health,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -217,11 +225,18 @@ impl Shared {
         let restored = gate.take_ledger_records();
         store.write(restored);
         for (i, p) in cfg.gate.pools.iter().enumerate() {
-            let url = p
-                .upstream
-                .as_deref()
-                .ok_or_else(|| format!("pools[{i}].upstream: missing"))?;
-            crate::upstream::parse_base(url).map_err(|e| format!("pools[{i}].upstream: {e}"))?;
+            let endpoints = p.endpoint_list();
+            if endpoints.is_empty() {
+                return Err(format!("pools[{i}].upstream: missing"));
+            }
+            for (j, e) in endpoints.iter().enumerate() {
+                let at = if p.endpoints.is_empty() {
+                    format!("pools[{i}].upstream")
+                } else {
+                    format!("pools[{i}].endpoints[{j}].url")
+                };
+                crate::upstream::parse_base(&e.url).map_err(|err| format!("{at}: {err}"))?;
+            }
         }
         let upstreams = crate::control::pool_upstreams(&gate);
         let tenant_key = match &cfg.server.tenant_hash_key {
@@ -261,6 +276,7 @@ impl Shared {
                 max_connections: cfg.admin.max_connections,
                 max_connections_per_addr: cfg.admin.max_connections_per_addr,
             }),
+            health: crate::health::Health::default(),
         })
     }
 
@@ -482,7 +498,7 @@ impl Shared {
             (0..st.gate.pool_count())
                 .map(PoolId)
                 .filter(|p| st.gate.pool_live(*p))
-                .find_map(|p| st.upstreams.get(p.0).cloned().flatten())
+                .find_map(|p| first_endpoint(st, p))
         })
     }
 
@@ -492,7 +508,7 @@ impl Shared {
             (0..st.gate.pool_count())
                 .map(PoolId)
                 .filter(|p| st.gate.pool_live(*p))
-                .find(|p| matches!(st.upstreams.get(p.0), Some(Some(_))))
+                .find(|p| first_endpoint(st, *p).is_some())
                 .map(|p| st.gate.pool_name(p).to_string())
         })
     }
@@ -618,6 +634,19 @@ impl Drop for JobGuard {
     }
 }
 
+/// The base URL of a pool's first endpoint that takes work (not ejected, drained or
+/// retired), else its first endpoint with a URL: where pass-through routes go.
+fn first_endpoint(st: &CoreState, pool: PoolId) -> Option<UpstreamBase> {
+    let urls = st.upstreams.get(pool.0)?;
+    let views = st.gate.endpoints(0, pool);
+    let usable = views
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !v.ejected && !v.draining && !v.retired)
+        .find_map(|(i, _)| urls.get(i).cloned().flatten());
+    usable.or_else(|| urls.iter().find_map(Clone::clone))
+}
+
 /// Perform the core's events: wake dispatched jobs, tell dropped ones.
 pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
     while let Some(ev) = st.gate.poll(now) {
@@ -625,6 +654,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
             Event::Dispatch {
                 job_id,
                 pool,
+                endpoint,
                 queue_wait_ms,
                 deadline_slack_ms,
                 est_service_ms,
@@ -639,6 +669,12 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                     let _ = st.gate.cancel(now, job_id);
                     continue;
                 };
+                let endpoint_name = st
+                    .gate
+                    .endpoint_name(pool, endpoint)
+                    .unwrap_or_default()
+                    .to_string();
+                w.meta.endpoint = Some(endpoint_name.clone());
                 let mut line = base_line(job_id, &w.meta, Action::Dispatch, Reason::SlotFree);
                 line.queue_wait_ms = Some(queue_wait_ms);
                 line.deadline_slack_ms = deadline_slack_ms;
@@ -650,7 +686,12 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                     // The worker holds the slot from now until it commits or cancels.
                     continue;
                 }
-                let upstream = st.upstreams.get(pool.0).cloned().flatten();
+                let upstream = st
+                    .upstreams
+                    .get(pool.0)
+                    .and_then(|e| e.get(endpoint))
+                    .cloned()
+                    .flatten();
                 let (abort_tx, abort) = oneshot::channel();
                 w.abort = Some(abort_tx);
                 let sent = match (w.tx.take(), upstream) {
@@ -658,6 +699,8 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                         .send(Signal::Go {
                             pool,
                             pool_name: st.gate.pool_name(pool).to_string(),
+                            endpoint,
+                            endpoint_name,
                             upstream,
                             queue_wait_ms,
                             abort,
@@ -771,6 +814,7 @@ fn base_line(id: JobId, meta: &JobMeta, action: Action, reason: Reason) -> LogLi
         action: action.as_str(),
         reason: reason.as_str(),
         pool: (!meta.pool.is_empty()).then(|| meta.pool.clone()),
+        endpoint: meta.endpoint.clone(),
         path: Some(meta.path.clone()),
         attempt: meta.attempt,
         ..LogLine::default()

@@ -78,6 +78,9 @@ pub struct LogLine {
     pub reason: &'static str,
     /// Pool name.
     pub pool: Option<String>,
+    /// On `dispatch`, `complete` and `cancel` lines of a dispatched job: the endpoint of the
+    /// pool it was sent to; on `flag` lines about an endpoint: that endpoint.
+    pub endpoint: Option<String>,
     /// HTTP status sent to the client (or received from upstream, on completion).
     pub status: Option<u16>,
     /// Arrival to end of response.
@@ -142,7 +145,12 @@ pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
     ("complete", &COMPLETE),
     ("cancel", &CANCEL),
     ("error", &["class_label", "path", "status"]),
-    ("flag", &["class", "flag", "value", "actor"]),
+    (
+        "flag",
+        &[
+            "class", "pool", "endpoint", "flag", "value", "actor", "message",
+        ],
+    ),
     ("reload", &["actor", "message"]),
     ("shutdown", &["actor", "message"]),
 ];
@@ -162,9 +170,10 @@ const DECISION: [&str; 15] = concat_fields(
 );
 const DECISION_ADMITTED: [&str; 17] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
 const DECISION_REJECTED: [&str; 16] = concat_fields(DECISION, ["status"]);
-const DISPATCH: [&str; 13] = concat_fields(
+const DISPATCH: [&str; 14] = concat_fields(
     JOB,
     [
+        "endpoint",
         "queue_wait_ms",
         "deadline_slack_ms",
         "est_service_ms",
@@ -184,9 +193,10 @@ const DROP: [&str; 15] = concat_fields(
         "amplification",
     ],
 );
-const CANCEL: [&str; 21] = concat_fields(
+const CANCEL: [&str; 22] = concat_fields(
     JOB,
     [
+        "endpoint",
         "queue_wait_ms",
         "deadline_slack_ms",
         "in_flight",
@@ -202,7 +212,7 @@ const CANCEL: [&str; 21] = concat_fields(
         "amplification",
     ],
 );
-const COMPLETE: [&str; 23] = concat_fields(CANCEL, ["status", "est_error"]);
+const COMPLETE: [&str; 24] = concat_fields(CANCEL, ["status", "est_error"]);
 
 /// `a` then `b`, as one array (a `const` cannot build a slice otherwise).
 const fn concat_fields<const A: usize, const B: usize, const N: usize>(

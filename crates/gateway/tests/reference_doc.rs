@@ -267,6 +267,11 @@ async fn every_kind_of_line_sets_exactly_its_documented_fields() {
             .status,
         200
     );
+    // flag for an endpoint (names the pool and the endpoint, with a message).
+    let drained = admin(&g, "POST", "/admin/pools/default/endpoints/e0/drain", "").await;
+    assert_eq!(drained.status, 200, "{:?}", drained.body);
+    let undrained = admin(&g, "POST", "/admin/pools/default/endpoints/e0/undrain", "").await;
+    assert_eq!(undrained.status, 200);
     // reload, applied and refused; shutdown.
     let text = config().replace("{UPSTREAM}", &format!("http://{}", stub.local_addr()));
     let cfg = slackgate_gateway::Config::from_toml(&text).unwrap();

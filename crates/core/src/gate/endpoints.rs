@@ -103,6 +103,8 @@ pub struct EndpointView {
     pub ejected: bool,
     /// Drained through the admin API.
     pub draining: bool,
+    /// Removed by a reload (kept while its work runs: ids are positions).
+    pub retired: bool,
     /// Milliseconds until the provider's Retry-After passes (0: not paused).
     pub paused_ms: u64,
     /// Neighbours' requests running and waiting on it, by its own metrics (0 without a fresh
@@ -249,12 +251,19 @@ impl Gate {
                 in_flight: e.in_flight,
                 ejected: e.ejected,
                 draining: e.draining,
+                retired: e.retired,
                 paused_ms: e.paused_until.saturating_sub(now),
                 outside_running: e.outside_running,
                 outside_waiting: e.outside_waiting,
                 signal: e.reading_at.is_some(),
             })
             .collect()
+    }
+
+    /// The name of an endpoint.
+    pub fn endpoint_name(&self, pool: PoolId, endpoint: usize) -> Option<&str> {
+        let e = self.pools.get(pool.0)?.endpoints.get(endpoint)?;
+        Some(e.name.as_str())
     }
 
     /// The endpoint of `pool` named `name`, if any (retired ones are not found).
@@ -362,6 +371,96 @@ impl Gate {
         changed
     }
 
+    /// A dispatched job could not even connect to its endpoint (the request never reached
+    /// it): move it, slot and all, to another endpoint of its pool that can start it now, and
+    /// return that endpoint. `None` when no other can (the caller fails the request) or the
+    /// job is not in flight. Its hold, deadline and place in the accounting stay the same.
+    pub fn reroute(&mut self, now: Millis, id: JobId) -> Option<usize> {
+        let now = self.clock(now);
+        let pool = self.jobs.get(&id)?.pool;
+        let p = self.pools.get_mut(pool.0)?;
+        let from = p.in_flight.get(&id)?.endpoint;
+        // Placed as if the job had already left its endpoint, which must not take it back.
+        let to = {
+            let e = p.endpoints.get_mut(from)?;
+            e.in_flight = e.in_flight.saturating_sub(1);
+            let was = std::mem::replace(&mut e.draining, true);
+            let to = p.place(now);
+            if let Some(e) = p.endpoints.get_mut(from) {
+                e.draining = was;
+            }
+            to
+        };
+        match to {
+            Some(to) => {
+                if let Some(run) = p.in_flight.get_mut(&id) {
+                    run.endpoint = to;
+                }
+                if let Some(e) = p.endpoints.get_mut(to) {
+                    e.in_flight += 1;
+                }
+                Some(to)
+            }
+            None => {
+                if let Some(e) = p.endpoints.get_mut(from) {
+                    e.in_flight += 1;
+                }
+                None
+            }
+        }
+    }
+
+    /// A dispatched job could not connect to its endpoint and no other endpoint can start it
+    /// now ([`Gate::reroute`] said `None`): give its slot back and queue it again in its
+    /// place (its deadline decides its turn, as before), to be dispatched anew. Only when
+    /// another endpoint of the pool is available: with none, queuing again would only send it
+    /// back where it failed. Returns false (nothing changed) otherwise, or when the job is
+    /// not in flight.
+    pub fn requeue(&mut self, now: Millis, id: JobId) -> bool {
+        let now = self.clock(now);
+        let Some(job) = self.jobs.get(&id) else {
+            return false;
+        };
+        if !matches!(job.state, JobState::InFlight { .. }) || job.reservation {
+            return false;
+        }
+        let (pool, lane, key) = (job.pool, job.class, job.key());
+        let (arrived, est, context) = (job.arrived_at, job.est.service_ms, job.context);
+        let Some(p) = self.pools.get_mut(pool.0) else {
+            return false;
+        };
+        let Some(from) = p.in_flight.get(&id).map(|r| r.endpoint) else {
+            return false;
+        };
+        let elsewhere = p
+            .endpoints
+            .iter()
+            .enumerate()
+            .any(|(i, e)| i != from && e.available());
+        if !elsewhere {
+            return false;
+        }
+        p.advance_busy(now);
+        let Some(run) = p.in_flight.remove(&id) else {
+            return false;
+        };
+        p.context_now = if p.in_flight.is_empty() {
+            0.0
+        } else {
+            (p.context_now - context).max(0.0)
+        };
+        if let Some(e) = p.endpoints.get_mut(run.endpoint) {
+            e.in_flight = e.in_flight.saturating_sub(1);
+        }
+        self.classes[lane.0]
+            .queue
+            .push(key, arrived, id, est, false);
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.state = JobState::Queued;
+        }
+        true
+    }
+
     /// A job left its endpoint: free the slot, learn the endpoint's speed from a completed
     /// job, and grow a lowered limit back by one.
     pub(super) fn leave_endpoint(
@@ -386,5 +485,49 @@ impl Gate {
             }
         }
         p.refresh_capacity();
+    }
+}
+
+/// Bring a pool's endpoints in line with its configuration, by name: a kept endpoint keeps
+/// its runtime state (health, drain, pause, speed, in-flight count) unless its URL changed
+/// (then only its in-flight count: that work still runs); its configured slots are taken as
+/// given, and a lowered limit stays lowered at most to them. A removed endpoint is retired,
+/// not removed: ids are positions, and its in-flight jobs name it. A pool without an
+/// upstream (the simulator's) gets one endpoint with the pool's slots.
+pub(super) fn reconcile_endpoints(
+    endpoints: &mut Vec<EndpointState>,
+    pc: &crate::config::PoolConfig,
+) {
+    let mut wanted = pc.endpoint_list();
+    if wanted.is_empty() {
+        wanted.push(crate::config::EndpointConfig {
+            name: "e0".into(),
+            url: String::new(),
+            slots: pc.slots,
+        });
+    }
+    for e in endpoints.iter_mut() {
+        e.retired = !wanted.iter().any(|w| w.name == e.name);
+    }
+    for w in wanted {
+        match endpoints.iter_mut().find(|e| e.name == w.name) {
+            Some(e) => {
+                if e.url != w.url {
+                    let in_flight = e.in_flight;
+                    *e = EndpointState::new(&w.name, &w.url, w.slots);
+                    e.in_flight = in_flight;
+                } else {
+                    // A limit lowered by a 429 stays lowered (at most the new slots); one at
+                    // its configured value follows the new one.
+                    e.limit = if e.limit < e.slots {
+                        e.limit.min(w.slots)
+                    } else {
+                        w.slots
+                    };
+                    e.slots = w.slots;
+                }
+            }
+            None => endpoints.push(EndpointState::new(&w.name, &w.url, w.slots)),
+        }
     }
 }

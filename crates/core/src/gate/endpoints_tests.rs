@@ -214,3 +214,56 @@ fn a_reload_keeps_endpoint_state_by_name_and_retires_removed_ones() {
     g.offer(500, req(&g, "prod"));
     assert_eq!(dispatched(&drain(&mut g, 500)), vec![(JobId(3), 2)]);
 }
+
+#[test]
+fn a_job_that_could_not_connect_moves_to_another_endpoint_that_can_start_it() {
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 1), ep("b", 1)])).unwrap();
+    g.offer(0, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 0)), vec![(JobId(1), 0)]);
+    // a refused the connection: the job moves to b, a's slot is free again.
+    assert_eq!(g.reroute(5, JobId(1)), Some(1));
+    let v = g.endpoints(5, P);
+    assert_eq!((v[0].in_flight, v[1].in_flight), (0, 1));
+    // b refuses too; a is the only other and it can start it: back to a.
+    assert_eq!(g.reroute(6, JobId(1)), Some(0));
+    // With a second job on b, nothing else can start the first: it stays where it was.
+    g.offer(6, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 6)), vec![(JobId(2), 1)]);
+    assert_eq!(g.reroute(7, JobId(1)), None);
+    let v = g.endpoints(7, P);
+    assert_eq!((v[0].in_flight, v[1].in_flight), (1, 1));
+    // Its completion frees the endpoint it ended on.
+    g.on_complete(100, JobId(1), ok()).unwrap();
+    assert_eq!(g.endpoints(100, P)[0].in_flight, 0);
+    assert_eq!(
+        g.reroute(100, JobId(99)),
+        None,
+        "an unknown job is not moved"
+    );
+}
+
+#[test]
+fn a_job_no_endpoint_can_take_goes_back_to_the_queue_in_its_place() {
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 1), ep("b", 1)])).unwrap();
+    g.offer(0, req(&g, "prod"));
+    g.offer(0, req(&g, "prod"));
+    g.offer(0, req(&g, "prod"));
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
+    // Job 1 could not connect to a, and b is busy: it is queued again, ahead of job 3 (its
+    // deadline is no later), and a's slot goes to it at once.
+    assert_eq!(g.reroute(10, JobId(1)), None);
+    assert!(g.requeue(10, JobId(1)));
+    assert_eq!(g.snapshot(10).pools[0].depth, 2);
+    assert_eq!(dispatched(&drain(&mut g, 10)), vec![(JobId(1), 0)]);
+    assert!(!g.requeue(10, JobId(3)), "a queued job is not requeued");
+    assert!(!g.requeue(10, JobId(77)));
+    // It ends once, freeing one slot.
+    g.on_complete(1000, JobId(1), ok()).unwrap();
+    assert!(g.on_complete(1000, JobId(1), ok()).is_none());
+    assert_eq!(dispatched(&drain(&mut g, 1000)), vec![(JobId(3), 0)]);
+    // With b ejected there is nowhere else: job 3 is not queued again (it would only go
+    // back to a), and stays in flight there.
+    g.set_endpoint_ejected(1000, P, 1, true);
+    assert!(!g.requeue(1000, JobId(3)));
+    assert_eq!(g.endpoints(1000, P)[0].in_flight, 1);
+}

@@ -84,7 +84,7 @@ impl Gate {
                     p.prior = pc.prior.clone();
                     p.upstream = pc.upstream.clone();
                     p.retired = false;
-                    reconcile_endpoints(&mut p.endpoints, pc);
+                    super::endpoints::reconcile_endpoints(&mut p.endpoints, pc);
                     p.refresh_capacity();
                     p.max_depth_factor = pc.max_depth_factor;
                     p.max_queued = pc.max_queued;
@@ -120,7 +120,7 @@ impl Gate {
                         classes: Vec::new(),
                     });
                     if let Some(p) = self.pools.last_mut() {
-                        reconcile_endpoints(&mut p.endpoints, pc);
+                        super::endpoints::reconcile_endpoints(&mut p.endpoints, pc);
                         p.refresh_capacity();
                     }
                     report.pools_added.push(pc.name.clone());
@@ -419,50 +419,5 @@ mod lane_reuse_tests {
         g.reconfigure(300, third).unwrap();
         assert_eq!(g.lane_count(), lanes + 1, "no growth once the work ended");
         assert_eq!(g.live_jobs(), 0);
-    }
-}
-
-/// Bring a pool's endpoints in line with its configuration, by name: a kept endpoint keeps
-/// its runtime state (health, drain, pause, speed, in-flight count) unless its URL changed
-/// (then only its in-flight count: that work still runs); its configured slots are taken as
-/// given, and a lowered limit stays lowered at most to them. A removed endpoint is retired,
-/// not removed: ids are positions, and its in-flight jobs name it. A pool without an
-/// upstream (the simulator's) gets one endpoint with the pool's slots.
-fn reconcile_endpoints(
-    endpoints: &mut Vec<super::endpoints::EndpointState>,
-    pc: &crate::config::PoolConfig,
-) {
-    use super::endpoints::EndpointState;
-    let mut wanted = pc.endpoint_list();
-    if wanted.is_empty() {
-        wanted.push(crate::config::EndpointConfig {
-            name: "e0".into(),
-            url: String::new(),
-            slots: pc.slots,
-        });
-    }
-    for e in endpoints.iter_mut() {
-        e.retired = !wanted.iter().any(|w| w.name == e.name);
-    }
-    for w in wanted {
-        match endpoints.iter_mut().find(|e| e.name == w.name) {
-            Some(e) => {
-                if e.url != w.url {
-                    let in_flight = e.in_flight;
-                    *e = EndpointState::new(&w.name, &w.url, w.slots);
-                    e.in_flight = in_flight;
-                } else {
-                    // A limit lowered by a 429 stays lowered (at most the new slots); one at
-                    // its configured value follows the new one.
-                    e.limit = if e.limit < e.slots {
-                        e.limit.min(w.slots)
-                    } else {
-                        w.slots
-                    };
-                    e.slots = w.slots;
-                }
-            }
-            None => endpoints.push(EndpointState::new(&w.name, &w.url, w.slots)),
-        }
     }
 }

@@ -1,0 +1,327 @@
+//! Endpoint health: which servers of a pool take work.
+//!
+//! Two sources, one count. Every proxied request tells how its endpoint did (a refused or
+//! broken connection and a 5xx are failures; any other answer, a 429 included, is health),
+//! and a probe (`GET pools[].health.path`) runs on each endpoint every
+//! `health.interval_ms`. `health.eject_after` consecutive failures eject the endpoint: the
+//! core takes its slots out of the pool's capacity and sends it nothing new (its running work
+//! goes on). An ejected endpoint is probed every second (or every `interval_ms` if shorter)
+//! and one successful probe readmits it. A timeout is not a failure here: a slow server is
+//! busy, not gone, and the projection already accounts for its slowness.
+//!
+//! Operators drain an endpoint through the admin API for a rolling restart of model servers:
+//! `POST /admin/pools/{pool}/endpoints/{endpoint}/drain` (and `/undrain`). Every change is a
+//! decision-log line (`action: "flag"`, `flag: "endpoint"`) and a count in
+//! `slackgate_endpoint_events_total`.
+
+use crate::state::Shared;
+use bytes::Bytes;
+use http::{Method, Request};
+use http_body_util::Full;
+use slackgate_core::{Millis, PoolId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often the probe loop looks for endpoints due a probe.
+const PROBE_TICK: Duration = Duration::from_millis(200);
+/// An ejected endpoint is probed at least this often.
+const EJECTED_PROBE_MS: u64 = 1_000;
+
+/// Per endpoint: consecutive failures and the probe schedule.
+#[derive(Debug, Default)]
+pub struct Health {
+    watches: Mutex<HashMap<(usize, usize), Watch>>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Watch {
+    failures: u32,
+    next_probe_ms: Millis,
+    probing: bool,
+}
+
+/// What one exchange says about an endpoint's health.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// It answered (any status below 500, 429 included).
+    Healthy,
+    /// It refused or broke the connection, or answered 5xx: why, for the log.
+    Failed(&'static str),
+}
+
+impl Health {
+    fn with<R>(&self, f: impl FnOnce(&mut HashMap<(usize, usize), Watch>) -> R) -> R {
+        let mut m = self.watches.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut m)
+    }
+}
+
+/// One probe to run.
+struct Due {
+    pool: PoolId,
+    endpoint: usize,
+    url: crate::upstream::UpstreamBase,
+    path: String,
+    timeout: Duration,
+}
+
+impl Shared {
+    /// Count an exchange with an endpoint. `eject_after` consecutive failures eject it; a
+    /// successful `probe` of an ejected endpoint readmits it (a proxied request never reaches
+    /// an ejected endpoint, so only probes can). A healthy proxied exchange costs one small
+    /// lock and nothing else: it runs once per request.
+    pub fn endpoint_verdict(&self, pool: PoolId, endpoint: usize, verdict: Verdict, probe: bool) {
+        let failures = self.health.with(|m| {
+            let w = m.entry((pool.0, endpoint)).or_default();
+            match verdict {
+                Verdict::Healthy => w.failures = 0,
+                Verdict::Failed(_) => w.failures = w.failures.saturating_add(1),
+            }
+            w.failures
+        });
+        let names = |st: &crate::state::CoreState| {
+            let e = st.gate.endpoint_name(pool, endpoint).unwrap_or_default();
+            (st.gate.pool_name(pool).to_string(), e.to_string())
+        };
+        match verdict {
+            Verdict::Healthy if probe => {
+                let (changed, (pool_name, endpoint_name)) = self.with_core(|st, now, _| {
+                    let changed = st.gate.set_endpoint_ejected(now, pool, endpoint, false);
+                    (changed, names(st))
+                });
+                if changed {
+                    self.metrics
+                        .endpoint_event(&pool_name, &endpoint_name, "readmitted");
+                    self.endpoint_event(
+                        &pool_name,
+                        &endpoint_name,
+                        "endpoint_readmitted",
+                        "gate",
+                        Some("a health probe succeeded".into()),
+                    );
+                }
+            }
+            Verdict::Healthy => {}
+            Verdict::Failed(why) => {
+                let pool_name = self.with_core(|st, _, _| names(st).0);
+                let eject_after = self
+                    .control
+                    .pool_config(&pool_name)
+                    .map_or(3, |p| p.health.eject_after.max(1));
+                if failures < eject_after {
+                    return;
+                }
+                let (changed, (pool_name, endpoint_name)) = self.with_core(|st, now, _| {
+                    let changed = st.gate.set_endpoint_ejected(now, pool, endpoint, true);
+                    (changed, names(st))
+                });
+                if changed {
+                    // Probed from the next round on, to be readmitted as soon as it answers.
+                    self.health.with(|m| {
+                        if let Some(w) = m.get_mut(&(pool.0, endpoint)) {
+                            w.next_probe_ms = 0;
+                        }
+                    });
+                    self.metrics
+                        .endpoint_event(&pool_name, &endpoint_name, "ejected");
+                    eprintln!(
+                        "slackgate: endpoint {endpoint_name} of pool {pool_name} ejected after \
+                         {failures} consecutive failures (last: {why})"
+                    );
+                    self.endpoint_event(
+                        &pool_name,
+                        &endpoint_name,
+                        "endpoint_ejected",
+                        "gate",
+                        Some(format!("{failures} consecutive failures, the last: {why}")),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Move a dispatched job that could not connect to its endpoint to another endpoint of
+    /// `pool` that can start it now (see the core's `Gate::reroute`): that endpoint and its
+    /// base URL, or `None`.
+    pub fn reroute(
+        &self,
+        job: slackgate_core::JobId,
+        pool: PoolId,
+    ) -> Option<(usize, crate::upstream::UpstreamBase)> {
+        self.with_core(|st, now, _| {
+            let to = st.gate.reroute(now, job)?;
+            let base = st.upstreams.get(pool.0)?.get(to)?.clone()?;
+            let name = st.gate.endpoint_name(pool, to).map(str::to_string);
+            if let Some(w) = st.waiting.get_mut(&job) {
+                w.meta.endpoint = name;
+            }
+            Some((to, base))
+        })
+    }
+
+    /// Queue a dispatched job that could not connect anywhere again (see the core's
+    /// `Gate::requeue`): the signal of its next dispatch or drop, or `None` when the core
+    /// no longer has it in flight.
+    pub fn requeue(
+        &self,
+        job: slackgate_core::JobId,
+    ) -> Option<tokio::sync::oneshot::Receiver<crate::state::Signal>> {
+        self.with_core(|st, now, _| {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let w = st.waiting.get_mut(&job)?;
+            if !st.gate.requeue(now, job) {
+                return None;
+            }
+            w.tx = Some(tx);
+            w.abort = None;
+            w.meta.endpoint = None;
+            Some(rx)
+        })
+    }
+
+    /// Drain (`true`) or undrain an endpoint through the admin API. `Err` names what was
+    /// not found.
+    pub fn drain_endpoint(
+        &self,
+        pool_name: &str,
+        endpoint_name: &str,
+        draining: bool,
+        actor: &str,
+    ) -> Result<bool, String> {
+        let changed = self.with_core(|st, now, _| {
+            let pool = (0..st.gate.pool_count())
+                .map(PoolId)
+                .find(|p| st.gate.pool_live(*p) && st.gate.pool_name(*p) == pool_name)
+                .ok_or_else(|| format!("no pool named {pool_name:?}"))?;
+            let endpoint = st
+                .gate
+                .endpoint_id(pool, endpoint_name)
+                .ok_or_else(|| format!("pool {pool_name:?} has no endpoint {endpoint_name:?}"))?;
+            Ok::<_, String>(st.gate.set_endpoint_draining(now, pool, endpoint, draining))
+        })?;
+        if changed {
+            let event = if draining { "drained" } else { "undrained" };
+            self.metrics.endpoint_event(pool_name, endpoint_name, event);
+            self.endpoint_event(
+                pool_name,
+                endpoint_name,
+                if draining {
+                    "endpoint_drain"
+                } else {
+                    "endpoint_undrain"
+                },
+                actor,
+                Some(if draining {
+                    "no new work goes to this endpoint; its running work ends normally".into()
+                } else {
+                    "the endpoint takes work again".into()
+                }),
+            );
+        }
+        Ok(changed)
+    }
+
+    /// The probes due now, marked as running.
+    fn due_probes(&self) -> Vec<Due> {
+        let (now, candidates) = self.with_core(|st, now, _| {
+            let mut out = Vec::new();
+            for pool in (0..st.gate.pool_count()).map(PoolId) {
+                if !st.gate.pool_live(pool) {
+                    continue;
+                }
+                for (i, v) in st.gate.endpoints(now, pool).into_iter().enumerate() {
+                    let url = st
+                        .upstreams
+                        .get(pool.0)
+                        .and_then(|u| u.get(i))
+                        .cloned()
+                        .flatten();
+                    if let (false, Some(url)) = (v.retired, url) {
+                        let name = st.gate.pool_name(pool).to_string();
+                        out.push((pool, i, name, v.ejected, url));
+                    }
+                }
+            }
+            (now, out)
+        });
+        let mut due = Vec::new();
+        for (pool, endpoint, pool_name, ejected, url) in candidates {
+            let Some(cfg) = self.control.pool_config(&pool_name) else {
+                continue;
+            };
+            let h = cfg.health.clone();
+            let every = match (ejected, h.interval_for(cfg.endpoint_list().len())) {
+                (true, 0) => EJECTED_PROBE_MS,
+                (true, i) => i.min(EJECTED_PROBE_MS),
+                (false, 0) => continue,
+                (false, i) => i,
+            };
+            let go = self.health.with(|m| {
+                // The first probe comes one interval after the endpoint is first seen.
+                let w = m.entry((pool.0, endpoint)).or_insert(Watch {
+                    next_probe_ms: now.saturating_add(every),
+                    ..Watch::default()
+                });
+                if w.probing || now < w.next_probe_ms {
+                    return false;
+                }
+                w.probing = true;
+                w.next_probe_ms = now.saturating_add(every);
+                true
+            });
+            if go {
+                due.push(Due {
+                    pool,
+                    endpoint,
+                    url,
+                    path: h.path,
+                    timeout: Duration::from_millis(h.timeout_ms.max(1)),
+                });
+            }
+        }
+        due
+    }
+
+    /// One probe: `GET` the health path; a 2xx within the timeout is healthy.
+    async fn probe(self: Arc<Self>, d: Due) {
+        let verdict = match probe_request(&d) {
+            Err(_) => Verdict::Failed("probe_url"),
+            Ok(req) => match tokio::time::timeout(d.timeout, self.client.request(req)).await {
+                Err(_) => Verdict::Failed("probe_timeout"),
+                Ok(Err(e)) if e.is_connect() => Verdict::Failed("probe_connect"),
+                Ok(Err(_)) => Verdict::Failed("probe_error"),
+                Ok(Ok(resp)) if resp.status().is_success() => Verdict::Healthy,
+                Ok(Ok(_)) => Verdict::Failed("probe_status"),
+            },
+        };
+        self.health.with(|m| {
+            if let Some(w) = m.get_mut(&(d.pool.0, d.endpoint)) {
+                w.probing = false;
+            }
+        });
+        self.endpoint_verdict(d.pool, d.endpoint, verdict, true);
+    }
+}
+
+fn probe_request(d: &Due) -> Result<Request<Full<Bytes>>, String> {
+    let pq: http::uri::PathAndQuery = d.path.parse().map_err(|e| format!("{e}"))?;
+    let uri = d.url.target(Some(&pq)).map_err(|e| e.to_string())?;
+    let mut req = Request::new(Full::new(Bytes::new()));
+    *req.method_mut() = Method::GET;
+    *req.uri_mut() = uri;
+    Ok(req)
+}
+
+/// Probe every endpoint due a probe, forever (the server aborts it at shutdown). Each probe
+/// runs on its own task, at most one per endpoint at a time.
+pub(crate) async fn probe_loop(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(PROBE_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for d in shared.due_probes() {
+            tokio::spawn(Arc::clone(&shared).probe(d));
+        }
+    }
+}
