@@ -39,7 +39,12 @@ fn job(addr: SocketAddr, kind: ServerKind, interval_ms: u64) -> ScrapeJob {
         endpoint: "e0".into(),
         index: 0,
     };
-    ScrapeJob::new(target, &format!("http://{addr}"), &metrics(kind, interval_ms)).unwrap()
+    ScrapeJob::new(
+        target,
+        &format!("http://{addr}"),
+        &metrics(kind, interval_ms),
+    )
+    .unwrap()
 }
 
 /// Every outcome a [`Scrapers`] reported, with when.
@@ -171,7 +176,8 @@ async fn raw_server(answer: Answer) -> (SocketAddr, Arc<Wire>) {
 async fn send(conn: &mut TcpStream, bytes: Vec<u8>, wire: &Wire) -> bool {
     match conn.write_all(&bytes).await {
         Ok(()) => {
-            wire.written.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            wire.written
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
             true
         }
         Err(_) => {
@@ -324,7 +330,11 @@ async fn each_broken_server_has_its_reason() {
             ScrapeReason::TooLarge,
             "body over",
         ),
-        (Answer::Chunked(10 << 20), ScrapeReason::TooLarge, "body over"),
+        (
+            Answer::Chunked(10 << 20),
+            ScrapeReason::TooLarge,
+            "body over",
+        ),
         (Answer::Close, ScrapeReason::Connect, ""),
     ];
     for (answer, reason, detail) in cases {
@@ -418,8 +428,10 @@ async fn the_loop_keeps_its_cadence_and_stops_mid_scrape() {
     scrapers.stop().await;
     assert!(began.elapsed() < Duration::from_millis(500));
     assert!(seen.lock().unwrap().is_empty());
-    wait_until(Duration::from_secs(3), "the connection to close", || async {
-        wire.client_left.load(Ordering::Relaxed)
-    })
+    wait_until(
+        Duration::from_secs(3),
+        "the connection to close",
+        || async { wire.client_left.load(Ordering::Relaxed) },
+    )
     .await;
 }

@@ -283,8 +283,10 @@ impl ScrapeJob {
         *req.headers_mut() = self.headers.clone();
         // The classic text format; every server named here serves it by default, and the
         // parser also reads OpenMetrics should one answer with that.
-        req.headers_mut()
-            .insert(ACCEPT, HeaderValue::from_static("text/plain; version=0.0.4"));
+        req.headers_mut().insert(
+            ACCEPT,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        );
         let resp = client
             .request(req)
             .await
@@ -397,14 +399,7 @@ impl Scrapers {
         let (stop, stopped) = watch::channel(false);
         let tasks = jobs
             .into_iter()
-            .map(|job| {
-                tokio::spawn(run(
-                    client.clone(),
-                    job,
-                    on_result.clone(),
-                    stopped.clone(),
-                ))
-            })
+            .map(|job| tokio::spawn(run(client.clone(), job, on_result.clone(), stopped.clone())))
             .collect();
         Scrapers { stop, tasks }
     }
@@ -524,8 +519,8 @@ mod tests {
             http::header::AUTHORIZATION,
             HeaderValue::from_static("Bearer sk-secret-123"),
         );
-        let job = ScrapeJob::new(target(), "http://127.0.0.1:9", &metrics("sglang"))?
-            .with_headers(h);
+        let job =
+            ScrapeJob::new(target(), "http://127.0.0.1:9", &metrics("sglang"))?.with_headers(h);
         let shown = format!("{job:?}");
         assert!(shown.contains("authorization"), "{shown}");
         assert!(!shown.contains("sk-secret"), "{shown}");
