@@ -8,7 +8,8 @@
 //! exactly once), [`response`] (every response the gate writes), [`telemetry`] (decision
 //! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle), [`stall`] (the
 //! write-stall guard that disconnects clients that stop reading), [`connlimit`] (header and
-//! idle timeouts, connection caps, overload), [`tenant`] (keyed tenant ids).
+//! idle timeouts, connection caps, overload), [`tenant`] (keyed tenant ids), [`scrape`] (reading
+//! a model server's own queue from its Prometheus endpoint).
 
 #![forbid(unsafe_code)]
 
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod request_info;
 pub mod response;
+pub mod scrape;
 pub mod server;
 pub mod stall;
 pub mod state;

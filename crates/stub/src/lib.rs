@@ -14,6 +14,11 @@
 //!   mid-way). Requests without the header are not recorded. A malformed value of any of these
 //!   headers is a 400 with code `invalid_header`;
 //! - `POST /stub/occupy` takes slots away, `GET /stub/stats` reports [`StubStats`];
+//! - `GET /metrics` serves the same queue in the Prometheus text format, under llama.cpp's
+//!   names (`llamacpp:requests_processing`, `llamacpp:requests_deferred`) and vLLM's
+//!   (`vllm:num_requests_running`, `vllm:num_requests_waiting` with `model_name="stub"`):
+//!   requests holding a slot and requests queued for one; slots taken by `/stub/occupy` are
+//!   not requests and count in neither;
 //! - `GET /stub/requests` returns every record so far as a [`RequestLog`]
 //!   (`{"requests":[..],"dropped":N}`, in completion order), and `POST /stub/requests/clear`
 //!   (or `DELETE /stub/requests`) returns the same and empties the log. At most

@@ -128,7 +128,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
         "/v1/chat/completions" => model(Endpoint::Chat),
         "/v1/completions" => model(Endpoint::Text),
         "/v1/embeddings" => model(Endpoint::Embeddings),
-        "/v1/models" | "/health" | "/stub/stats" => (&GET[..], None),
+        "/v1/models" | "/health" | "/metrics" | "/stub/stats" => (&GET[..], None),
         "/stub/requests" => (&GET_OR_DELETE[..], None),
         "/stub/release" | "/stub/occupy" | "/stub/requests/clear" => (&POST[..], None),
         _ => {
@@ -151,15 +151,50 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
     Ok(match path.as_str() {
         "/v1/models" => json_response(
             StatusCode::OK,
-            &json!({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "slackgate"}]}),
+            &json!({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "slackgate"}]}),
         ),
         "/health" => plain(StatusCode::OK, "ok"),
+        "/metrics" => with_body(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            StubBody::full(metrics_text(&shared.stats())),
+        ),
         "/stub/stats" => json_response(StatusCode::OK, &json!(shared.stats())),
         "/stub/requests" if method == Method::GET => control::requests(&shared),
         "/stub/requests" | "/stub/requests/clear" => control::clear_requests(&shared),
         "/stub/release" => control::release(&shared, req).await,
         _ => control::occupy(&shared, req).await,
     })
+}
+
+/// The model name the stub reports in `/v1/models` and labels its vLLM-style metrics with.
+const MODEL_NAME: &str = "stub";
+
+/// `GET /metrics`: the stub's queue in the Prometheus text format, under llama.cpp's names
+/// (`llamacpp:requests_processing`, `llamacpp:requests_deferred`) and vLLM's
+/// (`vllm:num_requests_running`, `vllm:num_requests_waiting`, labelled by `model_name`), so a
+/// gate configured for either server kind can read it.
+///
+/// Running is the requests holding a slot, waiting those queued for one: real requests only.
+/// Slots taken by `/stub/occupy` are capacity taken away, not requests, and appear in neither
+/// (a request queued because of them is counted as waiting). Both come from one snapshot, so
+/// they agree with each other and with `/stub/stats`.
+pub(crate) fn metrics_text(stats: &crate::StubStats) -> String {
+    let (running, waiting) = (stats.in_flight, stats.queued);
+    format!(
+        "# HELP llamacpp:requests_processing Number of requests processing.\n\
+         # TYPE llamacpp:requests_processing gauge\n\
+         llamacpp:requests_processing {running}\n\
+         # HELP llamacpp:requests_deferred Number of requests deferred.\n\
+         # TYPE llamacpp:requests_deferred gauge\n\
+         llamacpp:requests_deferred {waiting}\n\
+         # HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n\
+         vllm:num_requests_running{{model_name=\"{MODEL_NAME}\"}} {running}.0\n\
+         # HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+         # TYPE vllm:num_requests_waiting gauge\n\
+         vllm:num_requests_waiting{{model_name=\"{MODEL_NAME}\"}} {waiting}.0\n"
+    )
 }
 
 /// Per-request test controls carried in `x-stub-*` headers.
