@@ -352,6 +352,11 @@ pub async fn admitted(
         http::header::ACCEPT_ENCODING,
         HeaderValue::from_static("identity"),
     );
+    let transport = shared.transports.for_pool(&pool_name);
+    let client_authorization = headers.remove(http::header::AUTHORIZATION);
+    transport
+        .auth
+        .apply(&mut headers, client_authorization.as_ref());
     let mut up = Request::new(bytes);
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
@@ -371,7 +376,7 @@ pub async fn admitted(
     };
     // A stale keep-alive is sent again on a fresh connection inside this same job: same slot,
     // same hold, same deadline (the timeout covers both attempts), no second decision.
-    let send = shared.client.send(up, |reason| {
+    let send = transport.client.send(up, |reason| {
         shared.metrics.upstream_retry(&pool_name, reason.as_str());
     });
     let request = tokio::time::timeout(Duration::from_millis(limit_ms), send);
@@ -633,15 +638,21 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             )
         }
     };
-    let headers = upstream_request_headers(parts.headers);
+    let mut headers = upstream_request_headers(parts.headers);
+    // The pool whose upstream answers pass-through routes: its client, its credentials, and
+    // its label on the retry counter.
+    let pool = shared.passthrough_pool_name().unwrap_or_default();
+    let transport = shared.transports.for_pool(&pool);
+    let client_authorization = headers.remove(http::header::AUTHORIZATION);
+    transport
+        .auth
+        .apply(&mut headers, client_authorization.as_ref());
     let mut up = Request::new(bytes);
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
     *up.headers_mut() = headers;
     let limit = Duration::from_millis(shared.server.upstream_timeout_ms);
-    // Counted under the pool whose upstream answers pass-through routes.
-    let send = shared.client.send(up, |reason| {
-        let pool = shared.passthrough_pool_name().unwrap_or_default();
+    let send = transport.client.send(up, |reason| {
         shared.metrics.upstream_retry(&pool, reason.as_str());
     });
     match tokio::time::timeout(limit, send)
