@@ -55,7 +55,10 @@ deadline_ms = 30000
 }
 
 fn ca_settings(ca: &PathBuf) -> String {
-    format!("ca_file = {:?}\nsystem_roots = false", ca.display().to_string())
+    format!(
+        "ca_file = {:?}\nsystem_roots = false",
+        ca.display().to_string()
+    )
 }
 
 struct Gate {
@@ -221,9 +224,12 @@ async fn a_certificate_from_another_ca_is_upstream_unavailable() {
     let other = TestCa::new("other");
     let up = TlsUpstream::start(&ca, true).await;
     let wrong = other.write_ca("other");
-    let gate = Gate::start(&config(&up.url(), &ca_settings(&wrong), ""), "https-wrong-ca")
-        .await
-        .unwrap();
+    let gate = Gate::start(
+        &config(&up.url(), &ca_settings(&wrong), ""),
+        "https-wrong-ca",
+    )
+    .await
+    .unwrap();
     let r = post(&gate.url("/v1/chat/completions"), &[], CHAT).await;
     assert_eq!(r.status, 502, "{:?}", r.body);
     assert_eq!(
@@ -239,9 +245,12 @@ async fn a_stale_tls_keepalive_is_retried_but_a_fresh_tls_connection_is_not() {
     let ca = TestCa::new("retry");
     let up = TlsUpstream::start(&ca, false).await;
     let ca_file = ca.write_ca("retry");
-    let gate = Gate::start(&config(&up.url(), &ca_settings(&ca_file), ""), "https-retry")
-        .await
-        .unwrap();
+    let gate = Gate::start(
+        &config(&up.url(), &ca_settings(&ca_file), ""),
+        "https-retry",
+    )
+    .await
+    .unwrap();
     let chat = gate.url("/v1/chat/completions");
 
     // The first request on a brand-new TLS connection fails: the server may have worked on
@@ -260,9 +269,14 @@ async fn a_stale_tls_keepalive_is_retried_but_a_fresh_tls_connection_is_not() {
     assert_eq!(r.status, 200, "{:?}", r.body);
     let seen = up.seen();
     assert_eq!(seen.len(), 4, "{seen:?}");
-    assert_eq!(seen[3].on_connection, 1, "the retry went on a new connection");
+    assert_eq!(
+        seen[3].on_connection, 1,
+        "the retry went on a new connection"
+    );
     assert!(
-        gate.retries().await.contains("reason=\"connection_closed\"} 1"),
+        gate.retries()
+            .await
+            .contains("reason=\"connection_closed\"} 1"),
         "{}",
         gate.retries().await
     );

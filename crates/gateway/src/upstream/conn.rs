@@ -312,3 +312,33 @@ impl tower_service::Service<http::Uri> for Connector {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls_pki_types::ServerName;
+
+    fn name(uri: &str) -> Option<ServerName<'static>> {
+        uri.parse::<http::Uri>()
+            .ok()
+            .and_then(|u| server_name(&u).ok())
+    }
+
+    #[test]
+    fn the_server_name_is_the_urls_host() {
+        // A DNS name: checked against the certificate and sent as SNI.
+        assert!(matches!(
+            name("https://api.example.com/v1"),
+            Some(ServerName::DnsName(d)) if d.as_ref() == "api.example.com"
+        ));
+        // IP literals are checked against the certificate's IP addresses (no SNI).
+        assert!(matches!(
+            name("https://127.0.0.1:8443"),
+            Some(ServerName::IpAddress(_))
+        ));
+        assert!(matches!(
+            name("https://[::1]:8443"),
+            Some(ServerName::IpAddress(_))
+        ));
+    }
+}
