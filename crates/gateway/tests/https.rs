@@ -54,7 +54,7 @@ deadline_ms = 30000
     )
 }
 
-fn ca_settings(ca: &PathBuf) -> String {
+fn ca_settings(ca: &std::path::Path) -> String {
     format!(
         "ca_file = {:?}\nsystem_roots = false",
         ca.display().to_string()

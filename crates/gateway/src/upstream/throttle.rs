@@ -342,7 +342,7 @@ mod tests {
                 }
             }
             let w = provider_retry_after(&h, now);
-            prop_assert!(w.map_or(true, |w| w <= MAX_PROVIDER_WAIT_MS));
+            prop_assert!(!matches!(w, Some(w) if w > MAX_PROVIDER_WAIT_MS));
         }
 
         #[test]
