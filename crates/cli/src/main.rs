@@ -463,6 +463,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
         admin,
         env_token: std::env::var("SLACKGATE_ADMIN_TOKEN").ok(),
         source,
+        env: None,
     };
     let store = slackgate_gateway::server::open_store_pruned(
         &cfg.server.ledger,

@@ -500,6 +500,10 @@ impl Config {
                 crate::upstream::parse_base(u)
                     .map_err(|m| err(&format!("pools[{i}].upstream"), &m))?;
             }
+            for (j, e) in p.endpoints.iter().enumerate() {
+                crate::upstream::parse_base(&e.url)
+                    .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m))?;
+            }
         }
         Ok(())
     }

@@ -636,6 +636,12 @@ impl Shared {
                 return refuse(e);
             }
         }
+        // Read CA files and API keys before touching the core: a reload that cannot build
+        // its transports is refused whole.
+        let transports = match self.transports.prepare(&cfg.gate.pools) {
+            Ok(t) => t,
+            Err(e) => return refuse(format!("invalid configuration: {e}")),
+        };
         let gate_cfg = {
             let mut o = lock(&self.control.overrides);
             // Overrides of classes the new file no longer has are forgotten.
@@ -652,6 +658,9 @@ impl Shared {
             Ok(r) => r,
             Err(e) => return refuse(format!("invalid configuration: {e}")),
         };
+        // Only once the core took the new config: a refused reload leaves the old transports
+        // in force.
+        self.transports.install(transports);
         let mut restart_required = Vec::new();
         if cfg.server != old.server {
             restart_required.push("server".to_string());

@@ -61,6 +61,7 @@ impl Health {
 struct Due {
     pool: PoolId,
     endpoint: usize,
+    pool_name: String,
     url: crate::upstream::UpstreamBase,
     path: String,
     timeout: Duration,
@@ -274,6 +275,7 @@ impl Shared {
                 due.push(Due {
                     pool,
                     endpoint,
+                    pool_name,
                     url,
                     path: h.path,
                     timeout: Duration::from_millis(h.timeout_ms.max(1)),
@@ -285,15 +287,20 @@ impl Shared {
 
     /// One probe: `GET` the health path; a 2xx within the timeout is healthy.
     async fn probe(self: Arc<Self>, d: Due) {
+        // The pool's client and credentials: a hosted API's health path needs its key.
+        let transport = self.transports.for_pool(&d.pool_name);
         let verdict = match probe_request(&d) {
             Err(_) => Verdict::Failed("probe_url"),
-            Ok(req) => match tokio::time::timeout(d.timeout, self.client.request(req)).await {
-                Err(_) => Verdict::Failed("probe_timeout"),
-                Ok(Err(e)) if e.is_connect() => Verdict::Failed("probe_connect"),
-                Ok(Err(_)) => Verdict::Failed("probe_error"),
-                Ok(Ok(resp)) if resp.status().is_success() => Verdict::Healthy,
-                Ok(Ok(_)) => Verdict::Failed("probe_status"),
-            },
+            Ok(mut req) => {
+                transport.auth.apply(req.headers_mut(), None);
+                match tokio::time::timeout(d.timeout, transport.client.request(req)).await {
+                    Err(_) => Verdict::Failed("probe_timeout"),
+                    Ok(Err(e)) if e.is_connect() => Verdict::Failed("probe_connect"),
+                    Ok(Err(_)) => Verdict::Failed("probe_error"),
+                    Ok(Ok(resp)) if resp.status().is_success() => Verdict::Healthy,
+                    Ok(Ok(_)) => Verdict::Failed("probe_status"),
+                }
+            }
         };
         self.health.with(|m| {
             if let Some(w) = m.get_mut(&(d.pool.0, d.endpoint)) {

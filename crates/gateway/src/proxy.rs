@@ -323,6 +323,12 @@ pub async fn admitted(
         HeaderValue::from_static("identity"),
     );
     let path_and_query = parts.uri.path_and_query().cloned();
+    // Every endpoint of a pool shares its client and credentials.
+    let transport = shared.transports.for_pool(&pool_name);
+    let client_authorization = headers.remove(http::header::AUTHORIZATION);
+    transport
+        .auth
+        .apply(&mut headers, client_authorization.as_ref());
 
     // The upstream must start answering before the deadline (the gate promised the client an
     // answer by then); without a deadline, the configured ceiling applies.
@@ -357,7 +363,7 @@ pub async fn admitted(
         *up.headers_mut() = headers.clone();
         // A stale keep-alive is sent again on a fresh connection inside this same job: same
         // slot, same hold, same deadline (the timeout covers both attempts), no second decision.
-        let send = shared.client.send(up, |reason| {
+        let send = transport.client.send(up, |reason| {
             shared.metrics.upstream_retry(&pool_name, reason.as_str());
         });
         let request = tokio::time::timeout_at(give_up, send);
@@ -709,15 +715,21 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             )
         }
     };
-    let headers = upstream_request_headers(parts.headers);
+    let mut headers = upstream_request_headers(parts.headers);
+    // The pool whose upstream answers pass-through routes: its client, its credentials, and
+    // its label on the retry counter.
+    let pool = shared.passthrough_pool_name().unwrap_or_default();
+    let transport = shared.transports.for_pool(&pool);
+    let client_authorization = headers.remove(http::header::AUTHORIZATION);
+    transport
+        .auth
+        .apply(&mut headers, client_authorization.as_ref());
     let mut up = Request::new(bytes);
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;
     *up.headers_mut() = headers;
     let limit = Duration::from_millis(shared.server.upstream_timeout_ms);
-    // Counted under the pool whose upstream answers pass-through routes.
-    let send = shared.client.send(up, |reason| {
-        let pool = shared.passthrough_pool_name().unwrap_or_default();
+    let send = transport.client.send(up, |reason| {
         shared.metrics.upstream_retry(&pool, reason.as_str());
     });
     match tokio::time::timeout(limit, send)

@@ -99,6 +99,9 @@ pub struct GatewayOptions {
     /// The config file, for reloads (`POST /admin/reload`, SIGHUP through
     /// [`Gateway::shared`], and the watcher when `server.config_poll_ms` > 0).
     pub source: Option<ConfigSource>,
+    /// Where `pools[].auth.api_key_env` is looked up (`None`: the process environment), now
+    /// and on reloads. Tests pass a map rather than change their process's environment.
+    pub env: Option<crate::upstream::EnvLookup>,
 }
 
 impl Gateway {
@@ -127,7 +130,8 @@ impl Gateway {
     ) -> Result<Gateway, String> {
         cfg.validate().map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let shared = Arc::new(Shared::with_store(cfg, log, store)?);
+        let env = opts.env.unwrap_or_else(crate::upstream::process_env);
+        let shared = Arc::new(Shared::with_store_env(cfg, log, store, env)?);
         shared.control.set_env_token(opts.env_token)?;
         let watch_source = opts.source.clone();
         shared.control.set_source(opts.source);

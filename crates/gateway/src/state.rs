@@ -11,7 +11,7 @@ use crate::ledger_store::{LedgerStore, MemoryStore};
 use crate::metrics::Metrics;
 use crate::response::{AdmissionBody, RetryAdvice};
 use crate::telemetry::{epoch_ms, DecisionLog, LogLine};
-use crate::upstream::{UpstreamBase, UpstreamClient};
+use crate::upstream::{EnvLookup, Transports, UpstreamBase};
 use slackgate_core::{
     Action, Completed, Completion, Decision, Event, Gate, JobId, Millis, PoolId, Reason, Request,
 };
@@ -151,8 +151,8 @@ pub struct Shared {
     pub metrics: Metrics,
     /// Decision log.
     pub log: DecisionLog,
-    /// Upstream HTTP client.
-    pub client: UpstreamClient,
+    /// Each pool's upstream client and credentials (rebuilt on reload).
+    pub transports: Transports,
     /// Server settings (fixed for the life of the process: a reload reports changes here as
     /// needing a restart).
     pub server: ServerConfig,
@@ -214,6 +214,21 @@ impl Shared {
         log: DecisionLog,
         store: Arc<dyn LedgerStore>,
     ) -> Result<Shared, String> {
+        Shared::with_store_env(cfg, log, store, crate::upstream::process_env())
+    }
+
+    /// Like [`Shared::with_store`], looking up `pools[].auth.api_key_env` in `env`.
+    pub fn with_store_env(
+        cfg: &Config,
+        log: DecisionLog,
+        store: Arc<dyn LedgerStore>,
+        env: EnvLookup,
+    ) -> Result<Shared, String> {
+        let transports = Transports::build(
+            &cfg.gate.pools,
+            Duration::from_millis(cfg.server.upstream_idle_timeout_ms),
+            env,
+        )?;
         let mut gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
         let clock = Clock::new();
         let records = store
@@ -257,9 +272,7 @@ impl Shared {
             clock,
             metrics: Metrics::default(),
             log,
-            client: UpstreamClient::new(std::time::Duration::from_millis(
-                cfg.server.upstream_idle_timeout_ms,
-            )),
+            transports,
             server: cfg.server.clone(),
             store,
             control: crate::control::Control::new(cfg),

@@ -1,15 +1,26 @@
-//! Upstream addressing and the shared HTTP client.
+//! Upstream addressing, the HTTP client, and what a pool sends upstream besides the request.
 //!
-//! A pool's upstream is a base URL such as `http://127.0.0.1:8000` (or `.../v1`, as OpenAI
-//! SDK users tend to write it): the incoming path (`/v1/chat/completions`) is appended, with
-//! a duplicated `/v1` folded so both spellings work.
+//! A pool's upstream is a base URL such as `http://127.0.0.1:8000` or
+//! `https://api.openai.com/v1` (a `/v1` suffix, as OpenAI SDK users tend to write it, is
+//! fine): the incoming path (`/v1/chat/completions`) is appended, with a duplicated `/v1`
+//! folded so both spellings work.
 //!
-//! The shared client also makes a stale keep-alive harmless: a request that fails because the
+//! The client also makes a stale keep-alive harmless: a request that fails because the
 //! server closed the pooled connection under it is sent once more on a fresh connection (see
-//! [`retry`] for exactly when).
+//! [`retry`] for exactly when). Each pool has its own client when its TLS settings differ
+//! from another's, and its own credentials ([`auth`]); [`Transports`] holds both per pool
+//! and rebuilds them on a reload.
 
+pub mod auth;
 mod conn;
 pub mod retry;
+pub mod throttle;
+mod tls;
+mod transports;
+
+pub use auth::{process_env, EnvLookup, UpstreamAuth};
+pub use tls::TlsError;
+pub use transports::{Transport, Transports};
 
 use bytes::Bytes;
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -20,12 +31,14 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, Error as ClientError};
 use hyper_util::rt::TokioExecutor;
 use retry::{Failure, FailureCause, RetryReason};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 type Pool = Client<conn::Connector, Full<Bytes>>;
 
-/// The HTTP client every pool shares: pooled keep-alive connections per upstream host, and a
-/// second client that never pools, for the one retry after a stale connection.
+/// An HTTP client for upstreams (`http://` and `https://`): pooled keep-alive connections per
+/// upstream host, and a second client that never pools, for the one retry after a stale
+/// connection. Pools with the same TLS settings share one (see [`Transports`]).
 #[derive(Clone, Debug)]
 pub struct UpstreamClient {
     pooled: Pool,
@@ -43,9 +56,24 @@ pub struct Exchange {
 }
 
 impl UpstreamClient {
-    /// Build the client. `idle_timeout` is how long an idle connection is kept for reuse
-    /// (`server.upstream_idle_timeout_ms`); zero keeps none (a fresh connection per request).
-    pub fn new(idle_timeout: Duration) -> UpstreamClient {
+    /// Build a client that trusts no root certificate: for `http://` upstreams (an
+    /// `https://` one fails its handshake). `idle_timeout` is how long an idle connection is
+    /// kept for reuse (`server.upstream_idle_timeout_ms`); zero keeps none (a fresh connection
+    /// per request). Pools get theirs from [`Transports`], with their `[pools.tls]` settings.
+    pub fn new(idle_timeout: Duration) -> Result<UpstreamClient, TlsError> {
+        let none = slackgate_core::config::TlsConfig {
+            ca_file: None,
+            system_roots: false,
+        };
+        let tls = tls::TlsSettings::build(&none, false)?;
+        Ok(UpstreamClient::with_tls(idle_timeout, tls.config))
+    }
+
+    /// Build a client whose `https://` connections use `tls` (roots, ALPN).
+    pub(crate) fn with_tls(
+        idle_timeout: Duration,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> UpstreamClient {
         let mut pooled = Client::builder(TokioExecutor::new());
         pooled
             // Below the upstream's own keep-alive, the gate gives a connection up before the
@@ -62,8 +90,8 @@ impl UpstreamClient {
         // Keeps no idle connection, so every request through it opens a new one.
         fresh.pool_max_idle_per_host(0);
         UpstreamClient {
-            pooled: pooled.build(connector()),
-            fresh: fresh.build(connector()),
+            pooled: pooled.build(connector(tls.clone())),
+            fresh: fresh.build(connector(tls)),
         }
     }
 
@@ -97,7 +125,14 @@ impl UpstreamClient {
             }
             Err(e) => e,
         };
-        let Some(reason) = retry::retry_reason(&failure_of(&err, started.elapsed())) else {
+        // On an HTTP/2 connection requests are multiplexed: the exchange and byte counts mix
+        // every stream on it, so they cannot tell whether the server saw this request. HTTP/2
+        // has its own answer to a server closing an idle connection (GOAWAY names the last
+        // stream it will process, and hyper-util retries the unprocessed ones on a new
+        // connection), so the fresh-connection retry is for HTTP/1.1 only.
+        let h2 = err.connect_info().is_some_and(|c| c.is_negotiated_h2());
+        let failure = failure_of(&err, started.elapsed());
+        let Some(reason) = retry::retry_reason(&failure).filter(|_| !h2) else {
             return Exchange {
                 result: Err(err),
                 retried: None,
@@ -109,13 +144,6 @@ impl UpstreamClient {
             retried: Some(reason),
         }
     }
-}
-
-/// A client with the default idle timeout ([`crate::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS`]).
-pub fn client() -> UpstreamClient {
-    UpstreamClient::new(Duration::from_millis(
-        crate::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
-    ))
 }
 
 /// The facts about a failed attempt that decide whether it may be sent again.
@@ -133,11 +161,13 @@ fn failure_of(err: &ClientError, elapsed: Duration) -> Failure {
     }
 }
 
-fn connector() -> conn::Connector {
+fn connector(tls: Arc<rustls::ClientConfig>) -> conn::Connector {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.set_connect_timeout(Some(Duration::from_secs(5)));
-    conn::Connector::new(http)
+    // `https://` URIs reach the connector too; it does the handshake after the TCP connect.
+    http.enforce_http(false);
+    conn::Connector::new(http, tls)
 }
 
 /// A parsed upstream base URL.
@@ -148,8 +178,7 @@ pub struct UpstreamBase {
     prefix: String,
 }
 
-/// Parse `http://host:port[/prefix]`. Only plain HTTP is supported: the gate runs next to the
-/// model server; put TLS termination in front of the gate, not behind it.
+/// Parse `http://host[:port][/prefix]` or `https://host[:port][/prefix]`.
 pub fn parse_base(url: &str) -> Result<UpstreamBase, String> {
     let uri: Uri = url
         .trim()
@@ -158,14 +187,27 @@ pub fn parse_base(url: &str) -> Result<UpstreamBase, String> {
     let scheme = uri
         .scheme()
         .cloned()
-        .ok_or_else(|| format!("missing http:// in {url:?}"))?;
-    if scheme != Scheme::HTTP {
-        return Err(format!("only http:// upstreams are supported, got {url:?}"));
+        .ok_or_else(|| format!("missing http:// or https:// in {url:?}"))?;
+    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
+        return Err(format!(
+            "only http:// and https:// upstreams are supported, got {url:?}"
+        ));
     }
     let authority = uri
         .authority()
         .cloned()
         .ok_or_else(|| format!("missing host in {url:?}"))?;
+    if authority.host().is_empty() {
+        return Err(format!("missing host in {url:?}"));
+    }
+    // Credentials in the URL would be sent nowhere (hyper does not turn them into a header)
+    // and shown everywhere the URL is (logs, /stats): `[pools.auth]` is the place for a key.
+    if authority.as_str().contains('@') {
+        return Err(format!(
+            "an upstream URL takes no user:password@ (use [pools.auth]): {}",
+            redact_userinfo(url)
+        ));
+    }
     if uri.query().is_some() {
         return Err(format!("an upstream base URL takes no query: {url:?}"));
     }
@@ -177,7 +219,20 @@ pub fn parse_base(url: &str) -> Result<UpstreamBase, String> {
     })
 }
 
+/// `url` with anything before an `@` in its authority replaced, for error messages.
+fn redact_userinfo(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://<redacted>{}", &url[..s], &url[at..]),
+        _ => "<redacted>".to_string(),
+    }
+}
+
 impl UpstreamBase {
+    /// Whether this upstream is reached over TLS.
+    pub fn is_https(&self) -> bool {
+        self.scheme == Scheme::HTTPS
+    }
+
     /// The full upstream URI for an incoming path and query.
     pub fn target(&self, incoming: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
         let pq = incoming.map_or("/", |p| p.as_str());
@@ -227,10 +282,36 @@ mod tests {
     }
 
     #[test]
+    fn https_upstreams_are_accepted() {
+        assert_eq!(
+            target("https://api.example.com/v1", "/v1/chat/completions"),
+            "https://api.example.com/v1/chat/completions"
+        );
+        assert_eq!(
+            target("https://[::1]:8443", "/v1/models"),
+            "https://[::1]:8443/v1/models"
+        );
+        assert!(parse_base("https://h").is_ok_and(|b| b.is_https()));
+        assert!(parse_base("http://h").is_ok_and(|b| !b.is_https()));
+    }
+
+    #[test]
     fn rejects_what_it_cannot_reach() {
-        assert!(parse_base("https://api.example.com").is_err());
         assert!(parse_base("127.0.0.1:9000").is_err());
         assert!(parse_base("").is_err());
         assert!(parse_base("http://h:1/?q=1").is_err());
+        assert!(parse_base("ftp://h").is_err());
+        assert!(parse_base("wss://h").is_err());
+        assert!(parse_base("https://:443").is_err());
+    }
+
+    #[test]
+    fn credentials_in_the_url_are_refused_and_not_echoed() {
+        let e = parse_base("https://user:sk-secret@api.example.com/v1").err();
+        let msg = e.unwrap_or_default();
+        assert!(
+            msg.contains("[pools.auth]") && !msg.contains("sk-secret"),
+            "{msg}"
+        );
     }
 }

@@ -18,7 +18,7 @@ use slackgate_core::config::{ServerKind, ServerMetricsConfig};
 use slackgate_gateway::scrape::{
     ScrapeCallback, ScrapeError, ScrapeJob, ScrapeReason, ScrapeTarget, Scrapers, ServerReading,
 };
-use slackgate_gateway::upstream::{client, UpstreamClient};
+use slackgate_gateway::upstream::UpstreamClient;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -434,4 +434,12 @@ async fn the_loop_keeps_its_cadence_and_stops_mid_scrape() {
         || async { wire.client_left.load(Ordering::Relaxed) },
     )
     .await;
+}
+
+/// A plain client with the default idle timeout, as the gateway builds one per pool.
+fn client() -> UpstreamClient {
+    UpstreamClient::new(Duration::from_millis(
+        slackgate_gateway::config::DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
+    ))
+    .unwrap()
 }

@@ -100,6 +100,7 @@ impl TestGate {
             admin,
             env_token,
             source,
+            env: None,
         };
         let gate = Gateway::start(listener, &cfg, log, Arc::new(MemoryStore::new()), opts).unwrap();
         let addr = gate.local_addr();
