@@ -261,7 +261,10 @@ fn neighbour_parses_and_sends_only_in_its_bursts() {
     assert!(!arrivals.is_empty());
     for a in &arrivals {
         let t = a.at_ms as f64 / 1000.0;
-        assert!(n.sending_at(t - 1e-9, s.duration_s) || n.sending_at(t, s.duration_s), "{t}");
+        assert!(
+            n.sending_at(t - 1e-9, s.duration_s) || n.sending_at(t, s.duration_s),
+            "{t}"
+        );
         assert_eq!(a.output_tokens, 50);
     }
     // Its own random stream: the gated clients' requests are the same with or without it.
@@ -275,7 +278,10 @@ fn neighbour_parses_and_sends_only_in_its_bursts() {
 
 #[test]
 fn neighbour_uniform_rate_is_kept_inside_bursts() {
-    let text = format!("{MINIMAL}{NEIGHBOUR}").replace("rate_per_s = 2.0", "rate_per_s = 10.0\nprocess = \"uniform\"");
+    let text = format!("{MINIMAL}{NEIGHBOUR}").replace(
+        "rate_per_s = 2.0",
+        "rate_per_s = 10.0\nprocess = \"uniform\"",
+    );
     let s = parse(&text).unwrap();
     // Three bursts of 1 s (2-3, 4-5, 6-7) at 10/s.
     let n = crate::workload::neighbour_arrivals(&s).len();
@@ -286,16 +292,32 @@ fn neighbour_uniform_rate_is_kept_inside_bursts() {
 fn malformed_neighbours_are_refused_with_their_field() {
     for (from, to, field) in [
         ("rate_per_s = 2.0", "rate_per_s = 0", "neighbour.rate_per_s"),
-        ("rate_per_s = 2.0", "rate_per_s = -1", "neighbour.rate_per_s"),
-        ("rate_per_s = 2.0", "rate_per_s = nan", "neighbour.rate_per_s"),
-        ("rate_per_s = 2.0", "rate_per_s = 1e9", "neighbour.rate_per_s"),
+        (
+            "rate_per_s = 2.0",
+            "rate_per_s = -1",
+            "neighbour.rate_per_s",
+        ),
+        (
+            "rate_per_s = 2.0",
+            "rate_per_s = nan",
+            "neighbour.rate_per_s",
+        ),
+        (
+            "rate_per_s = 2.0",
+            "rate_per_s = 1e9",
+            "neighbour.rate_per_s",
+        ),
         ("start_s = 2", "start_s = 10", "neighbour.start_s"),
         ("start_s = 2", "start_s = -1", "neighbour.start_s"),
         ("end_s = 8", "end_s = 1", "neighbour.end_s"),
         ("off_s = 1", "", "neighbour.off_s"),
         ("\non_s = 1", "\non_s = 0", "neighbour.on_s"),
         ("off_s = 1", "off_s = inf", "neighbour.off_s"),
-        ("start_s = 2", "start_s = 2\nprocess = \"trace\"", "neighbour.process"),
+        (
+            "start_s = 2",
+            "start_s = 2\nprocess = \"trace\"",
+            "neighbour.process",
+        ),
         (
             "output_tokens = { dist = \"fixed\", value = 50 }",
             "output_tokens = { dist = \"uniform\", min = 9, max = 3 }",
@@ -325,6 +347,8 @@ fn a_hostile_neighbour_rate_is_capped() {
 #[test]
 fn the_simulator_refuses_a_neighbour() {
     let s = parse(&format!("{MINIMAL}{NEIGHBOUR}")).unwrap();
-    let e = crate::simulate(&s, &["slackgate".to_string()]).map(|_| ()).unwrap_err();
+    let e = crate::simulate(&s, &["slackgate".to_string()])
+        .map(|_| ())
+        .unwrap_err();
     assert!(e.to_string().contains("slackgate drill"), "{e}");
 }
