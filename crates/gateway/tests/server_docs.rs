@@ -55,7 +55,10 @@ fn every_server_page_config_loads() {
             cfg.validate_shape().unwrap_or_else(|e| panic!("{at}: {e}"));
             for (j, p) in cfg.gate.pools.iter().enumerate() {
                 let eps = p.endpoint_list();
-                assert!(!eps.is_empty(), "{at}: pools[{j}] has no upstream or endpoints");
+                assert!(
+                    !eps.is_empty(),
+                    "{at}: pools[{j}] has no upstream or endpoints"
+                );
                 for e in eps {
                     assert!(
                         e.url.starts_with("http://") || e.url.starts_with("https://"),
@@ -66,7 +69,11 @@ fn every_server_page_config_loads() {
             }
         }
     }
-    assert!(pages >= 5, "expected a page per server kind in {}", dir.display());
+    assert!(
+        pages >= 5,
+        "expected a page per server kind in {}",
+        dir.display()
+    );
 }
 
 #[test]
