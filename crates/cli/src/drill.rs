@@ -26,8 +26,9 @@ pub struct DrillArgs {
     /// class's learned mean, as with clients that send no hint.
     #[arg(long)]
     pub no_hint: bool,
-    /// Which runs: `on`, `off` or both (default `on,off`).
-    #[arg(long = "run", value_delimiter = ',', default_values_t = vec!["on".to_string(), "off".to_string()])]
+    /// Which runs: `on`, `off`, `signal` (gate on reading the upstream's /metrics), comma
+    /// separated (default `on,off`; `signal,on,off` when the scenario has a [neighbour]).
+    #[arg(long = "run", value_delimiter = ',')]
     pub runs: Vec<String>,
     /// Drive a running gate instead of starting one (needs --upstream too). Gate off then
     /// sends straight to the upstream.
@@ -101,7 +102,10 @@ pub fn run(a: DrillArgs) -> Result<()> {
         .map(|r| match r.as_str() {
             "on" => Ok(Mode::On),
             "off" => Ok(Mode::Off),
-            other => Err(anyhow::anyhow!("--run {other:?}: expected on or off")),
+            "signal" => Ok(Mode::Signal),
+            other => Err(anyhow::anyhow!(
+                "--run {other:?}: expected on, off or signal"
+            )),
         })
         .collect::<Result<Vec<_>>>()?;
     if !(a.error_after_s.is_finite() && a.error_after_s >= 0.0) {
@@ -131,6 +135,11 @@ pub fn run(a: DrillArgs) -> Result<()> {
             })
         }
         _ => Target::InProcess,
+    };
+    let modes = if modes.is_empty() {
+        slackgate_drill::default_modes(&s, &target)
+    } else {
+        modes
     };
     let opts = DrillOptions {
         time_scale: a.time_scale,

@@ -343,7 +343,7 @@ async fn offer(
             let chars = crate::realserver::chars_for(a.prompt_tokens, r.chars_per_token);
             // Each run's prompts differ from the other's (a prompt cache must not serve
             // the second run cheaper); within a run, each request's differs too.
-            let run_bit = u64::from(run.tag == crate::Mode::Off.label()) << 40;
+            let run_bit = crate::Mode::from_label(run.tag).map_or(0, crate::Mode::index) << 40;
             let text = crate::realserver::prompt_text(run_bit | a.request, chars);
             crate::realserver::chat_body(&r.model, &text, a.output_tokens, class.stream)
         }
@@ -487,7 +487,7 @@ pub fn batching_spec(s: &Scenario, a: &Arrival, scale: f64) -> Option<String> {
 }
 
 /// A user message of about `tokens` tokens as the gate counts them (four characters each).
-fn prompt_text(tokens: u32) -> String {
+pub(crate) fn prompt_text(tokens: u32) -> String {
     let words = tokens.max(1) as usize;
     "abc ".repeat(words)
 }

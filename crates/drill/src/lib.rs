@@ -21,12 +21,13 @@
 pub mod calibrate;
 pub mod client;
 pub mod joblog;
+pub mod neighbour;
 pub mod progress;
 pub mod realserver;
 mod report;
 mod sampler;
 
-pub use report::{class_counters, Agreement, ClassCounters};
+pub use report::{admitted_on_time, class_counters, AdmittedOnTime, Agreement, ClassCounters};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -47,14 +48,22 @@ use tokio::net::TcpListener;
 /// Smallest and largest accepted `--time-scale`.
 pub const TIME_SCALE_RANGE: (f64, f64) = (0.001, 10.0);
 
-/// Gate on (enforcing) or off (the `admit_always` rollback).
+/// Gate on (enforcing), gate on reading the server's own queue, or off (the `admit_always`
+/// rollback).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Mode {
-    /// The gate decides.
+    /// The gate decides, from its own view of the upstream.
     On,
     /// `admit_always`: every request admitted, the outage you would have had.
     Off,
+    /// The gate decides and also scrapes the upstream's `/metrics` (pool
+    /// `server_metrics`, kind `llamacpp`): work it did not send counts in its projected wait.
+    /// The drill's default first run when the scenario has a `[neighbour]`.
+    Signal,
 }
+
+/// Every mode, in the order a label is looked up.
+const MODES: [Mode; 3] = [Mode::On, Mode::Off, Mode::Signal];
 
 impl Mode {
     /// The name in reports.
@@ -62,15 +71,60 @@ impl Mode {
         match self {
             Mode::On => "gate-on",
             Mode::Off => "gate-off",
+            Mode::Signal => "gate-on-signal",
         }
     }
 
-    /// The simulator policy that models it.
+    /// The mode a report label names.
+    pub fn from_label(label: &str) -> Option<Mode> {
+        MODES.into_iter().find(|m| m.label() == label)
+    }
+
+    /// A small number unique to the mode (0, 1, 2), to keep each run's prompts distinct.
+    pub fn index(self) -> u64 {
+        match self {
+            Mode::On => 0,
+            Mode::Off => 1,
+            Mode::Signal => 2,
+        }
+    }
+
+    /// The simulator policy that models it (the simulator has no server metrics: with no
+    /// neighbour, the signal changes nothing and the gate is slackgate).
     pub fn sim_policy(self) -> &'static str {
         match self {
-            Mode::On => "slackgate",
+            Mode::On | Mode::Signal => "slackgate",
             Mode::Off => "admit-always",
         }
+    }
+}
+
+/// The runs a drill makes when none are named: gate on and gate off; with a `[neighbour]`
+/// (and a gate the drill starts), gate on with the server's signal first, so both gate-on
+/// figures come from one invocation.
+pub fn default_modes(s: &Scenario, target: &Target) -> Vec<Mode> {
+    if s.neighbour.is_some() && !matches!(target, Target::External { .. }) {
+        vec![Mode::Signal, Mode::On, Mode::Off]
+    } else {
+        vec![Mode::On, Mode::Off]
+    }
+}
+
+/// Scrape interval of the signal run (scenario ms): scaled with time, at least the gate's
+/// smallest accepted 100 real ms.
+const SIGNAL_INTERVAL_MS: u64 = 250;
+
+/// The `server_metrics` of the signal run: llama.cpp's gauges (the stub exports the same
+/// names), scraped every 250 scenario ms, stale after four missed scrapes.
+pub fn signal_metrics(scale: f64) -> slackgate_core::config::ServerMetricsConfig {
+    let interval_ms = scale_ms(SIGNAL_INTERVAL_MS, scale).max(100);
+    slackgate_core::config::ServerMetricsConfig {
+        kind: slackgate_core::config::ServerKind::Llamacpp,
+        path: "/metrics".into(),
+        interval_ms,
+        stale_ms: interval_ms * 4,
+        running: None,
+        waiting: None,
     }
 }
 
@@ -168,7 +222,7 @@ pub enum DrillError {
     #[error("--time-scale must be between {lo} and {hi}, got {0}", lo = TIME_SCALE_RANGE.0, hi = TIME_SCALE_RANGE.1)]
     TimeScale(f64),
     /// No run, or the same run twice.
-    #[error("the runs must be gate on and/or gate off, each at most once")]
+    #[error("the runs must be among gate on, gate on with the server's signal and gate off, each at most once")]
     Runs,
     /// The scenario uses something the drill cannot reproduce live.
     #[error("{field}: {why}; simulate it with `slackgate sim` instead")]
@@ -233,6 +287,8 @@ pub struct RunSummary {
     /// Per class, requests refused for capacity while a slot was free and nothing was queued
     /// ahead of them (from the decision log; empty without one).
     pub refused_on_free_slot: Vec<(String, u64)>,
+    /// What the scenario's `[neighbour]` client saw (`None` without one).
+    pub neighbour: Option<neighbour::NeighbourReport>,
 }
 
 /// Tokens one class settled in a run.
@@ -295,6 +351,7 @@ fn scale_ms(ms: u64, scale: f64) -> u64 {
 pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Config {
     let mut gate = sim_gate_config(s);
     gate.admit_always = mode == Mode::Off;
+    set_signal(&mut gate.pools, mode, scale);
     for p in &mut gate.pools {
         p.upstream = Some(upstream.to_string());
         p.prior.overhead_ms *= scale;
@@ -325,8 +382,28 @@ pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Conf
     cfg
 }
 
+/// The server's signal on the first pool for the signal run, off for the others (a
+/// `--config` that sets one keeps its own settings in the signal run).
+fn set_signal(pools: &mut [slackgate_core::config::PoolConfig], mode: Mode, scale: f64) {
+    for (i, p) in pools.iter_mut().enumerate() {
+        if mode == Mode::Signal && i == 0 {
+            if p.server_metrics.is_none() {
+                p.server_metrics = Some(signal_metrics(scale));
+            }
+        } else {
+            p.server_metrics = None;
+        }
+    }
+}
+
 /// Refuse what the drill cannot reproduce live, rather than report a different experiment.
 fn check_supported(s: &Scenario, opts: &DrillOptions) -> Result<(), DrillError> {
+    if matches!(opts.target, Target::External { .. }) && opts.modes.contains(&Mode::Signal) {
+        return Err(DrillError::Unsupported {
+            field: "--run signal (with --gate)",
+            why: "the drill cannot turn a running gate's server_metrics on or off; set it in that gate's configuration and run `on`",
+        });
+    }
     if let Target::Real(_) = &opts.target {
         if !s.faults.is_empty() || !s.stuck.is_empty() {
             return Err(DrillError::Unsupported {
@@ -370,8 +447,12 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     if !(opts.time_scale >= lo && opts.time_scale <= hi) {
         return Err(DrillError::TimeScale(opts.time_scale));
     }
-    let twice = opts.modes.len() == 2 && opts.modes[0] == opts.modes[1];
-    if opts.modes.is_empty() || opts.modes.len() > 2 || twice {
+    let twice = opts
+        .modes
+        .iter()
+        .enumerate()
+        .any(|(i, m)| opts.modes[..i].contains(m));
+    if opts.modes.is_empty() || opts.modes.len() > MODES.len() || twice {
         return Err(DrillError::Runs);
     }
     check_supported(s, opts)?;
@@ -396,8 +477,9 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
         summary.wall_s = started.elapsed().as_secs_f64();
         summary.counters = class_counters(&s, &run);
         // The simulator's prediction for the same requests, unless the run has no model
-        // there (no gate at all, or a real server the scenario does not model).
-        if !(external && mode == Mode::Off) && real.is_none() {
+        // there (no gate at all, a real server the scenario does not model, or a neighbour
+        // loading the upstream behind the gate's back).
+        if !(external && mode == Mode::Off) && real.is_none() && s.neighbour.is_none() {
             let mut p = build_policy(&s, mode.sim_policy())?;
             let sim = engine::run(&s, &arrivals, p.as_mut());
             summary.agreement = Some(report::agree(mode, &sim, &run));
@@ -411,13 +493,15 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     let b = bound::bound_at_speed(&reference.requests, s.upstream.speed());
     // False rejections are judged against the clairvoyant schedule on the scenario's cost
     // model, which says nothing about a real server's: none are counted there.
-    let refr = Some(&reference).filter(|_| real.is_none());
-    let firm = match real {
-        None => {
+    // Nor with a neighbour: the reference does not know the server is shared.
+    let modelled = real.is_none() && s.neighbour.is_none();
+    let refr = Some(&reference).filter(|_| modelled);
+    let firm = match modelled {
+        true => {
             let mut p = build_policy(&s, "clairvoyant-firm")?;
             Some(engine::run(&s, &arrivals, p.as_mut()))
         }
-        Some(_) => None,
+        false => None,
     };
     let rep = report::build(&s, &runs, refr, firm.as_ref(), &b);
     Ok(Drill {
@@ -483,6 +567,7 @@ fn real_gate_config(s: &Scenario, r: &RealUpstream, mode: Mode, url: &str) -> Co
     };
     let mut cfg = (**given).clone();
     cfg.gate.admit_always = mode == Mode::Off;
+    set_signal(&mut cfg.gate.pools, mode, 1.0);
     for p in &mut cfg.gate.pools {
         p.upstream = Some(url.to_string());
     }
@@ -601,7 +686,7 @@ async fn run_mode(
         Target::External { gate, upstream } => {
             let upstream = upstream.trim_end_matches('/').to_string();
             let target = match mode {
-                Mode::On => gate.trim_end_matches('/').to_string(),
+                Mode::On | Mode::Signal => gate.trim_end_matches('/').to_string(),
                 Mode::Off => upstream.clone(),
             };
             (None, target, upstream)
@@ -648,6 +733,14 @@ async fn run_mode(
     let bar = opts
         .progress
         .then(|| progress::spawn(mode.label().into(), arrivals.len() as u64, counters));
+    // The neighbour loads the upstream directly, beside the gated clients.
+    let neighbour_task = s.neighbour.as_ref().map(|_| {
+        tokio::spawn(neighbour::drive(
+            run.clone(),
+            upstream.clone(),
+            workload::neighbour_arrivals(s),
+        ))
+    });
     // Clients are started at their arrival time, not all up front: memory follows the
     // requests in flight, not the scenario's length.
     let mut logs: Vec<Option<client::ClientLog>> = (0..arrivals.len()).map(|_| None).collect();
@@ -667,6 +760,10 @@ async fn run_mode(
         }
     }
     let end_ms = run.now_ms();
+    let neighbour_report = match neighbour_task {
+        Some(t) => Some(t.await.unwrap_or_default()),
+        None => None,
+    };
     let _ = stop_sampler.send(true);
     let mut series = sampler.await.unwrap_or_default();
     if let Some(b) = bar {
@@ -750,6 +847,7 @@ async fn run_mode(
             };
             joblog::refused_on_a_free_slot(j, &class_names, slots)
         }),
+        neighbour: neighbour_report,
     };
     let mut requests: Vec<RequestResult> = Vec::with_capacity(arrivals.len());
     let mut refusal_times = Vec::new();

@@ -82,6 +82,41 @@ pub(crate) fn agree(mode: Mode, sim: &RunResult, live: &RunResult) -> Agreement 
     }
 }
 
+/// One class's admitted requests and how many of them were on time, in one run.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AdmittedOnTime {
+    /// The class.
+    pub class: String,
+    /// Requests offered.
+    pub offered: u64,
+    /// Requests admitted at least once.
+    pub admitted: u64,
+    /// Requests completed by their deadline.
+    pub on_time: u64,
+    /// on_time / admitted (`None` when nothing was admitted).
+    pub share: Option<f64>,
+}
+
+/// Per class of a run (in the order of `counters`), the admitted requests on time.
+pub fn admitted_on_time(run: &RunResult, counters: &[ClassCounters]) -> Vec<AdmittedOnTime> {
+    counters
+        .iter()
+        .enumerate()
+        .map(|(ci, k)| {
+            let of_class = run.requests.iter().filter(|r| r.class == ci);
+            let offered = of_class.clone().count() as u64;
+            let on_time = of_class.filter(|r| r.on_time()).count() as u64;
+            AdmittedOnTime {
+                class: k.class.clone(),
+                offered,
+                admitted: k.admitted,
+                on_time,
+                share: (k.admitted > 0).then(|| on_time as f64 / k.admitted as f64),
+            }
+        })
+        .collect()
+}
+
 /// The seeds' counters, per class.
 pub fn class_counters(s: &Scenario, run: &RunResult) -> Vec<ClassCounters> {
     s.classes
@@ -176,6 +211,7 @@ impl Drill {
                 }
             );
         }
+        out.push_str(&self.neighbour_markdown());
         out.push_str(&self.report.to_markdown());
         out.push_str(&self.refusals_over_time());
         let _ = writeln!(out, "\n## The seeds' counters\n");
@@ -251,6 +287,71 @@ impl Drill {
                 );
             }
         }
+        out
+    }
+
+    /// With a `[neighbour]`: per run, what the gate's clients got (on time, admitted, the
+    /// share of admitted requests on time, per class) beside what the neighbour's own client
+    /// saw. Empty without a neighbour.
+    pub fn neighbour_markdown(&self) -> String {
+        let mut out = String::new();
+        if self.summaries.iter().all(|r| r.neighbour.is_none()) {
+            return out;
+        }
+        let _ = writeln!(
+            out,
+            "## Unseen neighbour: the gate's clients with and without the server's signal\n"
+        );
+        let _ = writeln!(
+            out,
+            "| run | class | offered | admitted | on time | admitted on time |"
+        );
+        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|");
+        for (r, run) in self.summaries.iter().zip(&self.runs) {
+            for a in admitted_on_time(run, &r.counters) {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    r.label,
+                    a.class,
+                    a.offered,
+                    a.admitted,
+                    a.on_time,
+                    a.share
+                        .map_or_else(|| "-".into(), |x| format!("{:.1}%", x * 100.0))
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "\n| run | neighbour sent | completed | failed | p50 latency | p99 latency | its work |"
+        );
+        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|");
+        for r in &self.summaries {
+            if let Some(n) = &r.neighbour {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {:.2} s | {:.2} s | {:.1} s |",
+                    r.label,
+                    n.sent,
+                    n.completed,
+                    n.failed,
+                    n.p50_ms as f64 / 1000.0,
+                    n.p99_ms as f64 / 1000.0,
+                    n.work_ms as f64 / 1000.0
+                );
+            }
+        }
+        let _ = writeln!(
+            out,
+            "\nThe neighbour posts straight to the upstream, bypassing the gate; its requests \
+             are in no class row. `gate-on-signal` scrapes the upstream's `/metrics` \
+             (`server_metrics`, kind llamacpp) and counts the work it did not send; `gate-on` \
+             sees only its own. Admitted on time: on-time completions over requests admitted \
+             at least once. Its work: the service time of its completions alone, by the \
+             scenario's cost model. The simulator does not model a neighbour: no comparison \
+             with it below.\n"
+        );
         out
     }
 

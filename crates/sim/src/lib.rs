@@ -31,6 +31,10 @@ pub enum SimError {
     /// The gate configuration the scenario implies is invalid.
     #[error("slackgate configuration: {0}")]
     Gate(#[from] slackgate_core::ConfigError),
+    /// The scenario has a `[neighbour]`: load that bypasses the gate and takes the server's
+    /// slots, which the simulator's upstream (the policy's own slots) cannot model.
+    #[error("{0}: [neighbour] is load sent straight to the upstream, which the simulator does not model (its upstream is the policy's own slots); run it live with `slackgate drill`")]
+    Neighbour(String),
     /// A policy name nobody knows.
     #[error("unknown policy {0:?}; known: {known}", known = scenario::known_policies().join(", "))]
     UnknownPolicy(String),
@@ -148,6 +152,9 @@ pub fn simulate_with(
     names: &[String],
     with_reference: bool,
 ) -> Result<(report::Report, Vec<engine::RunResult>), SimError> {
+    if s.neighbour.is_some() {
+        return Err(SimError::Neighbour(s.file.clone()));
+    }
     let arrivals = workload::generate(s)?;
     let window = windowed(s, &arrivals);
     let s = &window;

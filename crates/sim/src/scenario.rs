@@ -394,6 +394,103 @@ pub struct Fault {
     pub class: Option<String>,
 }
 
+/// Traffic sent straight to the upstream by a client that bypasses the gate (`[neighbour]`):
+/// a second team, a notebook, a cron job on the same server (seed 001's "unknown
+/// neighbours"). The gate never sees these requests; they only take the server's slots. Only
+/// the drill sends them: the simulator's upstream is the policy's own slots, so
+/// `slackgate sim` refuses a scenario with a neighbour.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Neighbour {
+    /// Mean requests per second while sending.
+    pub rate_per_s: f64,
+    /// Spacing of its requests: `poisson` (default) or `uniform`.
+    #[serde(default)]
+    pub process: Process,
+    /// Prompt length, as a class's.
+    #[serde(default = "default_prompt")]
+    pub prompt_tokens: Dist,
+    /// Output length, as a class's.
+    #[serde(default = "default_prompt")]
+    pub output_tokens: Dist,
+    /// Whether it asks for streamed responses.
+    #[serde(default = "default_true")]
+    pub stream: bool,
+    /// It starts sending at this time (s).
+    #[serde(default)]
+    pub start_s: f64,
+    /// It stops sending at this time (s; default: the scenario's `duration_s`).
+    #[serde(default)]
+    pub end_s: Option<f64>,
+    /// Bursts: send for `on_s` seconds, then pause `off_s` seconds, repeatedly from
+    /// `start_s` (both or neither; default: send all the time).
+    #[serde(default)]
+    pub on_s: Option<f64>,
+    /// The pause between bursts (s).
+    #[serde(default)]
+    pub off_s: Option<f64>,
+}
+
+impl Neighbour {
+    /// Whether the neighbour sends at `t_s` (scenario seconds): inside its window and, with
+    /// bursts, inside a burst.
+    pub fn sending_at(&self, t_s: f64, duration_s: f64) -> bool {
+        let end = self.end_s.unwrap_or(duration_s).min(duration_s);
+        if t_s < self.start_s || t_s >= end {
+            return false;
+        }
+        match (self.on_s, self.off_s) {
+            (Some(on), Some(off)) => (t_s - self.start_s) % (on + off) < on,
+            _ => true,
+        }
+    }
+
+    fn validate(&self, duration_s: f64) -> Result<(), (String, String)> {
+        let at = |f: &str| format!("neighbour.{f}");
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        if !(pos(self.rate_per_s) && self.rate_per_s <= 10_000.0) {
+            return Err((
+                at("rate_per_s"),
+                "must be a positive number of requests per second, at most 10000".into(),
+            ));
+        }
+        if !matches!(self.process, Process::Poisson | Process::Uniform) {
+            return Err((at("process"), "must be \"poisson\" or \"uniform\"".into()));
+        }
+        if !(self.start_s.is_finite() && self.start_s >= 0.0 && self.start_s < duration_s) {
+            return Err((
+                at("start_s"),
+                "must be a number of seconds from 0 to before duration_s".into(),
+            ));
+        }
+        if let Some(end) = self.end_s {
+            if !(end.is_finite() && end > self.start_s) {
+                return Err((at("end_s"), "must be after start_s".into()));
+            }
+        }
+        match (self.on_s, self.off_s) {
+            (None, None) => {}
+            (Some(on), Some(off)) => {
+                if !(pos(on) && on <= 86_400.0) {
+                    return Err((at("on_s"), "must be a positive number of seconds".into()));
+                }
+                if !(off.is_finite() && (0.0..=86_400.0).contains(&off)) {
+                    return Err((at("off_s"), "must be a number of seconds, 0 or more".into()));
+                }
+            }
+            (Some(_), None) => return Err((at("off_s"), "on_s needs off_s".into())),
+            (None, Some(_)) => return Err((at("on_s"), "off_s needs on_s".into())),
+        }
+        if let Err((f, m)) = self.prompt_tokens.validate() {
+            return Err((at(&format!("prompt_tokens.{f}")), m));
+        }
+        if let Err((f, m)) = self.output_tokens.validate() {
+            return Err((at(&format!("output_tokens.{f}")), m));
+        }
+        Ok(())
+    }
+}
+
 /// Parameters of the baseline policies. `None`: derived from the scenario (see docs).
 #[derive(Clone, Debug, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
@@ -502,6 +599,9 @@ pub struct Scenario {
     /// Injected upstream faults.
     #[serde(default)]
     pub faults: Vec<Fault>,
+    /// A client that bypasses the gate and loads the upstream directly (drill only).
+    #[serde(default)]
+    pub neighbour: Option<Neighbour>,
     /// Baseline parameters.
     #[serde(default)]
     pub baselines: Baselines,
@@ -833,6 +933,9 @@ impl Scenario {
         }
         if self.slackgate.max_depth_factor.is_some_and(|k| !nonneg(k)) {
             return err("slackgate.max_depth_factor", "must be non-negative");
+        }
+        if let Some(n) = &self.neighbour {
+            n.validate(self.duration_s)?;
         }
         Ok(())
     }

@@ -236,3 +236,119 @@ fn batching_fields_parse_and_exclude_the_fixed_slowdown() {
     assert!(!s.upstream.batching());
     assert_eq!(s.upstream.decode_ms_per_1k_context, 0.0);
 }
+
+const NEIGHBOUR: &str = r#"
+[neighbour]
+rate_per_s = 2.0
+output_tokens = { dist = "fixed", value = 50 }
+start_s = 2
+end_s = 8
+on_s = 1
+off_s = 1
+"#;
+
+#[test]
+fn neighbour_parses_and_sends_only_in_its_bursts() {
+    let s = parse(&format!("{MINIMAL}{NEIGHBOUR}")).unwrap_or_else(|e| panic!("{e}"));
+    let n = s.neighbour.clone().unwrap();
+    assert!(n.stream);
+    assert!(!n.sending_at(1.9, s.duration_s));
+    assert!(n.sending_at(2.5, s.duration_s));
+    assert!(!n.sending_at(3.5, s.duration_s), "3.5 s is in the pause");
+    assert!(n.sending_at(4.2, s.duration_s));
+    assert!(!n.sending_at(8.0, s.duration_s));
+    let arrivals = crate::workload::neighbour_arrivals(&s);
+    assert!(!arrivals.is_empty());
+    for a in &arrivals {
+        let t = a.at_ms as f64 / 1000.0;
+        assert!(
+            n.sending_at(t - 1e-9, s.duration_s) || n.sending_at(t, s.duration_s),
+            "{t}"
+        );
+        assert_eq!(a.output_tokens, 50);
+    }
+    // Its own random stream: the gated clients' requests are the same with or without it.
+    let plain = parse(MINIMAL).unwrap();
+    assert_eq!(
+        crate::workload::generate(&plain).unwrap(),
+        crate::workload::generate(&s).unwrap()
+    );
+    assert_eq!(arrivals, crate::workload::neighbour_arrivals(&s));
+}
+
+#[test]
+fn neighbour_uniform_rate_is_kept_inside_bursts() {
+    let text = format!("{MINIMAL}{NEIGHBOUR}").replace(
+        "rate_per_s = 2.0",
+        "rate_per_s = 10.0\nprocess = \"uniform\"",
+    );
+    let s = parse(&text).unwrap();
+    // Three bursts of 1 s (2-3, 4-5, 6-7) at 10/s.
+    let n = crate::workload::neighbour_arrivals(&s).len();
+    assert!((29..=31).contains(&n), "{n}");
+}
+
+#[test]
+fn malformed_neighbours_are_refused_with_their_field() {
+    for (from, to, field) in [
+        ("rate_per_s = 2.0", "rate_per_s = 0", "neighbour.rate_per_s"),
+        (
+            "rate_per_s = 2.0",
+            "rate_per_s = -1",
+            "neighbour.rate_per_s",
+        ),
+        (
+            "rate_per_s = 2.0",
+            "rate_per_s = nan",
+            "neighbour.rate_per_s",
+        ),
+        (
+            "rate_per_s = 2.0",
+            "rate_per_s = 1e9",
+            "neighbour.rate_per_s",
+        ),
+        ("start_s = 2", "start_s = 10", "neighbour.start_s"),
+        ("start_s = 2", "start_s = -1", "neighbour.start_s"),
+        ("end_s = 8", "end_s = 1", "neighbour.end_s"),
+        ("off_s = 1", "", "neighbour.off_s"),
+        ("\non_s = 1", "\non_s = 0", "neighbour.on_s"),
+        ("off_s = 1", "off_s = inf", "neighbour.off_s"),
+        (
+            "start_s = 2",
+            "start_s = 2\nprocess = \"trace\"",
+            "neighbour.process",
+        ),
+        (
+            "output_tokens = { dist = \"fixed\", value = 50 }",
+            "output_tokens = { dist = \"uniform\", min = 9, max = 3 }",
+            "neighbour.output_tokens.min",
+        ),
+        ("start_s = 2", "start_s = 2\nclass = \"x\"", "class"),
+    ] {
+        let text = format!("{MINIMAL}{NEIGHBOUR}").replace(from, to);
+        let (line, got, message) = field_error(&text);
+        assert_eq!(got, field, "{to}: {message}");
+        // An inline table's key (`output_tokens.min`) has no line of its own.
+        assert!(line > 0 || got.matches('.').count() > 1, "{to}: no line");
+    }
+}
+
+#[test]
+fn a_hostile_neighbour_rate_is_capped() {
+    let text = format!("{MINIMAL}{NEIGHBOUR}")
+        .replace("rate_per_s = 2.0", "rate_per_s = 10000")
+        .replace("duration_s = 10", "duration_s = 2000000")
+        .replace("end_s = 8", "end_s = 2000000");
+    let s = parse(&text).unwrap();
+    let n = crate::workload::neighbour_arrivals(&s).len();
+    assert_eq!(n, crate::workload::MAX_NEIGHBOUR_REQUESTS);
+}
+
+#[test]
+fn the_simulator_refuses_a_neighbour() {
+    let s = parse(&format!("{MINIMAL}{NEIGHBOUR}")).unwrap();
+    let e = crate::simulate(&s, &["slackgate".to_string()])
+        .map(|_| ())
+        .unwrap_err();
+    assert!(e.to_string().contains("slackgate drill"), "{e}");
+}

@@ -260,3 +260,60 @@ fn replay(s: &Scenario, rules: &mut Rng) -> Result<Vec<Arrival>, ScenarioError> 
     }
     Ok(out)
 }
+
+/// Random stream of the neighbour's arrivals and sizes: its own root, so adding a
+/// `[neighbour]` never changes the gated clients' requests.
+const NEIGHBOUR_SALT: u64 = 0x6e65_6967_6862_6f72;
+
+/// Cap on a neighbour's requests, so a hostile rate and window cannot exhaust memory.
+pub const MAX_NEIGHBOUR_REQUESTS: usize = 1_000_000;
+
+/// The requests of the scenario's `[neighbour]` (empty without one), sorted by time: sent
+/// straight to the upstream, never through the gate. `class` is 0 and
+/// `expected_output_tokens` the true size; nothing reads them. Deterministic in the seed and
+/// independent of [`generate`]'s draws.
+pub fn neighbour_arrivals(s: &Scenario) -> Vec<Arrival> {
+    let Some(n) = &s.neighbour else {
+        return Vec::new();
+    };
+    let mut root = Rng::new(s.seed ^ NEIGHBOUR_SALT);
+    let mut gaps = root.fork(STREAM_GAPS);
+    let mut sizes = root.fork(STREAM_SIZES);
+    let end = n.end_s.unwrap_or(s.duration_s).min(s.duration_s);
+    let mut out = Vec::new();
+    // Arrivals are placed on a clock that runs only while the neighbour sends (`u`, seconds
+    // of sending) and mapped back to scenario time, so each burst has the configured rate and
+    // no arrivals pile up at a burst's start.
+    let mut u = 0.0f64;
+    let mut first = true;
+    while out.len() < MAX_NEIGHBOUR_REQUESTS {
+        let gap = match n.process {
+            Process::Uniform => 1.0 / n.rate_per_s,
+            _ => gaps.exp(n.rate_per_s),
+        };
+        if !(first && n.process == Process::Uniform) {
+            u += gap;
+        }
+        first = false;
+        let t = match (n.on_s, n.off_s) {
+            (Some(on), Some(off)) => n.start_s + (u / on).floor() * (on + off) + u % on,
+            _ => n.start_s + u,
+        };
+        if !(t.is_finite() && t < end) {
+            break;
+        }
+        let prompt_tokens = sample(&n.prompt_tokens, &mut sizes);
+        let output_tokens = sample(&n.output_tokens, &mut sizes);
+        out.push(Arrival {
+            request: out.len() as u64,
+            at_ms: (t * 1000.0).round() as u64,
+            class: 0,
+            prompt_tokens,
+            output_tokens,
+            max_tokens: output_tokens.max(1),
+            expected_output_tokens: output_tokens,
+            forced_service_ms: None,
+        });
+    }
+    out
+}
