@@ -97,6 +97,11 @@ pub struct Control {
 }
 
 impl Control {
+    /// The pools as the config file in force defines them.
+    pub fn pools(&self) -> Vec<slackgate_core::config::PoolConfig> {
+        lock(&self.file).gate.pools.clone()
+    }
+
     /// The pool named `name` as the config file in force defines it.
     pub fn pool_config(&self, name: &str) -> Option<slackgate_core::config::PoolConfig> {
         lock(&self.file)

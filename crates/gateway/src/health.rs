@@ -142,6 +142,37 @@ impl Shared {
         }
     }
 
+    /// The provider answered 429 on an endpoint and asked for `provider_ms` (or nothing):
+    /// pause the endpoint that long (at least the gate's `retry.min_retry_after_ms`), halve
+    /// its slots in force, log and count it. Returns the Retry-After to give the client: the
+    /// pause, never less than the provider's.
+    pub fn throttle_endpoint(
+        &self,
+        pool: PoolId,
+        endpoint: usize,
+        provider_ms: Option<u64>,
+    ) -> u64 {
+        let (after, pool_name, endpoint_name) = self.with_core(|st, now, _| {
+            let floor = st.gate.config().retry.min_retry_after_ms;
+            let after = provider_ms.unwrap_or(0).max(floor);
+            st.gate.throttled(now, pool, endpoint, after);
+            let e = st.gate.endpoint_name(pool, endpoint).unwrap_or_default();
+            (after, st.gate.pool_name(pool).to_string(), e.to_string())
+        });
+        self.metrics
+            .endpoint_event(&pool_name, &endpoint_name, "throttled");
+        self.endpoint_event(
+            &pool_name,
+            &endpoint_name,
+            "upstream_throttled",
+            "gate",
+            Some(format!(
+                "the provider answered 429; paused {after} ms, slots halved"
+            )),
+        );
+        after
+    }
+
     /// Move a dispatched job that could not connect to its endpoint to another endpoint of
     /// `pool` that can start it now (see the core's `Gate::reroute`): that endpoint and its
     /// base URL, or `None`.

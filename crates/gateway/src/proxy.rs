@@ -444,6 +444,12 @@ pub async fn admitted(
         }
     };
 
+    // A provider's 429 is the gate's own 429, never a 502: the endpoint is paused as the
+    // provider asks and its slots halve; the hold is released, not spent.
+    if resp.status() == StatusCode::TOO_MANY_REQUESTS {
+        shared.endpoint_verdict(pool, endpoint, Verdict::Healthy, false);
+        return throttled(&shared, guard, pool, endpoint, resp.headers());
+    }
     // Any answer is a live server; a 5xx is a failing one.
     let verdict = if resp.status().is_server_error() {
         Verdict::Failed("status_5xx")
@@ -603,6 +609,42 @@ fn dropped(reason: Reason, body: &AdmissionBody, core: Option<RetryAdvice>) -> R
         should_retry,
     });
     response::error(status, reason, msg, Some(body), Some(advice))
+}
+
+/// The upstream answered 429: pause its endpoint for the provider's Retry-After (the gate's
+/// floor without one), end the job unspent, and answer 429 `upstream_throttled` with a
+/// Retry-After at least the provider's.
+fn throttled(
+    shared: &Shared,
+    guard: JobGuard,
+    pool: slackgate_core::PoolId,
+    endpoint: usize,
+    headers: &HeaderMap,
+) -> Response<ResBody> {
+    let provider = crate::upstream::throttle::provider_retry_after(headers, epoch_ms());
+    let after_ms = shared.throttle_endpoint(pool, endpoint, provider);
+    guard.finish(Outcome {
+        status: 429,
+        reason: Some(Reason::UpstreamThrottled),
+        ..Outcome::default()
+    });
+    let useful = shared.with_core(|st, _, _| st.gate.config().retry.max_useful_retry_after_ms);
+    let msg = match provider {
+        Some(ms) => format!(
+            "the upstream is rate limiting this pool and asked for {ms} ms; not sent again before then"
+        ),
+        None => "the upstream is rate limiting this pool (it gave no Retry-After)".to_string(),
+    };
+    response::error(
+        StatusCode::TOO_MANY_REQUESTS,
+        Reason::UpstreamThrottled,
+        &msg,
+        None,
+        Some(RetryAdvice {
+            after_ms,
+            should_retry: after_ms <= useful,
+        }),
+    )
 }
 
 /// End the job with `reason` and answer the client with the matching error: the one place a

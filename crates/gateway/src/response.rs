@@ -78,9 +78,10 @@ fn error_type(reason: Reason) -> &'static str {
         | Reason::BodyTooLarge
         | Reason::InvalidDeadline
         | Reason::ClientCancelled => "invalid_request_error",
-        Reason::UpstreamUnavailable | Reason::UpstreamTimeout | Reason::UpstreamError => {
-            "upstream_error"
-        }
+        Reason::UpstreamUnavailable
+        | Reason::UpstreamTimeout
+        | Reason::UpstreamError
+        | Reason::UpstreamThrottled => "upstream_error",
         Reason::ShuttingDown => "service_unavailable",
         _ => "admission_rejected",
     }

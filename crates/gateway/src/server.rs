@@ -272,6 +272,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     // dropped when their slack dies, as at any other time.
     let ticker = tokio::spawn(tick_loop(Arc::clone(&shared)));
     let prober = tokio::spawn(crate::health::probe_loop(Arc::clone(&shared)));
+    let scraper = tokio::spawn(crate::server_signal::run(Arc::clone(&shared)));
     // Header and idle timeouts, off the request path (see `crate::connlimit`).
     let reaper = tokio::spawn(Arc::clone(&shared.conns).reaper());
     let mut conns = JoinSet::new();
@@ -321,6 +322,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     }
     ticker.abort();
     prober.abort();
+    scraper.abort();
     reaper.abort();
 }
 

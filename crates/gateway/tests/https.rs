@@ -343,3 +343,86 @@ async fn unreadable_credentials_or_ca_refuse_the_start_and_the_reload() {
     );
     let _ = std::fs::remove_file(ca_file);
 }
+
+/// A hosted API's 429 over HTTPS: the client gets the gate's own 429 (`upstream_throttled`,
+/// never a 502) with a Retry-After at least the provider's; the endpoint is paused and its
+/// slots halved, so the next request is refused by the gate itself, with the provider's wait
+/// as its projected wait, and never reaches the provider before its Retry-After.
+#[tokio::test]
+async fn a_provider_429_becomes_the_gates_own_429_and_pauses_the_pool() {
+    let ca = TestCa::new("throttle");
+    let up = TlsUpstream::start(&ca, true).await;
+    let ca_file = ca.write_ca("throttle");
+    {
+        let mut r = up.reply.lock().unwrap();
+        r.status = http::StatusCode::TOO_MANY_REQUESTS;
+        r.headers = vec![
+            ("retry-after".into(), "20".into()),
+            ("x-ratelimit-remaining-requests".into(), "0".into()),
+            ("x-ratelimit-reset-requests".into(), "12s".into()),
+        ];
+    }
+    let text = config(
+        &up.url(),
+        &ca_settings(&ca_file),
+        &format!("api_key_env = {VAR:?}"),
+    )
+    .replace("deadline_ms = 30000", "deadline_ms = 10000");
+    let gate = Gate::start(&text, "https-429").await.unwrap();
+    let r = post(&gate.url("/v1/chat/completions"), &[], CHAT).await;
+    assert_eq!(r.status, 429, "{:?}", r.body);
+    assert_eq!(r.json()["error"]["code"], "upstream_throttled");
+    // The largest of the provider's headers: retry-after 20 s.
+    let after: u64 = r.header("retry-after-ms").unwrap().parse().unwrap();
+    assert!(after >= 20_000, "retry-after-ms {after}");
+    let secs: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!(secs >= 20);
+    assert_eq!(up.seen().len(), 1);
+
+    // The provider is paused for 20 s: a request with a 10 s deadline is refused by the
+    // gate at once, and the provider never sees it.
+    up.reply.lock().unwrap().status = http::StatusCode::OK;
+    let r = post(&gate.url("/v1/chat/completions"), &[], CHAT).await;
+    assert_eq!(r.status, 429, "{:?}", r.body);
+    assert_eq!(r.json()["error"]["code"], "projected_wait_exceeds_slack");
+    let wait = r.json()["admission"]["projected_wait_ms"].as_u64().unwrap();
+    assert!((19_000..=20_000).contains(&wait), "projected wait {wait}");
+    assert_eq!(
+        up.seen().len(),
+        1,
+        "nothing sent during the provider's pause"
+    );
+
+    let m = String::from_utf8_lossy(&get(&gate.url("/metrics")).await.body).to_string();
+    let line = |name: &str| {
+        m.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    // 4 slots, 1 in flight at the 429: halved to at least one.
+    assert_eq!(
+        line(r#"slackgate_endpoint_slots{pool="hosted",endpoint="e0"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        line(r#"slackgate_endpoint_events_total{pool="hosted",endpoint="e0",event="throttled"}"#),
+        Some(1.0)
+    );
+    let paused = line(r#"slackgate_endpoint_paused_seconds{pool="hosted",endpoint="e0"}"#).unwrap();
+    assert!(paused > 15.0 && paused <= 20.0, "paused {paused}");
+    // The job ended as upstream_throttled, its hold released unspent; the key is in no line.
+    gate.gw.shared().log.flush().await;
+    let lines = read_log(&gate.log);
+    let end = lines
+        .iter()
+        .find(|l| l["action"] == "complete" && l["reason"] == "upstream_throttled")
+        .expect("the throttled job's end line");
+    assert_eq!(end["tokens_spent"], 0);
+    assert_eq!(end["status"], 429);
+    assert!(lines
+        .iter()
+        .any(|l| l["reason"] == "upstream_throttled" && l["flag"] == "endpoint"));
+    let text = std::fs::read_to_string(&gate.log).unwrap();
+    assert!(!text.contains(KEY));
+}

@@ -338,6 +338,8 @@ impl Gate {
             generated_key,
             reservation: req.reservation,
             deadline_is_absolute: req.deadline_is_absolute,
+            promised_wait: e.wait,
+            promised_total: e.wait.saturating_add(e.est.service_ms),
         };
         let l = &mut self.classes[o.lane.0];
         l.admitted.record(

@@ -62,6 +62,17 @@ impl Gate {
                 && !job.protected
                 && job.slack_after(now, 0).is_some_and(|s| s < 0);
             let pool_id = PoolId(pi);
+            if self.pools[pi].signalled() && !job.protected && job.deadline.is_some() {
+                // How late it starts against its promise; a job dropped now missed it whole.
+                let late = now.saturating_sub(job.arrived_at) as f64 - job.promised_wait as f64;
+                let error = if dead {
+                    1.0
+                } else {
+                    late / job.promised_total.max(1) as f64
+                };
+                let home = self.home(job.class);
+                self.classes[home.0].record_wait_error(error);
+            }
             if dead || closing {
                 self.jobs.remove(&id);
                 self.settle_hold(now, &job, Settle::Cancel(0));
@@ -173,6 +184,7 @@ impl Gate {
     pub fn tick(&mut self, now: Millis) {
         let now = self.clock(now);
         self.expire_holds(now);
+        self.expire_readings(now);
         if self.closing_at.is_some() {
             self.shutdown_sweep(now);
         }
@@ -188,12 +200,12 @@ impl Gate {
             // endpoint available nothing is projected: only jobs already past their deadline
             // are dropped, the rest wait for an endpoint to return.
             let mut r = vec![0; pool.slot_count()];
-            let filled = pool.free_times(now, &mut r);
-            let free = pool.free_now(now) as usize;
-            // Neighbours waiting in the servers' queues are ahead of every queued job.
-            let outside = pool.outside_waiting();
-            let mut work = u64::from(outside).saturating_mul(pool.outside_unit_ms());
-            let mut count = outside as usize;
+            // On the gate's own view: see `Neighbours`.
+            let seen = super::endpoints::Neighbours::Ignored;
+            let filled = pool.free_times_seen(now, &mut r, seen);
+            let free = pool.free_now_seen(now, seen) as usize;
+            let mut work = 0u64;
+            let mut count = 0usize;
             let mut filler = WaterFiller::new(&r[..filled]);
             let mut doomed: Vec<(JobId, u64)> = Vec::new();
             let classes = self.pools[pi].classes.clone();
@@ -243,8 +255,13 @@ impl Gate {
                 count += bulk.0;
                 work = work.saturating_add(bulk.1);
             }
+            let signalled = self.pools[pi].signalled();
             for (id, wait) in doomed {
                 if let Some(job) = self.jobs.remove(&id) {
+                    if signalled {
+                        let home = self.home(job.class);
+                        self.classes[home.0].record_wait_error(1.0);
+                    }
                     self.unqueue(id, &job);
                     self.settle_hold(now, &job, Settle::Cancel(0));
                     let ev =

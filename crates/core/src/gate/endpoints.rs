@@ -41,8 +41,10 @@ pub(super) struct EndpointState {
     /// Requests of others the server reported running and waiting at the last fresh reading.
     pub(super) outside_running: u32,
     pub(super) outside_waiting: u32,
-    /// When the last reading arrived (`None`: no signal; the gate's own view stands).
-    pub(super) reading_at: Option<Millis>,
+    /// Until when the last reading holds (`None`: no signal; the gate's own view stands).
+    pub(super) reading_until: Option<Millis>,
+    /// When the reading in force arrived.
+    pub(super) reading_at: Millis,
     /// Actual over estimated service of its recent completions (EWMA): a slower server
     /// reads above 1. Placement only.
     pub(super) speed: f64,
@@ -65,9 +67,17 @@ impl EndpointState {
             paused_until: 0,
             outside_running: 0,
             outside_waiting: 0,
-            reading_at: None,
+            reading_until: None,
+            reading_at: 0,
             speed: 1.0,
         }
+    }
+
+    /// Back to the gate's own view.
+    pub(super) fn forget_reading(&mut self) {
+        self.outside_running = 0;
+        self.outside_waiting = 0;
+        self.reading_until = None;
     }
 
     /// Takes new work (at some point): not ejected, drained or retired.
@@ -84,6 +94,17 @@ impl EndpointState {
     pub(super) fn startable(&self, now: Millis) -> bool {
         self.available() && self.paused_until <= now && self.occupied() < self.limit
     }
+}
+
+/// Whether a projection counts the neighbours the servers report. Admission does: it makes a
+/// promise, and their work is real. The re-check of queued work ([`Gate::tick`]) does not:
+/// it only tells a client early that its deadline is lost, and a reading that rises for a
+/// moment (readings are a scrape old and neighbours come and go) must not take back a promise
+/// the queue would still have kept; a job whose slack really died is dropped at dispatch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Neighbours {
+    Counted,
+    Ignored,
 }
 
 /// An endpoint as the gateway and the operator see it.
@@ -127,6 +148,15 @@ impl PoolState {
             .fold(0u32, |a, e| a.saturating_add(e.limit));
     }
 
+    /// The servers have reported on their own load (a `server_metrics` signal): the wait
+    /// projections on this pool then have an error of their own to learn (see
+    /// [`LaneState::wait_margin`]).
+    pub(super) fn signalled(&self) -> bool {
+        self.neighbours
+            .since(self.forecast_bucket_ms.max(1))
+            .is_some()
+    }
+
     /// Neighbours' waiting requests over every available endpoint: they start before
     /// anything the gate sends next.
     pub(super) fn outside_waiting(&self) -> u32 {
@@ -146,11 +176,20 @@ impl PoolState {
 
     /// Slots that can start a job now, over every endpoint.
     pub(super) fn free_now(&self, now: Millis) -> u32 {
+        self.free_now_seen(now, Neighbours::Counted)
+    }
+
+    /// [`PoolState::free_now`], with or without the neighbours' requests.
+    pub(super) fn free_now_seen(&self, now: Millis, seen: Neighbours) -> u32 {
         self.endpoints
             .iter()
             .filter(|e| e.available() && e.paused_until <= now)
             .fold(0u32, |a, e| {
-                a.saturating_add(e.limit.saturating_sub(e.occupied()))
+                let held = match seen {
+                    Neighbours::Counted => e.occupied(),
+                    Neighbours::Ignored => e.in_flight,
+                };
+                a.saturating_add(e.limit.saturating_sub(held))
             })
     }
 
@@ -200,6 +239,11 @@ impl PoolState {
     /// latest ones (a slot frees for a newcomer only when the count falls below the limit),
     /// padded with free slots, none earlier than the provider allows.
     pub(super) fn free_times(&self, now: Millis, r: &mut [u64]) -> usize {
+        self.free_times_seen(now, r, Neighbours::Counted)
+    }
+
+    /// [`PoolState::free_times`], with or without the neighbours' running requests.
+    pub(super) fn free_times_seen(&self, now: Millis, r: &mut [u64], seen: Neighbours) -> usize {
         r.fill(0);
         let unit = self.outside_unit_ms();
         let mut filled = 0usize;
@@ -215,7 +259,9 @@ impl PoolState {
                     .filter(|run| run.endpoint == ei)
                     .map(|run| remaining(now, run.started, run.est)),
             );
-            mine.extend(std::iter::repeat_n(unit, e.outside_running as usize));
+            if seen == Neighbours::Counted {
+                mine.extend(std::iter::repeat_n(unit, e.outside_running as usize));
+            }
             mine.sort_unstable();
             let limit = e.limit as usize;
             let skip = mine.len().saturating_sub(limit);
@@ -255,7 +301,7 @@ impl Gate {
                 paused_ms: e.paused_until.saturating_sub(now),
                 outside_running: e.outside_running,
                 outside_waiting: e.outside_waiting,
-                signal: e.reading_at.is_some(),
+                signal: e.reading_until.is_some_and(|t| t > now),
             })
             .collect()
     }
@@ -318,16 +364,36 @@ impl Gate {
     }
 
     /// The server's own metrics for `endpoint`: requests it runs and holds waiting (all
-    /// clients), or `None` when the reading failed or went stale (the gate's own view is
-    /// used). What exceeds the gate's own in-flight work there is a neighbour's.
+    /// clients), valid for `valid_ms` (after which, without a newer one, [`Gate::tick`]
+    /// forgets it), or `None` to forget it now (the gate's own view is used). What exceeds
+    /// the gate's own in-flight work there is a neighbour's.
     pub fn set_server_reading(
         &mut self,
         now: Millis,
         pool: PoolId,
         endpoint: usize,
         reading: Option<(u32, u32)>,
+        valid_ms: u64,
     ) {
         let now = self.clock(now);
+        // The neighbours' demand since the previous reading, as it said, until now (at most
+        // its validity): slot-milliseconds for the forecast of every lane's wait.
+        if let Some(p) = self.pools.get_mut(pool.0) {
+            let width = p.forecast_bucket_ms;
+            if let Some(e) = p.endpoints.get(endpoint) {
+                if e.reading_until.is_some() {
+                    let held = now
+                        .min(e.reading_until.unwrap_or(now))
+                        .saturating_sub(e.reading_at);
+                    let demand = e
+                        .outside_running
+                        .saturating_add(e.outside_waiting)
+                        .min(e.limit);
+                    p.neighbours
+                        .record(now, u64::from(demand).saturating_mul(held), width);
+                }
+            }
+        }
         self.change_endpoint(now, pool, endpoint, |e| {
             match reading {
                 Some((running, waiting)) => {
@@ -336,13 +402,10 @@ impl Gate {
                     // first served, so the neighbours are taken to run first.
                     e.outside_running = outside.min(running);
                     e.outside_waiting = outside - e.outside_running;
-                    e.reading_at = Some(now);
+                    e.reading_until = Some(now.saturating_add(valid_ms));
+                    e.reading_at = now;
                 }
-                None => {
-                    e.outside_running = 0;
-                    e.outside_waiting = 0;
-                    e.reading_at = None;
-                }
+                None => e.forget_reading(),
             }
             true
         });
@@ -369,6 +432,24 @@ impl Gate {
             p.refresh_capacity();
         }
         changed
+    }
+
+    /// Forget server readings past their validity (the scrapes stopped or keep failing).
+    pub(super) fn expire_readings(&mut self, now: Millis) {
+        for p in &mut self.pools {
+            let stale = p
+                .endpoints
+                .iter()
+                .any(|e| e.reading_until.is_some_and(|t| t <= now));
+            if stale {
+                p.advance_busy(now);
+                for e in &mut p.endpoints {
+                    if e.reading_until.is_some_and(|t| t <= now) {
+                        e.forget_reading();
+                    }
+                }
+            }
+        }
     }
 
     /// A dispatched job could not even connect to its endpoint (the request never reached

@@ -142,7 +142,7 @@ fn a_provider_429_pauses_the_endpoint_and_halves_its_slots() {
 fn the_servers_own_queue_counts_neighbours_work() {
     let mut g = Gate::new(with_endpoints(vec![ep("llama", 4)])).unwrap();
     // The server runs 2 requests the gate did not send (it has none in flight yet).
-    g.set_server_reading(0, P, 0, Some((2, 0)));
+    g.set_server_reading(0, P, 0, Some((2, 0)), 5000);
     assert_eq!(g.endpoints(0, P)[0].outside_running, 2);
     for _ in 0..3 {
         g.offer(0, req(&g, "prod"));
@@ -151,21 +151,31 @@ fn the_servers_own_queue_counts_neighbours_work() {
     assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
     // A neighbour's request is taken to last the pool's mean service: nothing completed
     // yet, so the prior's 1000 ms. Every slot holds 1000 ms, one job (1000 ms) is queued
-    // ahead: the next waits 1000 + 1000 / 4 = 1250.
+    // ahead: the next waits 1000 + 1000 / 4 = 1250 as things stand. The neighbours hold half
+    // of the server now, and while they do they are taken to keep arriving: the forecast
+    // doubles the wait, 1250 / (1 - 0.5) = 2500.
     let d = g.offer(0, req(&g, "prod"));
-    assert_eq!(d.projected_wait_ms, 1250);
+    assert_eq!(d.projected_wait_ms - d.forecast_wait_ms, 1250);
+    assert_eq!(d.projected_wait_ms, 2500);
     // Now the server reports 4 running and 3 waiting; 2 of those 7 are the gate's, so 5 are
     // the neighbours': 4 running (taken to run first) and 1 waiting. The 2 queued jobs of the
     // gate and the neighbour's waiting one are ahead: 3000 ms over four slots that free at
-    // 1000: 1000 + 3000 / 4 = 1750.
-    g.set_server_reading(0, P, 0, Some((4, 3)));
+    // 1000: 1000 + 3000 / 4 = 1750 as things stand; the neighbours now ask for the whole
+    // server, so the forecast is at its cap (rho 0.98: 1750 / 0.02 = 87500).
+    g.set_server_reading(0, P, 0, Some((4, 3)), 500);
     let v = &g.endpoints(0, P)[0];
     assert_eq!((v.outside_running, v.outside_waiting), (4, 1));
     let d = g.offer(0, req(&g, "prod"));
-    assert_eq!(d.projected_wait_ms, 1750);
-    // A stale or failed reading: back to the gate's own view, and the free slots are used.
-    g.set_server_reading(10, P, 0, None);
-    assert_eq!(dispatched(&drain(&mut g, 10)).len(), 2);
+    assert_eq!(d.projected_wait_ms - d.forecast_wait_ms, 1750);
+    assert_eq!(d.projected_wait_ms, 87_500);
+    // The reading goes stale (no newer one within its 500 ms): back to the gate's own
+    // view, and the two free slots are used.
+    g.tick(499);
+    assert!(g.endpoints(499, P)[0].signal);
+    assert!(dispatched(&drain(&mut g, 499)).is_empty());
+    g.tick(500);
+    assert!(!g.endpoints(500, P)[0].signal);
+    assert_eq!(dispatched(&drain(&mut g, 500)).len(), 2);
 }
 
 #[test]
@@ -266,4 +276,55 @@ fn a_job_no_endpoint_can_take_goes_back_to_the_queue_in_its_place() {
     g.set_endpoint_ejected(1000, P, 1, true);
     assert!(!g.requeue(1000, JobId(3)));
     assert_eq!(g.endpoints(1000, P)[0].in_flight, 1);
+}
+
+#[test]
+fn neighbours_that_keep_coming_inflate_every_wait() {
+    let mut g = Gate::new(with_endpoints(vec![ep("llama", 4)])).unwrap();
+    // A neighbour holds 2 of the 4 slots, read every second from 0 to 10 s. Each reading
+    // records what the previous one said for the time since it: 2 slots x 1000 ms, ten
+    // times from the one at 1000 on. At 11 s the window has seen 20000 slot-ms over the
+    // 10000 ms since that first record: 20000 / (4 x 10000) = a share of 0.5.
+    for t in (0..=10_000).step_by(1000) {
+        g.set_server_reading(t, P, 0, Some((2, 0)), 5000);
+    }
+    for _ in 0..3 {
+        g.offer(11_000, req(&g, "prod"));
+    }
+    assert_eq!(dispatched(&drain(&mut g, 11_000)).len(), 2);
+    // The base wait: four slots at 1000 ms (2 jobs, 2 neighbours) and one job queued ahead:
+    // 1000 + 1000 / 4 = 1250. Neighbours taking half of the server while it waits double
+    // it: 1250 / (1 - 0.5) = 2500, of which 1250 is the forecast. The top priority gets it
+    // too: nothing of the gate overtakes it, the neighbours do.
+    let d = g.offer(11_000, req(&g, "prod"));
+    assert_eq!((d.projected_wait_ms, d.forecast_wait_ms), (2500, 1250));
+}
+
+#[test]
+fn where_servers_report_neighbours_a_promise_is_padded_by_how_late_jobs_recently_started() {
+    // The margin is the 97th percentile of the recent errors: 19 on time and one that
+    // started half its promise late put it at 0.5.
+    let mut g = Gate::new(with_endpoints(vec![ep("llama", 1)])).unwrap();
+    for _ in 0..19 {
+        g.classes[0].record_wait_error(0.0);
+    }
+    assert_eq!(g.classes[0].wait_margin, 0.0, "19 on time: no margin");
+    g.classes[0].record_wait_error(0.5);
+    assert_eq!(g.classes[0].wait_margin, 0.5);
+    // Without a server signal the margin is not used: one job runs (1000 ms), the next
+    // waits 1000 and fits its 4000 ms deadline (1000 + 1000 <= 4000)...
+    g.offer(0, req(&g, "prod"));
+    drain(&mut g, 0);
+    assert_eq!(g.offer(0, req(&g, "prod")).action, Action::Admit);
+    // ... and with one (the server reported, twice) the promise (a wait of 1999 behind the
+    // two, + 1000 of service) is padded by half: 1999 + 0.5 x 2999 = 3498 > the 2999 of
+    // slack.
+    g.set_server_reading(0, P, 0, Some((1, 0)), 60_000);
+    g.set_server_reading(1, P, 0, Some((1, 0)), 60_000);
+    let d = g.offer(1, req(&g, "prod"));
+    assert_eq!(d.projected_wait_ms, 1999);
+    assert_eq!(
+        (d.action, d.reason),
+        (Action::Reject, Reason::ProjectedWaitExceedsSlack)
+    );
 }

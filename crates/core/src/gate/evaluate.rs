@@ -104,7 +104,13 @@ impl Gate {
             req.first_token_deadline,
             scale_estimate(own, 1.0 + margin),
         );
-        let padded_wait = (wait as f64 * (1.0 + margin)).round().min(1e15) as u64;
+        // Where the servers report neighbours, also the share of its promise by which the
+        // class's recent jobs started late (0 elsewhere: see `LaneState::wait_margin`).
+        let wait_margin = if p.signalled() { home.wait_margin } else { 0.0 };
+        let padded_wait = (wait as f64 * (1.0 + margin)
+            + wait_margin * (wait.saturating_add(own.service_ms)) as f64)
+            .round()
+            .min(1e15) as u64;
         // Too big for its own deadline even where it would run now with nothing ahead (not at
         // the full concurrency a waiting request is estimated at): a retry cannot help. Only
         // asked when it does not fit as estimated: with non-negative coefficients an estimate

@@ -19,8 +19,14 @@
 //! (it would take every slot it gets) from a light one: its admitted work alone shrinks as
 //! lower work occupies slots, which would invite yet more lower work.
 //!
-//! A top-priority lane has nothing above it and gets no forecast; neither does a request that
-//! starts at once (`W0 = 0`: nothing overtakes a job that is running). Pure integer
+//! Work the gate did not send counts the same way, for every lane: when the servers' own
+//! metrics show neighbours (see [`super::endpoints`]), the slots they held and the requests
+//! they queued over the window are their demand, and their requests keep arriving straight at
+//! the server while the gate's wait (they take a freed slot before the gate's next job). So
+//! `rho` is the higher classes' demand plus the neighbours'.
+//!
+//! A top-priority lane has nothing above it and, without neighbours, gets no forecast; neither
+//! does a request that starts at once (`W0 = 0`: nothing overtakes a job that is running). Pure integer
 //! bookkeeping in the windows (no `exp`, so the same inputs give the same decisions on every
 //! machine); O(lanes of the pool x buckets) per decision.
 
@@ -94,7 +100,7 @@ impl RateWindow {
 
     /// When work was first recorded in buckets of `bucket_ms` (`None`: never, or in another
     /// width, which is no history for this one).
-    fn since(&self, bucket_ms: u64) -> Option<Millis> {
+    pub(super) fn since(&self, bucket_ms: u64) -> Option<Millis> {
         self.since.filter(|_| self.bucket_ms == bucket_ms)
     }
 }
@@ -108,7 +114,9 @@ impl Gate {
         if base_wait == 0 || !l.forecast {
             return 0;
         }
-        let rho = self.higher_demand(now, l.pool, l.priority).min(MAX_RHO);
+        let rho = (self.higher_demand(now, l.pool, l.priority)
+            + self.neighbour_demand(now, l.pool))
+        .min(MAX_RHO);
         if rho <= 0.0 {
             return 0;
         }
@@ -132,40 +140,75 @@ impl Gate {
                 .take_while(move |l| l.priority > priority)
                 .filter(|l| !l.retired)
         };
-        let Some(since) = higher()
+        let since = higher()
             .flat_map(|l| [l.admitted.since(width), l.refused.since(width)])
             .flatten()
-            .min()
-        else {
-            return 0.0;
-        };
-        let slots = f64::from(p.slots.max(1));
-        let capacity = slots * width as f64;
-        let newest = now - now % width;
-        let into = now - newest;
-        let mut served = 0.0;
-        for back in 0..RING as u64 {
-            let Some(start) = newest.checked_sub(back * width) else {
-                break;
-            };
-            if start.saturating_add(width) <= since {
-                break;
-            }
-            let inside = if back == FORECAST_BUCKETS as u64 {
-                (width - into) as f64 / width as f64
-            } else {
-                1.0
-            };
-            let asked: f64 = higher()
+            .min();
+        demand_share(p, now, since, |start| {
+            higher()
                 .map(|l| {
                     l.admitted.at(start, width) as f64
                         + p.forecast_refused_weight * l.refused.at(start, width) as f64
                 })
-                .sum();
-            served += inside * asked.min(capacity);
-        }
-        let window = width.saturating_mul(FORECAST_BUCKETS as u64);
-        let span = window.min(now.saturating_sub(since)).max(width / 4).max(1);
-        served / (slots * span as f64)
+                .sum()
+        })
     }
+
+    /// The share of `pool`'s slots the servers' neighbours take (0 without a server
+    /// signal): what they held or queued for over the window ending at `now` (as
+    /// [`Gate::higher_demand`]), or what they hold and queue for now, whichever is more.
+    /// Neighbours come in bursts the window averages away; while one lasts, the ones there
+    /// now are the best guess of what keeps arriving.
+    pub(super) fn neighbour_demand(&self, now: Millis, pool: PoolId) -> f64 {
+        let p = &self.pools[pool.0];
+        let width = p.forecast_bucket_ms.max(1);
+        let window = demand_share(p, now, p.neighbours.since(width), |start| {
+            p.neighbours.at(start, width) as f64
+        });
+        let current = f64::from(
+            p.outside_running()
+                .saturating_add(p.outside_waiting())
+                .min(p.slots),
+        ) / f64::from(p.slots.max(1));
+        window.max(current)
+    }
+}
+
+/// Demand over the window ending at `now`, as a share of the pool's slots: `asked(start)` is
+/// the demand in the bucket starting at `start`, each capped at what the slots serve in a
+/// bucket, the bucket the window starts inside weighted by the part of it inside, over the
+/// window's length (or the time since `since`, the first record, if shorter; at least a
+/// quarter bucket). 0 with no record.
+fn demand_share(
+    p: &PoolState,
+    now: Millis,
+    since: Option<Millis>,
+    asked: impl Fn(Millis) -> f64,
+) -> f64 {
+    let Some(since) = since else {
+        return 0.0;
+    };
+    let width = p.forecast_bucket_ms.max(1);
+    let slots = f64::from(p.slots.max(1));
+    let capacity = slots * width as f64;
+    let newest = now - now % width;
+    let into = now - newest;
+    let mut served = 0.0;
+    for back in 0..RING as u64 {
+        let Some(start) = newest.checked_sub(back * width) else {
+            break;
+        };
+        if start.saturating_add(width) <= since {
+            break;
+        }
+        let inside = if back == FORECAST_BUCKETS as u64 {
+            (width - into) as f64 / width as f64
+        } else {
+            1.0
+        };
+        served += inside * asked(start).min(capacity);
+    }
+    let window = width.saturating_mul(FORECAST_BUCKETS as u64);
+    let span = window.min(now.saturating_sub(since)).max(width / 4).max(1);
+    served / (slots * span as f64)
 }

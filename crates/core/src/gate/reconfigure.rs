@@ -117,6 +117,7 @@ impl Gate {
                         in_flight: BTreeMap::new(),
                         endpoints: Vec::new(),
                         recent_service_ms: 0.0,
+                        neighbours: super::RateWindow::default(),
                         classes: Vec::new(),
                     });
                     if let Some(p) = self.pools.last_mut() {
@@ -312,6 +313,8 @@ impl Gate {
             probes: 0,
             last_admit_at: None,
             ratios: VecDeque::new(),
+            wait_errors: VecDeque::new(),
+            wait_margin: 0.0,
             recent_others_prefill: 0.0,
             record: Default::default(),
             forecast: true,

@@ -42,6 +42,10 @@ pub(super) struct Job {
     pub(super) reservation: bool,
     /// The client fixed its deadline in absolute time: a retry cannot get more slack.
     pub(super) deadline_is_absolute: bool,
+    /// The wait projected at admission and that wait plus the estimated service: what the
+    /// promise was made on (see [`LaneState::wait_margin`]).
+    pub(super) promised_wait: u64,
+    pub(super) promised_total: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -143,6 +147,12 @@ pub(super) struct LaneState {
     /// demand, which lower lanes forecast from.
     pub(super) admitted: RateWindow,
     pub(super) refused: RateWindow,
+    /// How late its recent jobs started against the wait projected at admission, as a share
+    /// of the promise (wait + service), on pools whose servers report neighbours: the part
+    /// of the wait no projection sees (see [`LaneState::wait_margin`]).
+    pub(super) wait_errors: VecDeque<f64>,
+    /// The 90th percentile of `wait_errors`, within [0, 1] (0 with fewer than a handful).
+    pub(super) wait_margin: f64,
 }
 
 /// A class's record as admission reads it (see [`LaneState::refresh_record`]).
@@ -164,7 +174,30 @@ impl Default for ClassRecord {
     }
 }
 
+/// Wait errors kept per lane.
+pub(super) const WAIT_ERRORS: usize = 64;
+/// The quantile of the wait errors the promise is padded by, in percent.
+pub(super) const WAIT_QUANTILE_PERCENT: usize = 97;
+
 impl LaneState {
+    /// Record how late a job started against its promise (`error`, a share of the promise;
+    /// negative: early) and refresh the margin: with neighbours on the server the gate does
+    /// not control, the projection misses the ones that arrive while a job waits in bursts
+    /// it cannot foresee; the promise is padded by how much it has recently missed by.
+    pub(super) fn record_wait_error(&mut self, error: f64) {
+        if self.wait_errors.len() == WAIT_ERRORS {
+            self.wait_errors.pop_front();
+        }
+        self.wait_errors.push_back(error.clamp(-1.0, 1.0));
+        self.wait_margin = if self.wait_errors.len() < CONFIRM_SAMPLES as usize {
+            0.0
+        } else {
+            let mut v: Vec<f64> = self.wait_errors.iter().copied().collect();
+            v.sort_by(f64::total_cmp);
+            v[(v.len() * WAIT_QUANTILE_PERCENT / 100).min(v.len() - 1)].clamp(0.0, 1.0)
+        };
+    }
+
     /// A per-class empirical model on top of the shared estimator: the median of actual over
     /// estimated service of the class's last completions. The estimator fits every class's
     /// requests with one set of coefficients, and a class whose requests the fit serves badly
@@ -269,6 +302,9 @@ pub(super) struct PoolState {
     /// Mean service time of recent completions (EWMA, 0 before any): the size a
     /// neighbour's request is assumed to have.
     pub(super) recent_service_ms: f64,
+    /// Slot-milliseconds the servers' neighbours held or queued for, per bucket of the
+    /// forecast window (see [`super::forecast`]).
+    pub(super) neighbours: RateWindow,
     /// Classes of this pool, highest priority first (ties by class index, for determinism).
     pub(super) classes: Vec<LaneId>,
 }
