@@ -113,8 +113,17 @@ impl Shared {
                 if failures < eject_after {
                     return;
                 }
+                // Ejecting moves work to the pool's other endpoints; a pool with one has none
+                // to move it to, and an ejection there (readmitted only by a probe of a
+                // health path the server may not serve) could outlast the failure itself.
                 let (changed, (pool_name, endpoint_name)) = self.with_core(|st, now, _| {
-                    let changed = st.gate.set_endpoint_ejected(now, pool, endpoint, true);
+                    let others = st
+                        .gate
+                        .endpoints(now, pool)
+                        .iter()
+                        .enumerate()
+                        .any(|(i, e)| i != endpoint && !e.retired);
+                    let changed = others && st.gate.set_endpoint_ejected(now, pool, endpoint, true);
                     (changed, names(st))
                 });
                 if changed {
@@ -181,15 +190,19 @@ impl Shared {
         job: slackgate_core::JobId,
         pool: PoolId,
     ) -> Option<(usize, crate::upstream::UpstreamBase)> {
-        self.with_core(|st, now, _| {
+        let (to, base, pool_name, name) = self.with_core(|st, now, _| {
             let to = st.gate.reroute(now, job)?;
             let base = st.upstreams.get(pool.0)?.get(to)?.clone()?;
             let name = st.gate.endpoint_name(pool, to).map(str::to_string);
             if let Some(w) = st.waiting.get_mut(&job) {
-                w.meta.endpoint = name;
+                w.meta.endpoint.clone_from(&name);
             }
-            Some((to, base))
-        })
+            Some((to, base, st.gate.pool_name(pool).to_string(), name))
+        })?;
+        // Counted as an event of the endpoint that took it.
+        self.metrics
+            .endpoint_event(&pool_name, name.as_deref().unwrap_or_default(), "rerouted");
+        Some((to, base))
     }
 
     /// Queue a dispatched job that could not connect anywhere again (see the core's
@@ -199,17 +212,25 @@ impl Shared {
         &self,
         job: slackgate_core::JobId,
     ) -> Option<tokio::sync::oneshot::Receiver<crate::state::Signal>> {
-        self.with_core(|st, now, _| {
+        let (rx, pool_name, endpoint_name) = self.with_core(|st, now, _| {
             let (tx, rx) = tokio::sync::oneshot::channel();
             let w = st.waiting.get_mut(&job)?;
+            let names = (
+                w.meta.pool.clone(),
+                w.meta.endpoint.clone().unwrap_or_default(),
+            );
             if !st.gate.requeue(now, job) {
                 return None;
             }
             w.tx = Some(tx);
             w.abort = None;
             w.meta.endpoint = None;
-            Some(rx)
-        })
+            Some((rx, names.0, names.1))
+        })?;
+        // Counted as an event of the endpoint it could not reach.
+        self.metrics
+            .endpoint_event(&pool_name, &endpoint_name, "requeued");
+        Some(rx)
     }
 
     /// Drain (`true`) or undrain an endpoint through the admin API. `Err` names what was

@@ -762,10 +762,16 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     // its label on the retry counter.
     let pool = shared.passthrough_pool_name().unwrap_or_default();
     let transport = shared.transports.for_pool(&pool);
-    let client_authorization = headers.remove(http::header::AUTHORIZATION);
-    transport
-        .auth
-        .apply(&mut headers, client_authorization.as_ref());
+    // The pool's key goes only with the model list, which clients and SDKs read before they
+    // send: any other pass-through route (`DELETE /v1/files/...`) is outside admission and
+    // the ledger, and must not act with the organisation's key for whoever reaches the gate.
+    // Those keep the client's own `Authorization`, as before pool keys existed.
+    if parts.method == http::Method::GET && path.trim_end_matches('/') == "/v1/models" {
+        let client_authorization = headers.remove(http::header::AUTHORIZATION);
+        transport
+            .auth
+            .apply(&mut headers, client_authorization.as_ref());
+    }
     let mut up = Request::new(bytes);
     *up.method_mut() = parts.method;
     *up.uri_mut() = uri;

@@ -400,10 +400,10 @@ async fn a_provider_429_becomes_the_gates_own_429_and_pauses_the_pool() {
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse::<f64>().ok())
     };
-    // 4 slots, 1 in flight at the 429: halved to at least one.
+    // 4 slots halved.
     assert_eq!(
         line(r#"slackgate_endpoint_slots{pool="hosted",endpoint="e0"}"#),
-        Some(1.0)
+        Some(2.0)
     );
     assert_eq!(
         line(r#"slackgate_endpoint_events_total{pool="hosted",endpoint="e0",event="throttled"}"#),

@@ -29,9 +29,6 @@ impl Gate {
             let Some(endpoint) = pool.place(now) else {
                 continue;
             };
-            if pool.outside_waiting() >= pool.free_now(now) {
-                continue;
-            }
             // Highest priority first; among equal priorities, earliest deadline.
             let mut best: Option<(u32, QueueKey, LaneId, JobId)> = None;
             for cid in &pool.classes {
@@ -62,7 +59,7 @@ impl Gate {
                 && !job.protected
                 && job.slack_after(now, 0).is_some_and(|s| s < 0);
             let pool_id = PoolId(pi);
-            if self.pools[pi].signalled() && !job.protected && job.deadline.is_some() {
+            if self.pools[pi].signalled() && job.deadline.is_some() && !job.reservation {
                 // How late it starts against its promise; a job dropped now missed it whole.
                 let late = now.saturating_sub(job.arrived_at) as f64 - job.promised_wait as f64;
                 let error = if dead {
@@ -71,7 +68,8 @@ impl Gate {
                     late / job.promised_total.max(1) as f64
                 };
                 let home = self.home(job.class);
-                self.classes[home.0].record_wait_error(error);
+                let window = self.pools[pi].forecast_window_ms();
+                self.classes[home.0].record_wait_error(now, error, window);
             }
             if dead || closing {
                 self.jobs.remove(&id);
@@ -260,7 +258,8 @@ impl Gate {
                 if let Some(job) = self.jobs.remove(&id) {
                     if signalled {
                         let home = self.home(job.class);
-                        self.classes[home.0].record_wait_error(1.0);
+                        let window = self.pools[pi].forecast_window_ms();
+                        self.classes[home.0].record_wait_error(now, 1.0, window);
                     }
                     self.unqueue(id, &job);
                     self.settle_hold(now, &job, Settle::Cancel(0));

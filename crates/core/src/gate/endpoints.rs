@@ -90,9 +90,13 @@ impl EndpointState {
         self.in_flight.saturating_add(self.outside_running)
     }
 
-    /// Can start a job at `now`.
+    /// Can start a job at `now`: available, not paused, and fewer of the gate's own jobs
+    /// than its slots in force. Neighbours do not hold the gate back: the server's queue is
+    /// first come, first served, so a job held back would only start behind every neighbour
+    /// that arrives meanwhile, and a reading a scrape old (or a wrong gauge) must never shut
+    /// the endpoint. Their work counts in the projection instead.
     pub(super) fn startable(&self, now: Millis) -> bool {
-        self.available() && self.paused_until <= now && self.occupied() < self.limit
+        self.available() && self.paused_until <= now && self.in_flight < self.limit
     }
 }
 
@@ -152,9 +156,13 @@ impl PoolState {
     /// projections on this pool then have an error of their own to learn (see
     /// [`LaneState::wait_margin`]).
     pub(super) fn signalled(&self) -> bool {
-        self.neighbours
-            .since(self.forecast_bucket_ms.max(1))
-            .is_some()
+        self.endpoints.iter().any(|e| e.reading_until.is_some())
+    }
+
+    /// The forecast window (its buckets' width times their count).
+    pub(super) fn forecast_window_ms(&self) -> u64 {
+        self.forecast_bucket_ms
+            .saturating_mul(super::forecast::FORECAST_BUCKETS as u64)
     }
 
     /// Neighbours' waiting requests over every available endpoint: they start before
@@ -245,6 +253,11 @@ impl PoolState {
     /// [`PoolState::free_times`], with or without the neighbours' running requests.
     pub(super) fn free_times_seen(&self, now: Millis, r: &mut [u64], seen: Neighbours) -> usize {
         r.fill(0);
+        if let [e] = self.endpoints.as_slice() {
+            if seen == Neighbours::Ignored || e.outside_running == 0 {
+                return self.free_times_one(now, r, e);
+            }
+        }
         let unit = self.outside_unit_ms();
         let mut filled = 0usize;
         let mut mine: Vec<u64> = Vec::new();
@@ -278,6 +291,34 @@ impl PoolState {
         }
         r[..filled].sort_unstable();
         filled
+    }
+}
+
+impl PoolState {
+    /// [`PoolState::free_times`] for a pool of one endpoint and no neighbour running: on the
+    /// decision path of nearly every deployment, so without allocating. `r` is zeroed.
+    fn free_times_one(&self, now: Millis, r: &mut [u64], e: &EndpointState) -> usize {
+        if !e.available() {
+            return 0;
+        }
+        let n = self.in_flight.len().min(r.len());
+        for (slot, run) in r.iter_mut().zip(self.in_flight.values()) {
+            *slot = remaining(now, run.started, run.est);
+        }
+        let limit = (e.limit as usize).min(r.len());
+        if n > limit {
+            // More run than the slots in force: a slot frees when the count falls below
+            // the limit, so the latest `limit` times are the slots'.
+            r[..n].sort_unstable();
+            r.copy_within(n - limit..n, 0);
+        } else {
+            r[..limit].sort_unstable();
+        }
+        let pause = e.paused_until.saturating_sub(now);
+        for t in &mut r[..limit] {
+            *t = (*t).max(pause);
+        }
+        limit
     }
 }
 
@@ -353,12 +394,13 @@ impl Gate {
     }
 
     /// The provider answered 429 on `endpoint`: send it nothing for `retry_after_ms`, and
-    /// halve its slots in force (at least one), to grow back one per completion.
+    /// halve its slots in force (at least one), to grow back one per completion after the
+    /// pause.
     pub fn throttled(&mut self, now: Millis, pool: PoolId, endpoint: usize, retry_after_ms: u64) {
         let now = self.clock(now);
         self.change_endpoint(now, pool, endpoint, |e| {
             e.paused_until = e.paused_until.max(now.saturating_add(retry_after_ms));
-            e.limit = (e.limit.min(e.in_flight.max(1)) / 2).max(1);
+            e.limit = (e.limit / 2).max(1);
             true
         });
     }
@@ -399,9 +441,11 @@ impl Gate {
                 Some((running, waiting)) => {
                     let outside = running.saturating_add(waiting).saturating_sub(e.in_flight);
                     // Who runs and who waits is not said: the server's queue is first come,
-                    // first served, so the neighbours are taken to run first.
-                    e.outside_running = outside.min(running);
-                    e.outside_waiting = outside - e.outside_running;
+                    // first served, so the neighbours are taken to run first. Each count is
+                    // capped at the endpoint's slots: the figures come off the network, and
+                    // more than a server's worth changes no projection.
+                    e.outside_running = outside.min(running).min(e.limit);
+                    e.outside_waiting = (outside - outside.min(running)).min(e.limit);
                     e.reading_until = Some(now.saturating_add(valid_ms));
                     e.reading_at = now;
                 }

@@ -106,7 +106,11 @@ impl Gate {
         );
         // Where the servers report neighbours, also the share of its promise by which the
         // class's recent jobs started late (0 elsewhere: see `LaneState::wait_margin`).
-        let wait_margin = if p.signalled() { home.wait_margin } else { 0.0 };
+        let wait_margin = if p.signalled() {
+            home.wait_margin_at(now, p.forecast_window_ms())
+        } else {
+            0.0
+        };
         let padded_wait = (wait as f64 * (1.0 + margin)
             + wait_margin * (wait.saturating_add(own.service_ms)) as f64)
             .round()

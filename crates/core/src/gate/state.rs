@@ -148,10 +148,11 @@ pub(super) struct LaneState {
     pub(super) admitted: RateWindow,
     pub(super) refused: RateWindow,
     /// How late its recent jobs started against the wait projected at admission, as a share
-    /// of the promise (wait + service), on pools whose servers report neighbours: the part
-    /// of the wait no projection sees (see [`LaneState::wait_margin`]).
-    pub(super) wait_errors: VecDeque<f64>,
-    /// The 90th percentile of `wait_errors`, within [0, 1] (0 with fewer than a handful).
+    /// of the promise (wait + service), with when: on pools whose servers report neighbours,
+    /// the part of the wait no projection sees (see [`LaneState::wait_margin_at`]).
+    pub(super) wait_errors: VecDeque<(Millis, f64)>,
+    /// The [`WAIT_QUANTILE_PERCENT`] quantile of `wait_errors`, within [0,
+    /// [`MAX_WAIT_MARGIN`]] (0 with fewer than a handful).
     pub(super) wait_margin: f64,
 }
 
@@ -178,24 +179,45 @@ impl Default for ClassRecord {
 pub(super) const WAIT_ERRORS: usize = 64;
 /// The quantile of the wait errors the promise is padded by, in percent.
 pub(super) const WAIT_QUANTILE_PERCENT: usize = 97;
+/// The largest wait margin: half the promise. A burst of drops must not refuse a class whose
+/// deadline is under twice its service on an idle server.
+pub(super) const MAX_WAIT_MARGIN: f64 = 0.5;
 
 impl LaneState {
     /// Record how late a job started against its promise (`error`, a share of the promise;
-    /// negative: early) and refresh the margin: with neighbours on the server the gate does
-    /// not control, the projection misses the ones that arrive while a job waits in bursts
-    /// it cannot foresee; the promise is padded by how much it has recently missed by.
-    pub(super) fn record_wait_error(&mut self, error: f64) {
+    /// negative: early; a dropped job missed it whole, 1) at `now`, and refresh the margin:
+    /// with neighbours on the server the gate does not control, the projection misses the ones
+    /// that arrive in bursts while a job waits; the promise is padded by how much it has
+    /// recently missed by. Samples older than `window_ms` are forgotten.
+    pub(super) fn record_wait_error(&mut self, now: Millis, error: f64, window_ms: u64) {
         if self.wait_errors.len() == WAIT_ERRORS {
             self.wait_errors.pop_front();
         }
-        self.wait_errors.push_back(error.clamp(-1.0, 1.0));
+        self.wait_errors.push_back((now, error.clamp(-1.0, 1.0)));
+        while self
+            .wait_errors
+            .front()
+            .is_some_and(|(t, _)| now.saturating_sub(*t) > window_ms)
+        {
+            self.wait_errors.pop_front();
+        }
         self.wait_margin = if self.wait_errors.len() < CONFIRM_SAMPLES as usize {
             0.0
         } else {
-            let mut v: Vec<f64> = self.wait_errors.iter().copied().collect();
+            let mut v: Vec<f64> = self.wait_errors.iter().map(|(_, e)| *e).collect();
             v.sort_by(f64::total_cmp);
-            v[(v.len() * WAIT_QUANTILE_PERCENT / 100).min(v.len() - 1)].clamp(0.0, 1.0)
+            v[(v.len() * WAIT_QUANTILE_PERCENT / 100).min(v.len() - 1)].clamp(0.0, MAX_WAIT_MARGIN)
         };
+    }
+
+    /// The wait margin in force at `now`: 0 once the newest sample is older than `window_ms`.
+    /// Refused requests add no samples, so a margin learned in a burst must not outlive it:
+    /// the class would stay refused on an idle server with nothing to correct it.
+    pub(super) fn wait_margin_at(&self, now: Millis, window_ms: u64) -> f64 {
+        match self.wait_errors.back() {
+            Some((t, _)) if now.saturating_sub(*t) <= window_ms => self.wait_margin,
+            _ => 0.0,
+        }
     }
 
     /// A per-class empirical model on top of the shared estimator: the median of actual over
