@@ -40,7 +40,9 @@ const JOB: &str = "slackgate";
 
 /// Two pools, so a held slot on `bulk` queues batch work while interactive traffic flows on
 /// `default`; fixed priors (no learning, so no warm-up admissions) make rejections
-/// deterministic: a request is estimated at 50 ms + 1 ms per output token.
+/// deterministic: a request is estimated at 50 ms + 1 ms per output token. A third pool, used
+/// by no class, reads the stub's own `/metrics` (`server_metrics`), so the scrape counter the
+/// alerts use has series without any neighbour in the way of the other pools' figures.
 const CONFIG: &str = r#"
 default_class = "interactive"
 [[pools]]
@@ -61,6 +63,13 @@ overhead_ms = 50.0
 prefill_ms_per_token = 0.0
 decode_ms_per_token = 1.0
 learn = false
+[[pools]]
+name = "scraped"
+slots = 1
+upstream = "{UPSTREAM}"
+[pools.server_metrics]
+kind = "llamacpp"
+interval_ms = 200
 [[classes]]
 name = "interactive"
 priority = 100
@@ -77,11 +86,19 @@ enabled = false
 
 /// The type each metric the artifacts use must have. A metric new to an alert or a panel must
 /// be added here; the scrape test then proves Prometheus stores it with this type.
-const TYPES: [(&str, &str); 23] = [
+const TYPES: [(&str, &str); 32] = [
     ("slackgate_admit_always", "gauge"),
     ("slackgate_class_deadline_seconds", "gauge"),
     ("slackgate_class_enabled", "gauge"),
     ("slackgate_decisions_total", "counter"),
+    ("slackgate_endpoint_draining", "gauge"),
+    ("slackgate_endpoint_ejected", "gauge"),
+    ("slackgate_endpoint_in_flight", "gauge"),
+    ("slackgate_endpoint_neighbour_running", "gauge"),
+    ("slackgate_endpoint_neighbour_waiting", "gauge"),
+    ("slackgate_endpoint_paused_seconds", "gauge"),
+    ("slackgate_endpoint_server_signal", "gauge"),
+    ("slackgate_endpoint_slots", "gauge"),
     ("slackgate_estimator_decode_seconds_per_token", "gauge"),
     ("slackgate_estimator_overhead_seconds", "gauge"),
     ("slackgate_in_flight", "gauge"),
@@ -94,6 +111,7 @@ const TYPES: [(&str, &str); 23] = [
     ("slackgate_projected_wait_seconds", "gauge"),
     ("slackgate_queue_depth", "gauge"),
     ("slackgate_queue_oldest_age_seconds", "gauge"),
+    ("slackgate_server_metrics_scrapes_total", "counter"),
     ("slackgate_slo_breaches_total", "counter"),
     ("slackgate_slots", "gauge"),
     ("slackgate_time_to_first_token_seconds", "histogram"),
@@ -220,6 +238,9 @@ fn dashboard_is_importable_and_covers_the_paging_signals() {
         "histogram_quantile(0.95, sum by (le, class) (rate(slackgate_turnaround_seconds_bucket",
         "slackgate_log_dropped_total",
         "slackgate_admit_always",
+        "slackgate_endpoint_in_flight",
+        "slackgate_endpoint_ejected",
+        "slackgate_endpoint_neighbour_running",
     ] {
         assert!(all.contains(needed), "no panel queries {needed}");
     }
@@ -479,6 +500,14 @@ async fn drive_first_phase(g: &TestGate) {
     })
     .await;
     assert!(settled, "completions never counted:\n{}", scrape(g).await);
+    // The scraped pool's first scrape (made at start) is counted.
+    let scraped = eventually(WAIT, || async {
+        scrape(g)
+            .await
+            .contains("slackgate_server_metrics_scrapes_total{pool=\"scraped\"")
+    })
+    .await;
+    assert!(scraped, "no scrape counted:\n{}", scrape(g).await);
 }
 
 /// A `stream: true` chat body asking for `max_tokens`.
