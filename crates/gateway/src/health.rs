@@ -6,8 +6,10 @@
 //! `health.interval_ms`. `health.eject_after` consecutive failures eject the endpoint: the
 //! core takes its slots out of the pool's capacity and sends it nothing new (its running work
 //! goes on). An ejected endpoint is probed every second (or every `interval_ms` if shorter)
-//! and one successful probe readmits it. A timeout is not a failure here: a slow server is
-//! busy, not gone, and the projection already accounts for its slowness.
+//! and one successful probe (a 2xx, or a provider's 429) readmits it. A proxied request that
+//! times out is not a failure: a slow server is busy, not gone, and the projection already
+//! accounts for its slowness; a probe that times out is. A pool with a single endpoint is
+//! never ejected: there is nowhere else to send its work.
 //!
 //! Operators drain an endpoint through the admin API for a rolling restart of model servers:
 //! `POST /admin/pools/{pool}/endpoints/{endpoint}/drain` (and `/undrain`). Every change is a
@@ -349,7 +351,13 @@ impl Shared {
                     Err(_) => Verdict::Failed("probe_timeout"),
                     Ok(Err(e)) if e.is_connect() => Verdict::Failed("probe_connect"),
                     Ok(Err(_)) => Verdict::Failed("probe_error"),
-                    Ok(Ok(resp)) if resp.status().is_success() => Verdict::Healthy,
+                    // A rate-limited provider is alive: its 429 ejects nothing.
+                    Ok(Ok(resp))
+                        if resp.status().is_success()
+                            || resp.status() == http::StatusCode::TOO_MANY_REQUESTS =>
+                    {
+                        Verdict::Healthy
+                    }
                     Ok(Ok(_)) => Verdict::Failed("probe_status"),
                 }
             }

@@ -570,7 +570,7 @@ impl Metrics {
                 o,
                 "slackgate_endpoint_events_total",
                 "counter",
-                "Endpoint health and control events: ejected, readmitted, drained, undrained, throttled (a provider's 429).",
+                "Endpoint health and control events: ejected, readmitted, drained, undrained, throttled (a provider's 429), rerouted (a request that could not connect elsewhere moved here), requeued (a request that could not connect here queued again).",
                 m.endpoint_events.iter().map(|((pool, endpoint, event), n)| {
                     (
                         format!(

@@ -1,4 +1,5 @@
-//! How long a provider asks to be left alone, read from the headers of its 429 (or 503).
+//! How long a provider asks to be left alone, read from the headers of its 429 (the proxy acts
+//! on a 429 only; a 503 is passed through and counts as a failed exchange).
 //!
 //! Providers say it in several ways, and a client that honours only one of them comes back
 //! too early: `retry-after` (delta seconds, or an HTTP date), `retry-after-ms` (OpenAI's and
