@@ -10,7 +10,7 @@ use crate::body::TrackedBody;
 use crate::health::Verdict;
 use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, BadRequest};
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
-use crate::state::{Admission, JobGuard, JobMeta, Outcome, Shared, Signal};
+use crate::state::{Admission, Go, JobGuard, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
 use crate::upstream::retry::RetryReason;
 use bytes::Bytes;
@@ -499,16 +499,6 @@ pub async fn admitted(
     Response::from_parts(rparts, BodyExt::boxed(tracked))
 }
 
-/// A slot, as [`Signal::Go`] gives it.
-struct Go {
-    pool: slackgate_core::PoolId,
-    endpoint: usize,
-    pool_name: String,
-    upstream: crate::upstream::UpstreamBase,
-    queue_wait_ms: u64,
-    abort: tokio::sync::oneshot::Receiver<Reason>,
-}
-
 /// Wait for a slot. The core drops a job whose deadline became unmeetable and tells us (the
 /// answer is then the `Err`); if this future is dropped (client gone) the caller's guard takes
 /// the job out of the queue.
@@ -517,29 +507,14 @@ async fn wait_for_slot(
     signal: tokio::sync::oneshot::Receiver<Signal>,
 ) -> Result<Go, Response<ResBody>> {
     match signal.await {
-        Ok(Signal::Go {
-            pool,
-            endpoint,
-            pool_name,
-            upstream,
-            queue_wait_ms,
-            abort,
-            ..
-        }) => {
+        Ok(Signal::Go(go)) => {
             // The hold must be on disk before upstream tokens are spent on it: a crash after
             // this point leaves a hold that expires (wasted), never a spend nobody recorded.
             // Group commit: every request dispatched meanwhile shares the same sync.
             if let Err(e) = shared.durable().await {
                 shared.note_store_error(&e);
             }
-            Ok(Go {
-                pool,
-                endpoint,
-                pool_name,
-                upstream,
-                queue_wait_ms,
-                abort,
-            })
+            Ok(go)
         }
         Ok(Signal::Dropped(reason, body, advice)) => Err(dropped(reason, &body, advice)),
         // The sender vanished without a signal: only possible if the job was ended by

@@ -20,27 +20,31 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+/// A slot, as [`Signal::Go`] gives it.
+#[derive(Debug)]
+pub struct Go {
+    /// Pool whose slot it holds.
+    pub pool: PoolId,
+    /// That pool's name.
+    pub pool_name: String,
+    /// The endpoint of the pool it goes to (see the core's `Gate::endpoints`).
+    pub endpoint: usize,
+    /// That endpoint's name.
+    pub endpoint_name: String,
+    /// That endpoint's base URL (resolved under the lock: a reload cannot move it).
+    pub upstream: UpstreamBase,
+    /// Time it waited in the queue.
+    pub queue_wait_ms: u64,
+    /// Fires if the gate cancels the job while it runs (a drain with `cancel`, the end of
+    /// the shutdown grace period), with the reason.
+    pub abort: oneshot::Receiver<Reason>,
+}
+
 /// What a queued request is told when the gate has made up its mind about it.
 #[derive(Debug)]
 pub enum Signal {
     /// A slot is yours: send the request upstream.
-    Go {
-        /// Pool whose slot it holds.
-        pool: PoolId,
-        /// That pool's name.
-        pool_name: String,
-        /// The endpoint of the pool it goes to (see the core's `Gate::endpoints`).
-        endpoint: usize,
-        /// That endpoint's name.
-        endpoint_name: String,
-        /// That endpoint's base URL (resolved under the lock: a reload cannot move it).
-        upstream: UpstreamBase,
-        /// Time it waited in the queue.
-        queue_wait_ms: u64,
-        /// Fires if the gate cancels the job while it runs (a drain with `cancel`, the end
-        /// of the shutdown grace period), with the reason.
-        abort: oneshot::Receiver<Reason>,
-    },
+    Go(Go),
     /// It will not be sent: its deadline became unmeetable, its class was drained, it was
     /// displaced, or the gate is shutting down (the reason says which). The advice is the
     /// core's when it gave one (a `displaced` drop: when a retry could be admitted); `None`
@@ -709,7 +713,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                 w.abort = Some(abort_tx);
                 let sent = match (w.tx.take(), upstream) {
                     (Some(tx), Some(upstream)) => tx
-                        .send(Signal::Go {
+                        .send(Signal::Go(Go {
                             pool,
                             pool_name: st.gate.pool_name(pool).to_string(),
                             endpoint,
@@ -717,7 +721,7 @@ pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
                             upstream,
                             queue_wait_ms,
                             abort,
-                        })
+                        }))
                         .is_ok(),
                     // No upstream for its pool (cannot happen with a validated config):
                     // dropping the sender answers the request with an error.

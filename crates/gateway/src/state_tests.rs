@@ -54,7 +54,7 @@ fn pool(s: &Shared) -> (u32, u32) {
 fn dispatch_of_a_job_nobody_waits_for_frees_its_slot() {
     let s = shared();
     let (mut first_rx, first) = queue(&s);
-    assert!(matches!(first_rx.try_recv(), Ok(Signal::Go { .. })));
+    assert!(matches!(first_rx.try_recv(), Ok(Signal::Go(_))));
     let (_second_rx, second) = queue(&s);
     assert_eq!(pool(&s), (1, 1));
     // The second request's waiter vanishes without the core hearing of it.
@@ -89,7 +89,7 @@ fn finishing_a_job_the_core_did_not_end_keeps_its_waiter() {
         status: 200,
         ..Outcome::default()
     });
-    assert!(matches!(second_rx.try_recv(), Ok(Signal::Go { .. })));
+    assert!(matches!(second_rx.try_recv(), Ok(Signal::Go(_))));
     assert_eq!(pool(&s), (1, 0));
     drop(second);
     assert_eq!(pool(&s), (0, 0));
