@@ -313,7 +313,7 @@ fn neighbours_that_keep_coming_inflate_every_wait() {
 
 #[test]
 fn where_servers_report_neighbours_a_promise_is_padded_by_how_late_jobs_recently_started() {
-    // The margin is the 97th percentile of the recent errors: 19 on time and one that
+    // The margin is the 99th percentile of the recent errors: 19 on time and one that
     // started half its promise late put it at 0.5.
     let mut g = Gate::new(with_endpoints(vec![ep("llama", 1)])).unwrap();
     let window = 300_000;

@@ -178,7 +178,7 @@ impl Default for ClassRecord {
 /// Wait errors kept per lane.
 pub(super) const WAIT_ERRORS: usize = 64;
 /// The quantile of the wait errors the promise is padded by, in percent.
-pub(super) const WAIT_QUANTILE_PERCENT: usize = 97;
+pub(super) const WAIT_QUANTILE_PERCENT: usize = 99;
 /// The largest wait margin: half the promise. A burst of drops must not refuse a class whose
 /// deadline is under twice its service on an idle server.
 pub(super) const MAX_WAIT_MARGIN: f64 = 0.5;
