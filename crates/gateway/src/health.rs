@@ -154,21 +154,18 @@ impl Shared {
     }
 
     /// The provider answered 429 on an endpoint and asked for `provider_ms` (or nothing):
-    /// pause the endpoint that long (at least the gate's `retry.min_retry_after_ms`), halve
-    /// its slots in force, log and count it. Returns the Retry-After to give the client: the
-    /// pause, never less than the provider's.
+    /// the core pauses it and halves its slots (`Gate::throttled`); log and count it. Returns
+    /// the Retry-After to give the client and whether a retry is useful.
     pub fn throttle_endpoint(
         &self,
         pool: PoolId,
         endpoint: usize,
         provider_ms: Option<u64>,
-    ) -> u64 {
-        let (after, pool_name, endpoint_name) = self.with_core(|st, now, _| {
-            let floor = st.gate.config().retry.min_retry_after_ms;
-            let after = provider_ms.unwrap_or(0).max(floor);
-            st.gate.throttled(now, pool, endpoint, after);
+    ) -> (u64, bool) {
+        let ((after, useful), pool_name, endpoint_name) = self.with_core(|st, now, _| {
+            let advice = st.gate.throttled(now, pool, endpoint, provider_ms);
             let e = st.gate.endpoint_name(pool, endpoint).unwrap_or_default();
-            (after, st.gate.pool_name(pool).to_string(), e.to_string())
+            (advice, st.gate.pool_name(pool).to_string(), e.to_string())
         });
         self.metrics
             .endpoint_event(&pool_name, &endpoint_name, "throttled");
@@ -181,7 +178,7 @@ impl Shared {
                 "the provider answered 429; paused {after} ms, slots halved"
             )),
         );
-        after
+        (after, useful)
     }
 
     /// Move a dispatched job that could not connect to its endpoint to another endpoint of
@@ -245,9 +242,9 @@ impl Shared {
         actor: &str,
     ) -> Result<bool, String> {
         let changed = self.with_core(|st, now, _| {
-            let pool = (0..st.gate.pool_count())
-                .map(PoolId)
-                .find(|p| st.gate.pool_live(*p) && st.gate.pool_name(*p) == pool_name)
+            let pool = st
+                .gate
+                .pool_id(pool_name)
                 .ok_or_else(|| format!("no pool named {pool_name:?}"))?;
             let endpoint = st
                 .gate

@@ -48,8 +48,8 @@ struct Inner {
     tokens_wasted: BTreeMap<String, u64>,
     upstream: BTreeMap<(String, u16), u64>,
     upstream_retries: BTreeMap<(String, &'static str), u64>,
-    endpoint_events: BTreeMap<(String, String, &'static str), u64>,
-    scrapes: BTreeMap<(String, String, &'static str), u64>,
+    endpoint_events: EndpointCounts,
+    scrapes: EndpointCounts,
 }
 
 /// The gateway's counters and histograms.
@@ -132,22 +132,15 @@ impl Metrics {
         });
     }
 
-    /// Count an endpoint event: `ejected`, `readmitted`, `drained`, `undrained`, `throttled`.
+    /// Count an endpoint event: `ejected`, `readmitted`, `drained`, `undrained`, `throttled`,
+    /// `rerouted`, `requeued`.
     pub fn endpoint_event(&self, pool: &str, endpoint: &str, event: &'static str) {
-        self.with(|m| {
-            *m.endpoint_events
-                .entry((pool.to_string(), endpoint.to_string(), event))
-                .or_default() += 1
-        });
+        self.with(|m| bump(&mut m.endpoint_events, pool, endpoint, event));
     }
 
     /// Count a scrape of an endpoint's own metrics: `ok`, or why it failed.
     pub fn scrape(&self, pool: &str, endpoint: &str, outcome: &'static str) {
-        self.with(|m| {
-            *m.scrapes
-                .entry((pool.to_string(), endpoint.to_string(), outcome))
-                .or_default() += 1
-        });
+        self.with(|m| bump(&mut m.scrapes, pool, endpoint, outcome));
     }
 
     /// Update counters from one decision-log line: the log and the metrics share one source.
@@ -566,37 +559,19 @@ impl Metrics {
                     )
                 }),
             );
-            family(
+            endpoint_counter(
                 o,
                 "slackgate_endpoint_events_total",
-                "counter",
                 "Endpoint health and control events: ejected, readmitted, drained, undrained, throttled (a provider's 429), rerouted (a request that could not connect elsewhere moved here), requeued (a request that could not connect here queued again).",
-                m.endpoint_events.iter().map(|((pool, endpoint, event), n)| {
-                    (
-                        format!(
-                            "pool=\"{}\",endpoint=\"{}\",event=\"{event}\"",
-                            esc(pool),
-                            esc(endpoint)
-                        ),
-                        *n as f64,
-                    )
-                }),
+                "event",
+                &m.endpoint_events,
             );
-            family(
+            endpoint_counter(
                 o,
                 "slackgate_server_metrics_scrapes_total",
-                "counter",
                 "Scrapes of an endpoint's own metrics (server_metrics), by outcome: ok, or why the reading was not used.",
-                m.scrapes.iter().map(|((pool, endpoint, outcome), n)| {
-                    (
-                        format!(
-                            "pool=\"{}\",endpoint=\"{}\",outcome=\"{outcome}\"",
-                            esc(pool),
-                            esc(endpoint)
-                        ),
-                        *n as f64,
-                    )
-                }),
+                "outcome",
+                &m.scrapes,
             );
             histograms(
                 o,
@@ -729,6 +704,35 @@ pub fn render_controls(o: &mut String, config_generation: u64) {
         "gauge",
         "Configurations loaded: 1 at start, +1 per applied reload (a refused one does not count).",
         std::iter::once((String::new(), config_generation as f64)),
+    );
+}
+
+/// Counts per (pool, endpoint, label value).
+type EndpointCounts = BTreeMap<(String, String, &'static str), u64>;
+
+fn bump(counts: &mut EndpointCounts, pool: &str, endpoint: &str, value: &'static str) {
+    *counts
+        .entry((pool.to_string(), endpoint.to_string(), value))
+        .or_default() += 1;
+}
+
+/// A counter family labelled by pool, endpoint and `label`.
+fn endpoint_counter(o: &mut String, name: &str, help: &str, label: &str, counts: &EndpointCounts) {
+    family(
+        o,
+        name,
+        "counter",
+        help,
+        counts.iter().map(|((pool, endpoint, value), n)| {
+            (
+                format!(
+                    "pool=\"{}\",endpoint=\"{}\",{label}=\"{value}\"",
+                    esc(pool),
+                    esc(endpoint)
+                ),
+                *n as f64,
+            )
+        }),
     );
 }
 

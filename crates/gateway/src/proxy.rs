@@ -597,13 +597,12 @@ fn throttled(
     headers: &HeaderMap,
 ) -> Response<ResBody> {
     let provider = crate::upstream::throttle::provider_retry_after(headers, epoch_ms());
-    let after_ms = shared.throttle_endpoint(pool, endpoint, provider);
+    let (after_ms, should_retry) = shared.throttle_endpoint(pool, endpoint, provider);
     guard.finish(Outcome {
         status: 429,
         reason: Some(Reason::UpstreamThrottled),
         ..Outcome::default()
     });
-    let useful = shared.with_core(|st, _, _| st.gate.config().retry.max_useful_retry_after_ms);
     let msg = match provider {
         Some(ms) => format!(
             "the upstream is rate limiting this pool and asked for {ms} ms; not sent again before then"
@@ -617,7 +616,7 @@ fn throttled(
         None,
         Some(RetryAdvice {
             after_ms,
-            should_retry: after_ms <= useful,
+            should_retry,
         }),
     )
 }

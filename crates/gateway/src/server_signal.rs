@@ -13,7 +13,6 @@ use crate::scrape::{
 };
 use crate::state::Shared;
 use http::HeaderMap;
-use slackgate_core::PoolId;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -35,10 +34,7 @@ impl Shared {
         self.metrics.scrape(&target.pool, &target.endpoint, outcome);
         let Ok(r) = result else { return };
         self.with_core(|st, now, _| {
-            let Some(pool) = (0..st.gate.pool_count())
-                .map(PoolId)
-                .find(|p| st.gate.pool_live(*p) && st.gate.pool_name(*p) == &*target.pool)
-            else {
+            let Some(pool) = st.gate.pool_id(&target.pool) else {
                 return;
             };
             if let Some(endpoint) = st.gate.endpoint_id(pool, &target.endpoint) {

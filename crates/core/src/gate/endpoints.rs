@@ -393,16 +393,28 @@ impl Gate {
         })
     }
 
-    /// The provider answered 429 on `endpoint`: send it nothing for `retry_after_ms`, and
-    /// halve its slots in force (at least one), to grow back one per completion after the
-    /// pause.
-    pub fn throttled(&mut self, now: Millis, pool: PoolId, endpoint: usize, retry_after_ms: u64) {
+    /// The provider answered 429 on `endpoint` and asked for `provider_ms` (or nothing): send
+    /// it nothing for that long, at least `retry.min_retry_after_ms`, and halve its slots in
+    /// force (at least one), to grow back one per completion after the pause. Returns the
+    /// Retry-After to give the client (the pause, never less than the provider's) and whether
+    /// a retry is useful (`retry.max_useful_retry_after_ms`).
+    pub fn throttled(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        endpoint: usize,
+        provider_ms: Option<u64>,
+    ) -> (u64, bool) {
         let now = self.clock(now);
+        let r = &self.cfg.retry;
+        let after = provider_ms.unwrap_or(0).max(r.min_retry_after_ms);
+        let useful = after <= r.max_useful_retry_after_ms;
         self.change_endpoint(now, pool, endpoint, |e| {
-            e.paused_until = e.paused_until.max(now.saturating_add(retry_after_ms));
+            e.paused_until = e.paused_until.max(now.saturating_add(after));
             e.limit = (e.limit / 2).max(1);
             true
         });
+        (after, useful)
     }
 
     /// The server's own metrics for `endpoint`: requests it runs and holds waiting (all

@@ -119,7 +119,7 @@ fn a_provider_429_pauses_the_endpoint_and_halves_its_slots() {
     assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
     // At 100 the provider says: come back in 3000 ms. Slots in force: half of 4 = 2;
     // nothing starts before 3100.
-    g.throttled(100, P, 0, 3000);
+    assert_eq!(g.throttled(100, P, 0, Some(3000)), (3000, true));
     let v = &g.endpoints(100, P)[0];
     assert_eq!((v.limit, v.paused_ms), (2, 3000));
     // A newcomer: both slots in force free at max(their jobs' 900 ms left, the pause's 3000)
@@ -138,7 +138,7 @@ fn a_provider_429_pauses_the_endpoint_and_halves_its_slots() {
     assert_eq!(g.endpoints(4100, P)[0].limit, 3);
     // Throttled with nothing in flight: halved all the same, never below one.
     for t in [4200, 4300, 4400] {
-        g.throttled(t, P, 0, 10);
+        g.throttled(t, P, 0, Some(10));
     }
     assert_eq!(g.endpoints(4400, P)[0].limit, 1);
 }

@@ -288,6 +288,14 @@ impl Gate {
         self.pools.get(pool.0).and_then(|p| p.upstream.as_deref())
     }
 
+    /// The live pool named `name` (a retired one of the same name is not it).
+    pub fn pool_id(&self, name: &str) -> Option<super::PoolId> {
+        self.pools
+            .iter()
+            .position(|p| !p.retired && p.name == name)
+            .map(super::PoolId)
+    }
+
     /// Whether a pool is live (not retired by a reload).
     pub fn pool_live(&self, pool: super::PoolId) -> bool {
         self.pools.get(pool.0).is_some_and(|p| !p.retired)
