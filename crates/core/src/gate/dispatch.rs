@@ -24,8 +24,8 @@ impl Gate {
     pub(super) fn dispatch_one(&mut self, now: Millis) -> bool {
         for pi in 0..self.pools.len() {
             let pool = &self.pools[pi];
-            // A free slot on an endpoint that can take the job now; neighbours waiting in the
-            // servers' own queues take freed slots before the gate's next job would.
+            // An endpoint that can take a job now (the gate's own count against its slots in
+            // force; neighbours count in the projection, never here: see `startable`).
             let Some(endpoint) = pool.place(now) else {
                 continue;
             };
