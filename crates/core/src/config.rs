@@ -540,6 +540,35 @@ pub struct ClassConfig {
     /// overtook it. No effect on the top priority (nothing overtakes it) or on a class
     /// without a deadline. `false` projects only the work ahead now.
     pub forecast: bool,
+    /// What the gate does with this class when the state it shares is out of reach: in
+    /// cluster mode no replica holds the lease or the leader cannot be reached (Redis down or
+    /// slow); on any gate, the ledger store cannot make a hold durable in time. `open` (the
+    /// default): decide anyway, on this replica's own view with its share of the slots, and
+    /// let holds reach the store when it returns. `closed`: refuse with 503
+    /// (`cluster_unavailable`, `ledger_unavailable`) rather than risk a spend the ledger does
+    /// not record.
+    pub fail_mode: FailMode,
+}
+
+/// A class's choice when shared state is unreachable ([`ClassConfig::fail_mode`]).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// Decide on this replica's own view (its share of the slots).
+    #[default]
+    Open,
+    /// Refuse with 503 and a reason.
+    Closed,
+}
+
+impl FailMode {
+    /// `open` or `closed`, as configured and logged.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailMode::Open => "open",
+            FailMode::Closed => "closed",
+        }
+    }
 }
 
 /// How a class uses its overflow pool.
@@ -571,6 +600,7 @@ impl Default for ClassConfig {
             displace_within_ms: None,
             probe_interval_ms: 10_000,
             forecast: true,
+            fail_mode: FailMode::Open,
         }
     }
 }

@@ -62,6 +62,18 @@ impl Ledger {
         records: impl IntoIterator<Item = HoldRecord>,
         now: Millis,
     ) -> (Ledger, Vec<HoldRecord>) {
+        Ledger::restore_keeping(cfg, records, now, &std::collections::HashSet::new())
+    }
+
+    /// [`Ledger::restore`], except that the proxied holds of `live` keys keep their TTL: their
+    /// requests still run in this process (a replica taking over a cluster's ledger keeps the
+    /// holds of its own requests; only the dead leader's expire at once).
+    pub fn restore_keeping(
+        cfg: LedgerConfig,
+        records: impl IntoIterator<Item = HoldRecord>,
+        now: Millis,
+        live: &std::collections::HashSet<String>,
+    ) -> (Ledger, Vec<HoldRecord>) {
         let mut l = Ledger::new(cfg);
         let mut latest: std::collections::HashMap<String, HoldRecord> =
             std::collections::HashMap::new();
@@ -89,7 +101,7 @@ impl Ledger {
         let proxied: Vec<String> = l
             .holds
             .values()
-            .filter(|r| r.state == HoldState::Held && !r.reservation)
+            .filter(|r| r.state == HoldState::Held && !r.reservation && !live.contains(&r.key))
             .map(|r| r.key.clone())
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()

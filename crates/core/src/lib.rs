@@ -17,7 +17,8 @@ pub mod reason;
 pub mod tokens;
 
 pub use config::{
-    ClassConfig, ConfigError, GateConfig, OverflowMode, PoolConfig, PriorConfig, RetryConfig,
+    ClassConfig, ConfigError, FailMode, GateConfig, OverflowMode, PoolConfig, PriorConfig,
+    RetryConfig,
 };
 pub use estimator::{ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing};
 pub use gate::ops::{DrainClass, DrainPool, DrainStatus};

@@ -77,6 +77,14 @@ pub enum Reason {
     /// measures the estimate, so the gate never locks itself in (such a request may well be
     /// late: that is the price, one per interval at most).
     Probe,
+    /// Cluster mode: no replica holds the gate's lease, or it cannot be reached (Redis down or
+    /// slow, the leader gone), and the class fails closed (`fail_mode = "closed"`): refused
+    /// with 503 rather than decided on one replica's partial view.
+    ClusterUnavailable,
+    /// The ledger store (SQLite file, Redis) could not make a hold durable within its timeout
+    /// and the class fails closed: the request is refused with 503 before any upstream work,
+    /// its hold released.
+    LedgerUnavailable,
 }
 
 impl Reason {
@@ -125,11 +133,13 @@ impl Reason {
             Reason::OverflowRouted => "overflow_routed",
             Reason::Displaced => "displaced",
             Reason::Probe => "probe",
+            Reason::ClusterUnavailable => "cluster_unavailable",
+            Reason::LedgerUnavailable => "ledger_unavailable",
         }
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 29] = [
+    pub const ALL: [Reason; 31] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -159,6 +169,8 @@ impl Reason {
         Reason::OverflowRouted,
         Reason::Displaced,
         Reason::Probe,
+        Reason::ClusterUnavailable,
+        Reason::LedgerUnavailable,
     ];
 }
 

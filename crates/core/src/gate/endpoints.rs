@@ -26,7 +26,10 @@ pub(super) struct EndpointState {
     pub(super) url: String,
     /// Configured slots.
     pub(super) slots: u32,
-    /// Slots in force: `slots`, lowered by a provider's 429 and grown back per completion.
+    /// This gate's share of `slots`: all of them, or a part when cluster replicas cannot
+    /// coordinate (see [`Gate::set_capacity_share`]).
+    pub(super) ceiling: u32,
+    /// Slots in force: `ceiling`, lowered by a provider's 429 and grown back per completion.
     pub(super) limit: u32,
     /// Jobs of the gate running on it.
     pub(super) in_flight: u32,
@@ -59,6 +62,7 @@ impl EndpointState {
             name: name.to_string(),
             url: url.to_string(),
             slots,
+            ceiling: slots,
             limit: slots,
             in_flight: 0,
             ejected: false,
@@ -411,7 +415,7 @@ impl Gate {
         let useful = after <= r.max_useful_retry_after_ms;
         self.change_endpoint(now, pool, endpoint, |e| {
             e.paused_until = e.paused_until.max(now.saturating_add(after));
-            e.limit = (e.limit / 2).max(1);
+            e.limit = (e.limit / 2).max(1).min(e.ceiling);
             true
         });
         (after, useful)
@@ -617,7 +621,7 @@ impl Gate {
         if let Some(actual) = actual_ms {
             let ratio = (actual as f64 / run.est.max(1) as f64).clamp(0.05, 20.0);
             e.speed += SPEED_ALPHA * (ratio - e.speed);
-            if e.limit < e.slots && e.paused_until <= now {
+            if e.limit < e.ceiling && e.paused_until <= now {
                 e.limit += 1;
             }
         }
@@ -634,6 +638,7 @@ impl Gate {
 pub(super) fn reconcile_endpoints(
     endpoints: &mut Vec<EndpointState>,
     pc: &crate::config::PoolConfig,
+    parts: u32,
 ) {
     let mut wanted = pc.endpoint_list();
     if wanted.is_empty() {
@@ -654,17 +659,64 @@ pub(super) fn reconcile_endpoints(
                     *e = EndpointState::new(&w.name, &w.url, w.slots);
                     e.in_flight = in_flight;
                 } else {
-                    // A limit lowered by a 429 stays lowered (at most the new slots); one at
-                    // its configured value follows the new one.
-                    e.limit = if e.limit < e.slots {
-                        e.limit.min(w.slots)
-                    } else {
-                        w.slots
-                    };
+                    // The limit follows in `apply_share`.
                     e.slots = w.slots;
                 }
             }
             None => endpoints.push(EndpointState::new(&w.name, &w.url, w.slots)),
         }
+    }
+    apply_share(endpoints, parts);
+}
+
+/// Give this gate `1/parts` of each endpoint's configured slots (rounded down), the whole of
+/// them for `parts = 1`. A limit lowered by a 429 stays lowered (at most the new ceiling);
+/// one at its ceiling follows the new one. A pool whose share rounds to nothing keeps one
+/// slot on its first usable endpoint: a share of nothing would refuse all of its work, and
+/// one slot over the split is the smaller harm.
+pub(super) fn apply_share(endpoints: &mut [EndpointState], parts: u32) {
+    let parts = parts.max(1);
+    for e in endpoints.iter_mut() {
+        let ceiling = e.slots / parts;
+        e.limit = if e.limit < e.ceiling {
+            e.limit.min(ceiling)
+        } else {
+            ceiling
+        };
+        e.ceiling = ceiling;
+    }
+    let total = endpoints
+        .iter()
+        .filter(|e| e.available())
+        .fold(0u32, |a, e| a.saturating_add(e.ceiling));
+    if total == 0 {
+        if let Some(e) = endpoints.iter_mut().find(|e| e.available() && e.slots > 0) {
+            e.ceiling = 1;
+            e.limit = e.limit.max(1);
+        }
+    }
+}
+
+impl Gate {
+    /// Split every pool's slots `parts` ways: this replica decides alone on its share when
+    /// the replicas of a cluster cannot coordinate (Redis or the leader out of reach; a class
+    /// failing open). `1` gives the whole pool back. The projection and dispatch follow at
+    /// once; work already running keeps its slot (a pool may run over its share until it
+    /// ends).
+    pub fn set_capacity_share(&mut self, parts: u32) {
+        let parts = parts.max(1);
+        if parts == self.share_parts {
+            return;
+        }
+        self.share_parts = parts;
+        for p in &mut self.pools {
+            apply_share(&mut p.endpoints, parts);
+            p.refresh_capacity();
+        }
+    }
+
+    /// The split in force ([`Gate::set_capacity_share`]): 1 when this gate has whole pools.
+    pub fn capacity_share(&self) -> u32 {
+        self.share_parts
     }
 }

@@ -352,3 +352,41 @@ fn where_servers_report_neighbours_a_promise_is_padded_by_how_late_jobs_recently
     g.classes[0].record_wait_error(2 + window, 0.0, window);
     assert_eq!(g.classes[0].wait_errors.len(), 1);
 }
+
+#[test]
+fn a_capacity_share_splits_every_pool_and_gives_it_back_whole() {
+    // a has 4 slots, b 2: three replicas that cannot coordinate each take a third.
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 4), ep("b", 2)])).unwrap();
+    g.set_capacity_share(3);
+    assert_eq!(g.capacity_share(), 3);
+    // 4/3 = 1 on a, 2/3 = 0 on b.
+    assert_eq!(g.snapshot(0).pools[0].slots, 1);
+    let mut started = 0;
+    for _ in 0..4 {
+        let d = g.offer(0, req(&g, "prod"));
+        if d.action == Action::Admit {
+            started += dispatched(&drain(&mut g, 0)).len();
+        }
+    }
+    // Only a's one slot starts work: b's share rounds to nothing, and the pool keeps a's.
+    assert_eq!(started, 1);
+    g.set_capacity_share(1);
+    assert_eq!(g.snapshot(0).pools[0].slots, 6);
+}
+
+#[test]
+fn a_share_that_rounds_to_nothing_keeps_one_slot_and_a_429_stays_within_the_share() {
+    let mut g = Gate::new(with_endpoints(vec![ep("a", 2)])).unwrap();
+    g.set_capacity_share(3); // 2/3 = 0: one slot kept
+    assert_eq!(g.snapshot(0).pools[0].slots, 1);
+    // A reload under the share keeps the share.
+    let mut c = with_endpoints(vec![ep("a", 9)]);
+    c.pools[0].name = g.config().pools[0].name.clone();
+    g.reconfigure(0, c).unwrap();
+    assert_eq!(g.snapshot(0).pools[0].slots, 3);
+    let (_, _) = g.throttled(0, P, 0, Some(10));
+    assert_eq!(g.endpoints(0, P)[0].limit, 1);
+    g.set_capacity_share(1);
+    // The throttled limit stays lowered when the share grows back.
+    assert_eq!(g.endpoints(0, P)[0].limit, 1);
+}

@@ -41,6 +41,31 @@ impl Gate {
         self.ledger_out.extend(changed);
     }
 
+    /// Take over a ledger shared with other gates (cluster mode: this replica has just become
+    /// the leader and `records` are everything the shared store holds). Keys of this gate's
+    /// live jobs keep their own record when it is at least as new (the store may not have it
+    /// yet) and their holds keep counting; the proxied holds of any other process expire at
+    /// once (their connections died with it), reservation-API holds keep their TTL. The
+    /// records that changed are queued for persistence.
+    pub fn adopt_ledger(&mut self, mut records: Vec<HoldRecord>, now: Millis) {
+        let now = self.clock(now);
+        let live: std::collections::HashSet<String> = self
+            .keys
+            .iter()
+            .filter(|(_, id)| self.jobs.contains_key(id))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &live {
+            if let Some(r) = self.ledger.get(key) {
+                records.push(r.clone());
+            }
+        }
+        let (ledger, changed) =
+            Ledger::restore_keeping(self.ledger.config().clone(), records, now, &live);
+        self.ledger = ledger;
+        self.ledger_out.extend(changed);
+    }
+
     /// The live job holding `key`, if any.
     pub fn job_for_key(&self, key: &str) -> Option<JobId> {
         self.keys

@@ -49,6 +49,8 @@ pub struct Gate {
     closing_at: Option<Millis>,
     /// A drain suspended the default class: unlabeled work is refused.
     unlabeled_suspended: bool,
+    /// Each pool's slots are split this many ways ([`Gate::set_capacity_share`]).
+    share_parts: u32,
 }
 
 impl Gate {
@@ -75,6 +77,7 @@ impl Gate {
             key_prefix: GENERATED_KEY_PREFIX.into(),
             closing_at: None,
             unlabeled_suspended: false,
+            share_parts: 1,
         };
         // Building is a reconfiguration of an empty gate: every pool and lane is new.
         g.reconfigure(0, cfg)?;

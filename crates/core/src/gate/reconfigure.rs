@@ -56,6 +56,7 @@ impl Gate {
     ) -> Result<ReconfigureReport, ConfigError> {
         cfg.validate()?;
         self.clock(now);
+        let parts = self.share_parts;
         let mut report = ReconfigureReport::default();
 
         // Pools, by name.
@@ -84,7 +85,7 @@ impl Gate {
                     p.prior = pc.prior.clone();
                     p.upstream = pc.upstream.clone();
                     p.retired = false;
-                    super::endpoints::reconcile_endpoints(&mut p.endpoints, pc);
+                    super::endpoints::reconcile_endpoints(&mut p.endpoints, pc, parts);
                     p.refresh_capacity();
                     p.max_depth_factor = pc.max_depth_factor;
                     p.max_queued = pc.max_queued;
@@ -121,7 +122,7 @@ impl Gate {
                         classes: Vec::new(),
                     });
                     if let Some(p) = self.pools.last_mut() {
-                        super::endpoints::reconcile_endpoints(&mut p.endpoints, pc);
+                        super::endpoints::reconcile_endpoints(&mut p.endpoints, pc, parts);
                         p.refresh_capacity();
                     }
                     report.pools_added.push(pc.name.clone());

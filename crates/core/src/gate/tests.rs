@@ -691,3 +691,50 @@ fn requests_without_a_size_must_fit_an_upper_quantile_of_their_class() {
     r.max_tokens = Some(500);
     assert_eq!(g.offer(t, r).action, Action::Admit);
 }
+
+#[test]
+fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_processes() {
+    use crate::ledger::{HoldRecord, HoldState};
+    let mut g = Gate::new(cfg(2, 800.0)).unwrap();
+    let mut r = req(&g, "prod");
+    r.idempotency_key = Some("mine".into());
+    assert!(g.offer(1_000, r).admitted());
+    drain(&mut g, 1_000);
+    let other = |key: &str, state: HoldState, reservation: bool| HoldRecord {
+        key: key.into(),
+        tenant: None,
+        state,
+        attempt: 0,
+        tokens_held: 100,
+        tokens_spent: if state == HoldState::Done { 90 } else { 0 },
+        tokens_wasted: 0,
+        created_at_ms: 500,
+        expires_at_ms: 900_000,
+        updated_at_ms: 500,
+        version: 500,
+        prior_spent: 0,
+        prior_wasted: 0,
+        reservation,
+    };
+    // What the shared store holds: the dead leader's proxied hold, a worker's reservation, a
+    // settled key; it does not have this gate's own hold yet.
+    let shared = vec![
+        other("dead", HoldState::Held, false),
+        other("worker", HoldState::Held, true),
+        other("settled", HoldState::Done, false),
+    ];
+    g.adopt_ledger(shared, 2_000);
+    let l = g.ledger();
+    assert_eq!(l.get("mine").map(|h| h.state), Some(HoldState::Held));
+    assert_eq!(l.get("dead").map(|h| h.state), Some(HoldState::Expired));
+    assert_eq!(l.get("worker").map(|h| h.state), Some(HoldState::Held));
+    assert_eq!(l.get("settled").map(|h| h.state), Some(HoldState::Done));
+    // The expiry is queued for the store; this gate's own job still settles its hold.
+    let out = g.take_ledger_records();
+    assert!(out
+        .iter()
+        .any(|h| h.key == "dead" && h.state == HoldState::Expired));
+    let mut dup = req(&g, "prod");
+    dup.idempotency_key = Some("settled".into());
+    assert_eq!(g.offer(2_001, dup).reason, Reason::RejectDuplicate);
+}
