@@ -12,14 +12,15 @@
 /// record JSON). For a stored record S and a new one N of the same key:
 ///
 /// - S absent (or unreadable): write N.
-/// - the same hold (same `attempt` and `created_at_ms`): if S is terminal (done, cancelled,
-///   expired, rejected) and N's state differs, refuse: a conflict, the first terminal state
-///   wins. Otherwise write N if its version is higher, else skip it (stale or replayed).
+/// - the same hold (same `attempt` and `created_at_ms`): an old `held` (version not above
+///   S's) is a replay: skip it. Else, if S is terminal (done, cancelled, expired, rejected)
+///   and N's state differs, refuse: a conflict, the first terminal state wins (a deposed
+///   leader's late `done` after the new leader's `expired`, whatever their versions).
+///   Otherwise write N if its version is higher, else skip it (stale or replayed).
 /// - a new hold of the key: if S is held or done, refuse: a conflict (a key is held or done
 ///   once across all replicas). Otherwise write N if its version is higher, else skip.
 ///
-/// Conflicts are judged before versions, so a deposed leader's late terminal state is
-/// counted as a conflict even when its version ties the stored one. Written settled records
+/// Written settled records
 /// go into the sorted set (score: `updated_at_ms`, or -1 for generated keys, prunable at
 /// once); a written held record leaves it.
 ///
@@ -51,7 +52,9 @@ for i = 3, #ARGV - 1, 2 do
     local verdict = 'write'
     if s ~= nil then
       if s.attempt == n.attempt and s.created_at_ms == n.created_at_ms then
-        if terminal[s.state] and n.state ~= s.state then
+        if n.version <= s.version and not terminal[n.state] then
+          verdict = 'stale'
+        elseif terminal[s.state] and n.state ~= s.state then
           verdict = 'term'
         elseif n.version <= s.version then
           verdict = 'stale'
