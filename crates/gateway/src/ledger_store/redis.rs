@@ -509,8 +509,7 @@ impl LedgerStore for RedisStore {
             .ignore()
             .cmd("GET")
             .arg(name);
-        let got: redis::RedisResult<(Option<String>,)> =
-            link.conn().and_then(|c| pipe.query(c));
+        let got: redis::RedisResult<(Option<String>,)> = link.conn().and_then(|c| pipe.query(c));
         let stored = match got {
             Ok((stored,)) => {
                 self.shared.saw(true);
@@ -529,8 +528,9 @@ impl LedgerStore for RedisStore {
                 .unavailable(format!("{name} vanished right after it was set"))
         })?;
         let key = crate::tenant::parse_key(&stored).map_err(|why| {
-            self.shared
-                .unavailable(format!("{name} is damaged ({why}): delete it to start afresh"))
+            self.shared.unavailable(format!(
+                "{name} is damaged ({why}): delete it to start afresh"
+            ))
         })?;
         Ok(*self.tenant_key.get_or_init(|| key))
     }
@@ -619,7 +619,10 @@ impl Writer {
                 self.finish();
                 return;
             }
-            let due = self.retry_at.map_or(true, |t| Instant::now() >= t);
+            let due = match self.retry_at {
+                Some(t) => Instant::now() >= t,
+                None => true,
+            };
             if !self.queue.is_empty() && due {
                 self.commit_round();
             }
@@ -859,7 +862,11 @@ impl Writer {
         if left > 0 {
             self.queue.clear();
             Counters::sub(&self.shared.counters.pending, left);
-            self.lose(left, "closed", "the store closed while Redis was unavailable");
+            self.lose(
+                left,
+                "closed",
+                "the store closed while Redis was unavailable",
+            );
         }
         self.answer_waiters();
         for reply in std::mem::take(&mut self.loads) {
@@ -920,7 +927,9 @@ fn parse_entry(field: &[u8], value: &[u8]) -> Result<HoldRecord, String> {
     let r: HoldRecord = serde_json::from_slice(value)
         .map_err(|e| format!("key {shown:?}: not a ledger record: {e}"))?;
     if r.key != field {
-        return Err(format!("key {shown:?}: the record inside names another key"));
+        return Err(format!(
+            "key {shown:?}: the record inside names another key"
+        ));
     }
     Ok(r)
 }
@@ -1040,6 +1049,8 @@ mod tests {
             .is_some_and(|e| e.contains("bytes")));
         // A huge field name is shown shortened, never whole.
         let long = vec![b'f'; 10_000];
-        assert!(parse_entry(&long, b"x").err().is_some_and(|e| e.len() < 300));
+        assert!(parse_entry(&long, b"x")
+            .err()
+            .is_some_and(|e| e.len() < 300));
     }
 }
