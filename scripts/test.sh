@@ -29,6 +29,24 @@ if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2
   fi
 fi
 
+if ! command -v redis-server >/dev/null 2>&1 && [ -z "${SLACKGATE_REDIS_SERVER:-}" ]; then
+  echo "test.sh: installing Debian's redis-server package (cluster-mode tests start their own" \
+    "redis-server on a loopback port; the package's own service is not used)" >&2
+  if [ "$(id -u)" = 0 ]; then
+    # policy-rc.d 101: the package must not start its system service (port 6379) here.
+    policy="/usr/sbin/policy-rc.d"
+    added_policy=0
+    if [ ! -e "$policy" ]; then
+      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && added_policy=1
+    fi
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    if [ "$added_policy" = 1 ]; then rm -f "$policy"; fi
+  else
+    echo "test.sh: redis-server missing and I am not root: apt-get install redis-server" >&2
+    exit 1
+  fi
+fi
+
 # Tests that cannot run here say so by name ("SKIPPED <test>: <reason and how to supply what
 # is missing>") on stderr and add that line to $SLACKGATE_SKIP_LOG; the summary at the end
 # lists and counts them, however this script ends. Under CI (CI=true, as .ci/run sets)

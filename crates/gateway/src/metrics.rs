@@ -694,6 +694,13 @@ pub fn render_ledger(
         "Ledger pruning runs that failed.",
         one(st.prune_errors as f64),
     );
+    family(
+        o,
+        "slackgate_ledger_store_conflicts_total",
+        "counter",
+        "Ledger records the shared (Redis) store refused: a key held or done twice, or a second terminal state.",
+        one(st.conflicts as f64),
+    );
 }
 
 /// The operator controls' state, appended to a scrape: which configuration is in force.

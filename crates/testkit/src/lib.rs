@@ -11,7 +11,13 @@
 //!   `scripts/test.sh` can count and list the skips at the end of a run;
 //! - panics instead when `SLACKGATE_FORBID_SKIPS` is set to anything but empty or `0`, which CI
 //!   does: there the trace and the tools are supposed to be present, so a skip is a failure.
+//!
+//! It also starts real servers for integration tests: [`RedisServer`] (a `redis-server` of
+//! the test's own on a free loopback port).
 #![forbid(unsafe_code)]
+
+mod redis;
+pub use redis::{RedisServer, REDIS_SERVER_VAR};
 
 use std::ffi::OsString;
 use std::io::Write;

@@ -14,14 +14,18 @@
 //! it is durable (at shutdown, in tests, in benchmarks). `flush` and `load` block the calling
 //! thread: from async code, call them inside `tokio::task::spawn_blocking`.
 //!
-//! Two stores: [`MemoryStore`] (tests and `--ledger memory`; dies with the process) and
-//! [`SqliteStore`] (the default: one file an operator can open with `sqlite3`).
+//! Three stores: [`MemoryStore`] (tests and `--ledger memory`; dies with the process),
+//! [`SqliteStore`] (the default: one file an operator can open with `sqlite3`) and
+//! [`RedisStore`] (cluster mode: one ledger shared by every replica).
 
 mod memory;
 pub mod prune;
+mod redis;
+mod redis_lua;
 mod sqlite;
 mod writer;
 
+pub use self::redis::{RedisOptions, RedisStore};
 pub use memory::MemoryStore;
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous, SCHEMA_VERSION};
 
@@ -83,6 +87,10 @@ pub struct StoreStats {
     pub rows_pruned: u64,
     /// Pruning runs that failed (retried at the next interval).
     pub prune_errors: u64,
+    /// Records a shared store refused by its conflict rules (Redis: a key held or done twice
+    /// across replicas, or a second terminal state for one hold). Always 0 for a store with
+    /// one writer.
+    pub conflicts: u64,
 }
 
 /// Why a store could not open, load or flush. Every variant that concerns a file names it.
@@ -135,6 +143,15 @@ pub enum StoreError {
         /// The last error seen.
         error: String,
     },
+    /// A shared store (Redis) did not answer in time: what the caller waited for is still
+    /// queued and will be retried, but is not durable yet.
+    #[error("ledger store {url}: Redis unavailable: {reason}")]
+    Unavailable {
+        /// The server's URL, without its password.
+        url: String,
+        /// What went wrong (a timeout, a refused connection, an error reply).
+        reason: String,
+    },
     /// The writer thread is gone (it only stops when the store is dropped).
     #[error("ledger store: the writer thread has stopped")]
     WriterStopped,
@@ -151,6 +168,7 @@ pub(crate) struct Counters {
     pub(crate) rows_skipped: AtomicU64,
     pub(crate) rows_pruned: AtomicU64,
     pub(crate) prune_errors: AtomicU64,
+    pub(crate) conflicts: AtomicU64,
 }
 
 impl Counters {
@@ -165,6 +183,7 @@ impl Counters {
             rows_skipped: self.rows_skipped.load(Ordering::Relaxed),
             rows_pruned: self.rows_pruned.load(Ordering::Relaxed),
             prune_errors: self.prune_errors.load(Ordering::Relaxed),
+            conflicts: self.conflicts.load(Ordering::Relaxed),
         }
     }
 
