@@ -443,10 +443,15 @@ async fn serve(a: ServeArgs) -> Result<()> {
         cfg.log.max_bytes,
     )
     .with_context(|| format!("cannot open decision log {:?}", cfg.log.path))?;
-    eprintln!(
-        "slackgate: gate listening on http://{addr} (ledger: {})",
-        cfg.server.ledger
-    );
+    let ledger = match &cfg.cluster {
+        Some(c) => format!(
+            "redis {} shared by cluster {:?}",
+            slackgate_gateway::ledger_store::redact(&c.redis),
+            c.name
+        ),
+        None => cfg.server.ledger.clone(),
+    };
+    eprintln!("slackgate: gate listening on http://{addr} (ledger: {ledger})");
     // Reloads parse the file and apply the same command-line overrides.
     let source = a.config.as_ref().map(|path| {
         let over = over.clone();

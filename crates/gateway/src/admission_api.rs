@@ -14,7 +14,6 @@ use crate::request_info::BadRequest;
 use crate::response::{self, ResBody};
 use crate::state::{JobMeta, Shared};
 use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::json;
 use slackgate_core::ledger::{LedgerReject, SettleError, MAX_KEY_LEN, MAX_TOKENS};
@@ -97,7 +96,11 @@ fn with_status(status: StatusCode, mut r: Response<ResBody>) -> Response<ResBody
 }
 
 /// Route one reservation-API request.
-pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResBody> {
+pub async fn handle<B>(shared: Arc<Shared>, req: Request<B>) -> Response<ResBody>
+where
+    B: http_body::Body<Data = bytes::Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let path = req.uri().path().trim_end_matches('/').to_string();
     let method = req.method().clone();
     match (method.as_str(), path.as_str()) {

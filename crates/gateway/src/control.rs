@@ -311,6 +311,15 @@ impl Shared {
         self.log_events(vec![line]);
     }
 
+    /// Log a cluster event (`action: "flag"`, `flag: "cluster"`): this replica took or lost
+    /// the gate's lease, or Redis went out of reach or came back.
+    pub(crate) fn cluster_event(&self, event: &'static str, message: Option<String>) {
+        let mut line = Self::event_line("flag", event, "gate");
+        line.flag = Some("cluster".to_string());
+        line.message = message;
+        self.log_events(vec![line]);
+    }
+
     fn log_events(&self, mut lines: Vec<LogLine>) {
         lock(&self.core).number(&mut lines);
         for line in &lines {
@@ -672,6 +681,9 @@ impl Shared {
         }
         if cfg.log != old.log {
             restart_required.push("log".to_string());
+        }
+        if cfg.cluster != old.cluster {
+            restart_required.push("cluster".to_string());
         }
         if cfg.admin.listen != old.admin.listen
             || cfg.admin.allow_remote != old.admin.allow_remote

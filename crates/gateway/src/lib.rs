@@ -16,6 +16,7 @@
 pub mod admin;
 pub mod admission_api;
 pub mod body;
+pub mod cluster;
 pub mod config;
 pub mod config_path;
 pub mod connlimit;

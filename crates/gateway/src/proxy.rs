@@ -40,7 +40,7 @@ const HOP_BY_HOP: [&str; 9] = [
 /// Remove the headers that describe one hop, in either direction: the fixed list, and every
 /// header the `Connection` header names (RFC 9110 section 7.6.1: `Connection: x-trace` makes
 /// `x-trace` hop-by-hop).
-fn strip_hop_by_hop(h: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
     let named: Vec<HeaderName> = h
         .get_all(http::header::CONNECTION)
         .iter()
@@ -58,10 +58,12 @@ fn strip_hop_by_hop(h: &mut HeaderMap) {
 
 /// Headers of a request about to be forwarded: hop-by-hop ones go, and so do `Host` and
 /// `Content-Length`, which the client sets for the upstream connection.
-fn upstream_request_headers(mut h: HeaderMap) -> HeaderMap {
+pub(crate) fn upstream_request_headers(mut h: HeaderMap) -> HeaderMap {
     strip_hop_by_hop(&mut h);
     h.remove(http::header::HOST);
     h.remove(http::header::CONTENT_LENGTH);
+    // Between replicas only: the cluster's secret never reaches a model server.
+    crate::cluster::strip_cluster_headers(&mut h);
     h
 }
 
@@ -116,11 +118,15 @@ pub(crate) enum BodyError {
 
 /// Read the whole request body, refusing more than `limit` bytes or taking longer than the
 /// configured body read timeout.
-pub(crate) async fn read_body(
+pub(crate) async fn read_body<B>(
     shared: &Shared,
-    body: Incoming,
+    body: B,
     headers: &HeaderMap,
-) -> Result<Bytes, BodyError> {
+) -> Result<Bytes, BodyError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let limit = shared.server.max_body_bytes;
     let too_large = || {
         BodyError::Bad(BadRequest {
@@ -205,11 +211,11 @@ pub(crate) fn body_failure(
 }
 
 /// Handle an admission-controlled request (`POST /v1/...`) to an endpoint of kind `kind`.
-pub async fn admitted(
-    shared: Arc<Shared>,
-    req: Request<Incoming>,
-    kind: Endpoint,
-) -> Response<ResBody> {
+pub async fn admitted<B>(shared: Arc<Shared>, req: Request<B>, kind: Endpoint) -> Response<ResBody>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     // Arrival: the client's deadline budget runs from here, so the time its body takes to
     // arrive is spent from that budget, not added on top of it.
     let now = shared.clock.now_ms();
@@ -308,9 +314,11 @@ pub async fn admitted(
 
     // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
     // this future is dropped (client gone) the guard takes the job out of the queue.
-    let go = match wait_for_slot(&shared, signal).await {
+    let closed = shared.fail_mode_of(decision.class) == slackgate_core::FailMode::Closed;
+    let go = match wait_for_slot(&shared, signal, closed).await {
         Ok(go) => go,
-        Err(resp) => return resp,
+        Err(SlotRefused::Answer(resp)) => return resp,
+        Err(SlotRefused::LedgerDown(e)) => return ledger_unavailable(guard, &e),
     };
     let (pool, pool_name, queue_wait_ms) = (go.pool, go.pool_name, go.queue_wait_ms);
     let (mut endpoint, mut base, mut abort) = (go.endpoint, go.upstream, Some(go.abort));
@@ -396,13 +404,16 @@ pub async fn admitted(
                         continue;
                     }
                     if let Some(signal) = shared.requeue(decision.job_id) {
-                        match wait_for_slot(&shared, signal).await {
+                        match wait_for_slot(&shared, signal, closed).await {
                             Ok(go) => {
                                 (endpoint, base, abort) =
                                     (go.endpoint, go.upstream, Some(go.abort));
                                 continue;
                             }
-                            Err(resp) => return resp,
+                            Err(SlotRefused::Answer(resp)) => return resp,
+                            Err(SlotRefused::LedgerDown(e)) => {
+                                return ledger_unavailable(guard, &e)
+                            }
                         }
                     }
                 }
@@ -502,30 +513,65 @@ pub async fn admitted(
 /// Wait for a slot. The core drops a job whose deadline became unmeetable and tells us (the
 /// answer is then the `Err`); if this future is dropped (client gone) the caller's guard takes
 /// the job out of the queue.
+/// Why a request got no slot.
+enum SlotRefused {
+    /// The gate answered for it (dropped, shutting down).
+    Answer(Response<ResBody>),
+    /// Its hold could not be made durable and its class fails closed.
+    LedgerDown(String),
+}
+
+/// Refuse a dispatched request whose hold the ledger store could not record (its class fails
+/// closed): 503 `ledger_unavailable`, the slot and the hold released, nothing sent upstream.
+fn ledger_unavailable(guard: JobGuard, why: &str) -> Response<ResBody> {
+    guard.cancel_with(Reason::LedgerUnavailable, 0);
+    response::error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        Reason::LedgerUnavailable,
+        &format!(
+            "the ledger store could not record this request's hold ({why}), and its class \
+             fails closed: nothing was sent upstream; retry shortly"
+        ),
+        None,
+        Some(RetryAdvice {
+            after_ms: 1_000,
+            should_retry: true,
+        }),
+    )
+}
+
 async fn wait_for_slot(
     shared: &Shared,
     signal: tokio::sync::oneshot::Receiver<Signal>,
-) -> Result<Go, Response<ResBody>> {
+    fail_closed: bool,
+) -> Result<Go, SlotRefused> {
     match signal.await {
         Ok(Signal::Go(go)) => {
             // The hold must be on disk before upstream tokens are spent on it: a crash after
             // this point leaves a hold that expires (wasted), never a spend nobody recorded.
-            // Group commit: every request dispatched meanwhile shares the same sync.
+            // Group commit: every request dispatched meanwhile shares the same sync. When the
+            // store cannot (disk, Redis down or slow), a class failing open goes ahead (the
+            // hold reaches the store when it returns), one failing closed is refused.
             if let Err(e) = shared.durable().await {
                 shared.note_store_error(&e);
+                if fail_closed {
+                    return Err(SlotRefused::LedgerDown(e));
+                }
             }
             Ok(go)
         }
-        Ok(Signal::Dropped(reason, body, advice)) => Err(dropped(reason, &body, advice)),
+        Ok(Signal::Dropped(reason, body, advice)) => {
+            Err(SlotRefused::Answer(dropped(reason, &body, advice)))
+        }
         // The sender vanished without a signal: only possible if the job was ended by
         // another path; answer rather than hang.
-        Err(_) => Err(response::error(
+        Err(_) => Err(SlotRefused::Answer(response::error(
             StatusCode::SERVICE_UNAVAILABLE,
             Reason::ShuttingDown,
             "the gate stopped tracking this request",
             None,
             None,
-        )),
+        ))),
     }
 }
 

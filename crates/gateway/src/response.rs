@@ -82,7 +82,9 @@ fn error_type(reason: Reason) -> &'static str {
         | Reason::UpstreamTimeout
         | Reason::UpstreamError
         | Reason::UpstreamThrottled => "upstream_error",
-        Reason::ShuttingDown => "service_unavailable",
+        Reason::ShuttingDown | Reason::ClusterUnavailable | Reason::LedgerUnavailable => {
+            "service_unavailable"
+        }
         _ => "admission_rejected",
     }
 }

@@ -50,9 +50,17 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
     };
     if req.method() == Method::POST && endpoint.starts_with("/v1/") {
         let kind = proxy::Endpoint::of(endpoint);
+        if let Some(c) = shared.cluster.clone() {
+            return crate::cluster::serve(shared, c, req, crate::cluster::Target::Proxy(kind))
+                .await;
+        }
         return proxy::admitted(shared, req, kind).await;
     }
     if path.starts_with("/admission/v1/") {
+        if let Some(c) = shared.cluster.clone() {
+            return crate::cluster::serve(shared, c, req, crate::cluster::Target::Reservation)
+                .await;
+        }
         return crate::admission_api::handle(shared, req).await;
     }
     match (req.method(), path) {
@@ -66,6 +74,9 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
                 &mut body,
                 &[("proxy", &shared.conns), ("admin", &shared.admin_conns)],
             );
+            if let Some(c) = &shared.cluster {
+                c.render_metrics(&mut body);
+            }
             response::text("text/plain; version=0.0.4", body)
         }
         (&Method::GET, "/stats") => response::json(&crate::stats::stats(&shared)),
@@ -85,6 +96,7 @@ pub struct Gateway {
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
     helpers: Vec<tokio::task::JoinHandle<()>>,
+    lease: Option<std::thread::JoinHandle<()>>,
 }
 
 /// What a gateway runs beside its proxy listener.
@@ -131,7 +143,27 @@ impl Gateway {
         cfg.validate().map_err(|e| e.to_string())?;
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let env = opts.env.unwrap_or_else(crate::upstream::process_env);
-        let shared = Arc::new(Shared::with_store_env(cfg, log, store, env)?);
+        let mut shared = Shared::with_store_env(cfg, log, store, env)?;
+        let cluster = match &cfg.cluster {
+            Some(c) => Some(Arc::new(crate::cluster::Cluster::new(c, addr)?)),
+            None => None,
+        };
+        if let Some(c) = &cluster {
+            // Generated keys name the replica: two replicas started in the same millisecond
+            // must never generate the same key into the shared ledger.
+            let tag = format!("{}-{:x}", c.replica_id, shared.clock.now_ms());
+            shared.with_core(|st, _, _| st.gate.set_key_run_tag(&tag));
+        }
+        shared.cluster = cluster.clone();
+        let shared = Arc::new(shared);
+        let lease = match cluster {
+            Some(c) => {
+                // Until the first heartbeat this replica neither leads nor knows a leader:
+                // its classes follow their fail mode, on a share of one.
+                Some(crate::cluster::start_lease(&shared, c)?)
+            }
+            None => None,
+        };
         shared.control.set_env_token(opts.env_token)?;
         let watch_source = opts.source.clone();
         shared.control.set_source(opts.source);
@@ -168,6 +200,7 @@ impl Gateway {
             stop,
             task,
             helpers,
+            lease,
         })
     }
 
@@ -193,6 +226,11 @@ impl Gateway {
         let _ = self.task.await;
         for h in self.helpers {
             let _ = h.await;
+        }
+        // Give the lease up (another replica takes over at once rather than after a TTL).
+        if let (Some(c), Some(h)) = (&self.shared.cluster, self.lease) {
+            c.stop();
+            let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
         self.shared.log.flush().await;
         if let Err(e) = self.shared.durable().await {
@@ -220,21 +258,35 @@ pub async fn run_with(
     opts: GatewayOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
-    let gw = Gateway::start(
-        listener,
-        cfg,
-        log,
-        open_store_pruned(
+    let store = match &cfg.cluster {
+        // Replicas share one ledger: in Redis, beside the lease.
+        Some(c) => open_cluster_store(c, cfg.gate.ledger.retention_ms)?,
+        None => open_store_pruned(
             &cfg.server.ledger,
             cfg.server.ledger_synchronous,
             Some(cfg.gate.ledger.retention_ms),
             cfg.server.ledger_prune_interval_ms,
         )?,
-        opts,
-    )?;
+    };
+    let gw = Gateway::start(listener, cfg, log, store, opts)?;
     shutdown.await;
     gw.shutdown().await;
     Ok(())
+}
+
+/// Open the shared ledger of a cluster, in its Redis (`server.ledger` is then not used).
+pub fn open_cluster_store(
+    c: &crate::config::ClusterConfig,
+    retention_ms: u64,
+) -> Result<Arc<dyn LedgerStore>, String> {
+    let store = crate::ledger_store::RedisStore::open(crate::ledger_store::RedisOptions {
+        url: c.redis.clone(),
+        prefix: format!("slackgate:{}", c.name),
+        timeout: Duration::from_millis(c.redis_timeout_ms),
+        retention_ms,
+    })
+    .map_err(|e| format!("cannot open the cluster's ledger: {e}"))?;
+    Ok(Arc::new(store))
 }
 
 /// Open the ledger store a config names: `memory`, or a SQLite file (created if absent).

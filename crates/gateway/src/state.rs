@@ -172,6 +172,8 @@ pub struct Shared {
     pub admin_conns: Arc<crate::connlimit::ConnTracker>,
     /// Endpoint failures and probe schedules (see [`crate::health`]).
     pub health: crate::health::Health,
+    /// This replica's membership of a cluster (`[cluster]`; `None`: a gate alone).
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -294,6 +296,7 @@ impl Shared {
                 max_connections_per_addr: cfg.admin.max_connections_per_addr,
             }),
             health: crate::health::Health::default(),
+            cluster: None,
         })
     }
 
@@ -310,6 +313,17 @@ impl Shared {
             let now = self.clock.now_ms();
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
+            // In a cluster, every decision line says whether the leader made it or a replica
+            // that could reach none (its class failing open).
+            if let Some(c) = &self.cluster {
+                let mode = c.local_mode();
+                for line in lines
+                    .iter_mut()
+                    .filter(|l| matches!(l.action, "admit" | "reject" | "shadow_reject"))
+                {
+                    line.cluster = Some(mode);
+                }
+            }
             st.number(&mut lines);
             let records = st.gate.take_ledger_records();
             // Queued to the store's single writer while still under the lock, so records reach
@@ -446,6 +460,76 @@ impl Shared {
     /// The configured hold TTL.
     pub fn hold_ttl_ms(&self) -> u64 {
         self.with_core(|st, _, _| st.gate.ledger().config().hold_ttl_ms)
+    }
+
+    /// The fail mode of the class a request labelled `label` belongs to (the default class's
+    /// for no label; `open` when nothing matches: the core then refuses it itself).
+    pub fn fail_mode(&self, label: Option<&str>) -> slackgate_core::FailMode {
+        self.with_core(|st, _, _| {
+            let lane = st.gate.classify(label);
+            fail_mode_in(st, lane)
+        })
+    }
+
+    /// The fail mode of a decided request's class.
+    pub fn fail_mode_of(&self, lane: Option<slackgate_core::LaneId>) -> slackgate_core::FailMode {
+        self.with_core(|st, _, _| fail_mode_in(st, lane))
+    }
+
+    /// `closed` if any class fails closed (for requests whose class is not known before the
+    /// body is parsed: the reservation API).
+    pub fn strictest_fail_mode(&self) -> slackgate_core::FailMode {
+        self.with_core(|st, _, _| {
+            if st
+                .gate
+                .config()
+                .classes
+                .iter()
+                .any(|c| c.fail_mode == slackgate_core::FailMode::Closed)
+            {
+                slackgate_core::FailMode::Closed
+            } else {
+                slackgate_core::FailMode::Open
+            }
+        })
+    }
+
+    /// Log and count a request refused because the cluster's shared state is out of reach
+    /// and its class fails closed (it never reached the core).
+    pub fn log_cluster_refusal(&self, path: &str, label: Option<String>) {
+        let mut lines = vec![LogLine {
+            ts_ms: epoch_ms(),
+            action: Action::Reject.as_str(),
+            reason: Reason::ClusterUnavailable.as_str(),
+            status: Some(503),
+            path: Some(path.to_string()),
+            class_label: label,
+            cluster: Some("degraded"),
+            ..LogLine::default()
+        }];
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .number(&mut lines);
+        for line in &lines {
+            self.metrics.observe(line);
+            self.log.log(line);
+        }
+    }
+
+    /// Cluster mode: this replica has just taken the gate's lease. Load every record the
+    /// shared store holds and take the ledger over (see the core's `Gate::adopt_ledger`).
+    /// Blocking (the store's `load`): called on the lease thread. Returns the records loaded.
+    pub fn adopt_shared_ledger(&self) -> Result<usize, String> {
+        let records = self.store.load().map_err(|e| e.to_string())?;
+        let n = records.len();
+        self.with_core(|st, now, _| st.gate.adopt_ledger(records, now));
+        Ok(n)
+    }
+
+    /// Split every pool's slots `parts` ways on this replica (cluster mode; 1 on the leader).
+    pub fn set_share(&self, parts: u32) {
+        self.with_core(|st, _, _| st.gate.set_capacity_share(parts));
     }
 
     /// Record a ledger store failure (the request proceeds: fail open, counted in metrics).
@@ -594,6 +678,19 @@ impl Shared {
             }
         });
     }
+}
+
+fn fail_mode_in(st: &CoreState, lane: Option<slackgate_core::LaneId>) -> slackgate_core::FailMode {
+    let Some(lane) = lane else {
+        return slackgate_core::FailMode::Open;
+    };
+    let name = st.gate.class_name(lane);
+    st.gate
+        .config()
+        .classes
+        .iter()
+        .find(|c| c.name == name)
+        .map_or(slackgate_core::FailMode::Open, |c| c.fail_mode)
 }
 
 /// Releases a job exactly once: on completion, on error, or (by `Drop`) when the request or

@@ -18,6 +18,9 @@ pub struct Stats {
     pub ledger: slackgate_core::ledger::LedgerStats,
     /// The ledger store's writer: pending records, commits, errors, records lost.
     pub ledger_store: crate::ledger_store::StoreStats,
+    /// Cluster mode: this replica's role, the leader, Redis's health, the replicas seen
+    /// (`null` for a gate alone).
+    pub cluster: Option<crate::cluster::ClusterStatus>,
 }
 
 /// Build the `/stats` document.
@@ -30,5 +33,6 @@ pub fn stats(shared: &Shared) -> Stats {
         log_dropped: c.dropped.load(Ordering::Relaxed),
         ledger,
         ledger_store: shared.store.stats(),
+        cluster: shared.cluster.as_ref().map(|c| c.status()),
     }
 }

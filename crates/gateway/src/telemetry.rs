@@ -116,6 +116,10 @@ pub struct LogLine {
     /// On `reload` lines: what changed, or why the new config was refused; on `shutdown`
     /// lines: the grace period.
     pub message: Option<String>,
+    /// In cluster mode, on decision lines: `leader` (the lease holder decided, with the whole
+    /// gate's state) or `degraded` (no leader in reach: this replica decided alone on its
+    /// share of the slots, or refused by the class's `fail_mode`).
+    pub cluster: Option<&'static str>,
 }
 
 /// Fields set on every line, whatever its kind (`job_id` is 0 on lines about no job).
@@ -156,9 +160,10 @@ pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
 ];
 
 /// What every decision line carries beside the job's fields: the figures it was decided on.
-const DECISION: [&str; 15] = concat_fields(
+const DECISION: [&str; 16] = concat_fields(
     JOB,
     [
+        "cluster",
         "queue_age_ms",
         "deadline_slack_ms",
         "projected_wait_ms",
@@ -168,8 +173,8 @@ const DECISION: [&str; 15] = concat_fields(
         "queued_ahead",
     ],
 );
-const DECISION_ADMITTED: [&str; 17] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
-const DECISION_REJECTED: [&str; 16] = concat_fields(DECISION, ["status"]);
+const DECISION_ADMITTED: [&str; 18] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
+const DECISION_REJECTED: [&str; 17] = concat_fields(DECISION, ["status"]);
 const DISPATCH: [&str; 14] = concat_fields(
     JOB,
     [

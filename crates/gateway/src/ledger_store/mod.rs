@@ -25,7 +25,7 @@ mod redis_lua;
 mod sqlite;
 mod writer;
 
-pub use self::redis::{RedisOptions, RedisStore};
+pub use self::redis::{redact, RedisOptions, RedisStore};
 pub use memory::MemoryStore;
 pub use sqlite::{SqliteOptions, SqliteStore, Synchronous, SCHEMA_VERSION};
 
