@@ -156,6 +156,11 @@ impl Ledger {
         }
     }
 
+    /// Every key's current record (any order).
+    pub fn records(&self) -> impl Iterator<Item = &HoldRecord> {
+        self.holds.values()
+    }
+
     /// The configuration in force.
     pub fn config(&self) -> &LedgerConfig {
         &self.cfg

@@ -521,6 +521,9 @@ impl Shared {
     /// shared store holds and take the ledger over (see the core's `Gate::adopt_ledger`).
     /// Blocking (the store's `load`): called on the lease thread. Returns the records loaded.
     pub fn adopt_shared_ledger(&self) -> Result<usize, String> {
+        // What this replica wrote while it could not reach the store goes first (bounded by
+        // the store's timeout; what does not make it is merged from memory by the core).
+        let _ = self.store.flush();
         let records = self.store.load().map_err(|e| e.to_string())?;
         let n = records.len();
         self.with_core(|st, now, _| st.gate.adopt_ledger(records, now));

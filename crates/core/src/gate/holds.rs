@@ -42,11 +42,13 @@ impl Gate {
     }
 
     /// Take over a ledger shared with other gates (cluster mode: this replica has just become
-    /// the leader and `records` are everything the shared store holds). Keys of this gate's
-    /// live jobs keep their own record when it is at least as new (the store may not have it
-    /// yet) and their holds keep counting; the proxied holds of any other process expire at
-    /// once (their connections died with it), reservation-API holds keep their TTL. The
-    /// records that changed are queued for persistence.
+    /// the leader and `records` are everything the shared store holds). What this gate knows
+    /// and the store does not (a newer version of a key, or a key the store lost: Redis
+    /// restarted empty, a write still queued) is kept and queued for the store again, so a
+    /// settled key still answers duplicates. Holds of this gate's live jobs keep counting; the
+    /// proxied holds of any other process expire at once (their connections died with it);
+    /// reservation-API holds keep their TTL. The records that changed are queued for
+    /// persistence.
     pub fn adopt_ledger(&mut self, mut records: Vec<HoldRecord>, now: Millis) {
         let now = self.clock(now);
         let live: std::collections::HashSet<String> = self
@@ -55,11 +57,19 @@ impl Gate {
             .filter(|(_, id)| self.jobs.contains_key(id))
             .map(|(k, _)| k.clone())
             .collect();
-        for key in &live {
-            if let Some(r) = self.ledger.get(key) {
-                records.push(r.clone());
-            }
-        }
+        let shared: std::collections::HashMap<&str, u64> = records
+            .iter()
+            .map(|r| (r.key.as_str(), r.version))
+            .collect();
+        let mine: Vec<HoldRecord> = self
+            .ledger
+            .records()
+            .filter(|r| shared.get(r.key.as_str()).is_none_or(|v| *v < r.version))
+            .cloned()
+            .collect();
+        drop(shared);
+        self.ledger_out.extend(mine.iter().cloned());
+        records.extend(mine);
         let (ledger, changed) =
             Ledger::restore_keeping(self.ledger.config().clone(), records, now, &live);
         self.ledger = ledger;

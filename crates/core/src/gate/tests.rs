@@ -738,3 +738,33 @@ fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_p
     dup.idempotency_key = Some("settled".into());
     assert_eq!(g.offer(2_001, dup).reason, Reason::RejectDuplicate);
 }
+
+#[test]
+fn a_gate_adopting_an_emptied_shared_ledger_keeps_what_it_knew_and_writes_it_back() {
+    use crate::ledger::HoldState;
+    let mut g = Gate::new(cfg(2, 800.0)).unwrap();
+    let mut r = req(&g, "prod");
+    r.idempotency_key = Some("k".into());
+    let d = g.offer(1_000, r);
+    drain(&mut g, 1_000);
+    g.on_complete(
+        1_500,
+        d.job_id,
+        Completion {
+            ok: true,
+            ..Completion::default()
+        },
+    );
+    drain(&mut g, 1_500);
+    g.take_ledger_records();
+    // The store restarted empty: the settled key survives in this gate and goes back to it.
+    g.adopt_ledger(Vec::new(), 2_000);
+    assert_eq!(g.ledger().get("k").map(|h| h.state), Some(HoldState::Done));
+    let out = g.take_ledger_records();
+    assert!(out
+        .iter()
+        .any(|h| h.key == "k" && h.state == HoldState::Done));
+    let mut dup = req(&g, "prod");
+    dup.idempotency_key = Some("k".into());
+    assert_eq!(g.offer(2_001, dup).reason, Reason::RejectDuplicate);
+}
