@@ -80,6 +80,10 @@ pub struct ClusterConfig {
     /// Longest wait to connect to the leader when forwarding (ms); past it the leader counts
     /// as unreachable and the request follows its class's `fail_mode`.
     pub forward_connect_timeout_ms: u64,
+    /// How many replicas run (the Deployment's `replicas`). A replica deciding alone takes
+    /// `1 / max(this, replicas seen in Redis recently)` of each pool's slots: set it, so a
+    /// replica that has never reached Redis does not take a whole pool for itself.
+    pub expected_replicas: u32,
 }
 
 impl Default for ClusterConfig {
@@ -92,6 +96,7 @@ impl Default for ClusterConfig {
             lease_ttl_ms: 3_000,
             redis_timeout_ms: 250,
             forward_connect_timeout_ms: 500,
+            expected_replicas: 1,
         }
     }
 }
@@ -141,6 +146,12 @@ impl ClusterConfig {
                 "cluster.redis_timeout_ms",
                 "must be at least 1 and at most a third of cluster.lease_ttl_ms (a renewal must \
                  fit inside the lease)",
+            ));
+        }
+        if !(1..=1_000).contains(&self.expected_replicas) {
+            return Err(err(
+                "cluster.expected_replicas",
+                "must be between 1 and 1000",
             ));
         }
         if !(1..=60_000).contains(&self.forward_connect_timeout_ms) {

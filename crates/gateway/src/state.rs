@@ -237,9 +237,19 @@ impl Shared {
         )?;
         let mut gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
         let clock = Clock::new();
-        let records = store
-            .load()
-            .map_err(|e| format!("cannot load the ledger: {e}"))?;
+        let records = match store.load() {
+            Ok(r) => r,
+            // A replica may start while Redis is out of reach: it decides by its classes' fail
+            // modes until Redis answers, and the ledger is loaded when it takes the lease.
+            Err(e) if cfg.cluster.is_some() => {
+                eprintln!(
+                    "slackgate: cluster: cannot load the shared ledger yet ({e}); starting \
+                     without it (it is loaded when this replica takes the lease)"
+                );
+                Vec::new()
+            }
+            Err(e) => return Err(format!("cannot load the ledger: {e}")),
+        };
         // Generated keys carry the start time, so they never collide with an earlier run's.
         gate.set_key_run_tag(&format!("{:x}", clock.now_ms()));
         gate.restore_ledger(records, clock.now_ms());
@@ -264,9 +274,16 @@ impl Shared {
             Some(hex) => {
                 crate::tenant::parse_key(hex).map_err(|e| format!("server.tenant_hash_key: {e}"))?
             }
-            None => store
-                .tenant_hash_key()
-                .map_err(|e| format!("cannot read the tenant hash key: {e}"))?,
+            None => store.tenant_hash_key().map_err(|e| {
+                if cfg.cluster.is_some() {
+                    format!(
+                        "cannot read the cluster's tenant hash key from Redis: {e} (set \
+                         server.tenant_hash_key on every replica to start without Redis)"
+                    )
+                } else {
+                    format!("cannot read the tenant hash key: {e}")
+                }
+            })?,
         };
         Ok(Shared {
             core: Mutex::new(CoreState {

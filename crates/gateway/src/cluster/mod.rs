@@ -250,10 +250,16 @@ impl Cluster {
         if view.lead_until.is_some_and(|t| t > Instant::now()) {
             1
         } else {
-            u32::try_from(view.replicas.len())
-                .unwrap_or(u32::MAX)
-                .max(1)
+            self.parts_alone(&view)
         }
+    }
+
+    /// A replica deciding alone takes one part in this many.
+    fn parts_alone(&self, view: &View) -> u32 {
+        u32::try_from(view.replicas.len())
+            .unwrap_or(u32::MAX)
+            .max(self.cfg.expected_replicas)
+            .max(1)
     }
 
     /// `leader` or `degraded` for a decision made here (`None` when this replica forwards).
@@ -311,13 +317,7 @@ impl Cluster {
                 .map(|t| now.duration_since(t).as_millis() as u64),
             redis_last_error: view.last_error.clone(),
             replicas: view.replicas.clone(),
-            share_parts: if leads {
-                1
-            } else {
-                u32::try_from(view.replicas.len())
-                    .unwrap_or(u32::MAX)
-                    .max(1)
-            },
+            share_parts: if leads { 1 } else { self.parts_alone(&view) },
             forwarded: self.counters.forwarded.load(Ordering::Relaxed),
             forward_failed: self.counters.forward_failed.load(Ordering::Relaxed),
             fail_open: self.counters.fail_open.load(Ordering::Relaxed),
@@ -771,6 +771,16 @@ mod tests {
         let c = cluster();
         // Before the first heartbeat: no leader known, no Redis: degraded.
         assert_eq!(c.route(false), Route::Degraded);
+        assert_eq!(c.share_parts(), 1);
+        let three = Cluster::new(
+            &ClusterConfig {
+                expected_replicas: 3,
+                ..cfg()
+            },
+            listen(),
+        )
+        .unwrap();
+        assert_eq!(three.share_parts(), 3);
         assert_eq!(c.route(true), Route::NotLeader);
         {
             let mut v = lock(&c.view);
