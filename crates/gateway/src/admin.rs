@@ -13,12 +13,15 @@
 //! | GET | `/admin/queues` | per class: depth, oldest age, projected wait; per pool: slots |
 //! | GET | `/admin/estimator` | per pool: learned costs, samples; per class: output length |
 //! | GET | `/admin/ledger` | the reservation ledger's totals and its store |
+//! | GET | `/admin/cluster` | cluster mode: role, leader, lease, Redis health, replicas seen |
 //! | POST | `/admin/reload` | reload the config file now: 200 with what changed, 400 why not |
 //!
 //! Without a configured token every call is refused (401 `admin_token_unset`); a missing or
 //! wrong token is refused too (401 `unauthorized`), compared in constant time. Every change
 //! is one decision-log line (`action: "flag"` or `"reload"`) naming the actor: the
-//! `x-admin-actor` header (else `admin`) and the peer address.
+//! `x-admin-actor` header (else `admin`) and the peer address. In cluster mode the flags
+//! (`admit_always`, `shadow`, a class's `enabled`) set on any replica apply on every one,
+//! through Redis; drains and reloads apply to the replica called.
 
 use crate::connlimit::{guard_body, ResponseGuard, Tracked};
 use crate::control::ControlError;
@@ -395,6 +398,14 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
             let (ledger, _) = shared.ledger_view();
             response::json(&json!({"ledger": ledger, "store": shared.store.stats()}))
         }
+        ["admin", "cluster"] if method == Method::GET => match &shared.cluster {
+            Some(c) => response::json(&c.status()),
+            None => error(
+                StatusCode::NOT_FOUND,
+                "not_clustered",
+                "this gate runs alone (no [cluster] section)",
+            ),
+        },
         ["admin", "reload"] if method == Method::POST => match shared.reload_from_source(&who) {
             Ok(outcome) => response::json(&outcome),
             Err(e) => control_error(e),
@@ -407,6 +418,7 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
         | ["admin", "pools", _, "endpoints", _, "drain" | "undrain"]
         | ["admin", "estimator"]
         | ["admin", "ledger"]
+        | ["admin", "cluster"]
         | ["admin", "reload"] => error(
             StatusCode::METHOD_NOT_ALLOWED,
             "method_not_allowed",

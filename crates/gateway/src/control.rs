@@ -12,7 +12,7 @@ use crate::config::Config;
 use crate::state::Shared;
 use crate::telemetry::{epoch_ms, LogLine};
 use crate::upstream::UpstreamBase;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use slackgate_core::{DrainStatus, Gate, GateConfig, PoolId, Reason, ReconfigureReport};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -43,8 +43,10 @@ impl ConfigSource {
     }
 }
 
-/// Runtime overrides of the config file's flags.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+/// Runtime overrides of the config file's flags. In cluster mode they are shared through
+/// Redis: a flag set on any replica applies on every one (see `crate::cluster`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Overrides {
     /// `admit_always`, when set through the admin API.
     pub admit_always: Option<bool>,
@@ -390,6 +392,73 @@ impl Shared {
         }
     }
 
+    /// Cluster mode: hand the overrides in force to the lease thread, which writes them to
+    /// Redis for every replica (serialised under `serial`, so the last change wins).
+    fn publish_overrides(&self) {
+        if let Some(c) = &self.cluster {
+            let o = lock(&self.control.overrides).clone();
+            if let Ok(json) = serde_json::to_string(&o) {
+                c.publish_flags(json);
+            }
+        }
+    }
+
+    /// Cluster mode: another replica changed the flags (read from Redis by the lease
+    /// thread). Apply every override that differs from this replica's, each with its
+    /// `flag` line (actor `cluster`); unknown classes are skipped.
+    pub fn apply_cluster_overrides(&self, new: &Overrides) {
+        let old = self.control.overrides();
+        let actor = "cluster";
+        let _serial = lock(&self.control.serial);
+        if new.admit_always != old.admit_always {
+            let config = lock(&self.control.file).gate.admit_always;
+            lock(&self.control.overrides).admit_always = new.admit_always;
+            let effective = new.admit_always.unwrap_or(config);
+            self.with_core(|st, _, _| st.gate.set_admit_always(effective));
+            self.flag_line("admit_always", None, json_flag(new.admit_always), actor);
+        }
+        if new.shadow != old.shadow {
+            let config = lock(&self.control.file).gate.shadow;
+            lock(&self.control.overrides).shadow = new.shadow;
+            let effective = new.shadow.unwrap_or(config);
+            self.with_core(|st, _, _| st.gate.set_shadow(effective));
+            self.flag_line("shadow", None, json_flag(new.shadow), actor);
+        }
+        let classes: std::collections::BTreeSet<&String> =
+            new.enabled.keys().chain(old.enabled.keys()).collect();
+        for class in classes {
+            let value = new.enabled.get(class).copied();
+            if value == old.enabled.get(class).copied() {
+                continue;
+            }
+            let config = lock(&self.control.file)
+                .gate
+                .classes
+                .iter()
+                .find(|c| &c.name == class)
+                .is_none_or(|c| c.enabled);
+            let effective = value.unwrap_or(config);
+            let known = self.with_core(|st, _, _| match st.gate.class_by_name(class) {
+                Some(id) => {
+                    st.gate.set_class_enabled(id, effective);
+                    true
+                }
+                None => false,
+            });
+            if !known {
+                continue;
+            }
+            {
+                let mut o = lock(&self.control.overrides);
+                match value {
+                    Some(v) => o.enabled.insert(class.clone(), v),
+                    None => o.enabled.remove(class),
+                };
+            }
+            self.flag_line("enabled", Some(class), json_flag(value), actor);
+        }
+    }
+
     /// Set (or with `None`, return to the file's value) the `admit_always` rollback flag.
     pub fn set_admit_always(&self, value: Option<bool>, actor: &str) -> FlagView {
         let _serial = lock(&self.control.serial);
@@ -398,6 +467,7 @@ impl Shared {
         let effective = value.unwrap_or(config);
         self.with_core(|st, _, _| st.gate.set_admit_always(effective));
         self.flag_line("admit_always", None, json_flag(value), actor);
+        self.publish_overrides();
         FlagView {
             value: effective,
             override_value: value,
@@ -413,6 +483,7 @@ impl Shared {
         let effective = value.unwrap_or(config);
         self.with_core(|st, _, _| st.gate.set_shadow(effective));
         self.flag_line("shadow", None, json_flag(value), actor);
+        self.publish_overrides();
         FlagView {
             value: effective,
             override_value: value,
@@ -452,6 +523,7 @@ impl Shared {
             };
         }
         self.flag_line("enabled", Some(class), json_flag(value), actor);
+        self.publish_overrides();
         Ok(FlagView {
             value: effective,
             override_value: value,

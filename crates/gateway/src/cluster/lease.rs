@@ -28,10 +28,14 @@ pub enum LeaseError {
     },
 }
 
-/// One heartbeat. KEYS: lease, epoch, registry, secret. ARGV: me (`id|url`), ttl ms, now ms,
-/// how long a replica stays in the registry without checking in (ms), a secret candidate,
-/// `take` | `release`.
+/// One heartbeat. KEYS: lease, epoch, registry, secret, flags, flags version. ARGV: me
+/// (`id|url`), ttl ms, now ms, how long a replica stays in the registry without checking in
+/// (ms), a secret candidate, `take` | `release`, flags to publish (JSON; empty: none).
 const BEAT: &str = r"
+if ARGV[7] ~= '' then
+  redis.call('SET', KEYS[5], ARGV[7])
+  redis.call('INCR', KEYS[6])
+end
 redis.call('SET', KEYS[4], ARGV[5], 'NX')
 local secret = redis.call('GET', KEYS[4])
 local now = tonumber(ARGV[3])
@@ -54,7 +58,9 @@ elseif cur == ARGV[1] then
 end
 local epoch = redis.call('GET', KEYS[2]) or '0'
 local members = redis.call('ZRANGEBYSCORE', KEYS[3], now - stale, '+inf', 'WITHSCORES')
-return {cur or '', epoch, secret, members}
+local flags = redis.call('GET', KEYS[5]) or ''
+local flags_version = redis.call('GET', KEYS[6]) or '0'
+return {cur or '', epoch, secret, members, flags, flags_version}
 ";
 
 /// What one heartbeat read back.
@@ -64,6 +70,8 @@ struct Beat {
     epoch: u64,
     secret: String,
     members: Vec<(String, u64)>,
+    flags: String,
+    flags_version: u64,
 }
 
 fn split_member(m: &str) -> (String, String) {
@@ -99,7 +107,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn call(&mut self, keys: [&str; 4], args: [String; 6]) -> Result<Beat, String> {
+    fn call(&mut self, keys: [&str; 6], args: [String; 7]) -> Result<Beat, String> {
         if self.conn.is_none() {
             let c = self
                 .client
@@ -115,16 +123,17 @@ impl Conn {
             return Err("no connection".into());
         };
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(BEAT).arg(4);
+        cmd.arg(BEAT).arg(keys.len());
         for k in keys {
             cmd.arg(k);
         }
         for a in args {
             cmd.arg(a);
         }
-        let r: Result<(String, String, String, Vec<String>), _> = cmd.query(conn);
+        type Reply = (String, String, String, Vec<String>, String, String);
+        let r: Result<Reply, _> = cmd.query(conn);
         match r {
-            Ok((holder, epoch, secret, flat)) => {
+            Ok((holder, epoch, secret, flat, flags, flags_version)) => {
                 let members = flat
                     .chunks(2)
                     .filter_map(|c| match c {
@@ -137,6 +146,8 @@ impl Conn {
                     epoch: epoch.parse().unwrap_or(0),
                     secret,
                     members,
+                    flags,
+                    flags_version: flags_version.parse().unwrap_or(0),
                 })
             }
             Err(e) => {
@@ -182,6 +193,8 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
         format!("{}:lease_epoch", cluster.prefix),
         format!("{}:replicas", cluster.prefix),
         format!("{}:secret", cluster.prefix),
+        format!("{}:flags", cluster.prefix),
+        format!("{}:flags_version", cluster.prefix),
     ];
     let secret_candidate = random_hex();
     let mut leading = false;
@@ -196,7 +209,10 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
             keys_owned[1].as_str(),
             keys_owned[2].as_str(),
             keys_owned[3].as_str(),
+            keys_owned[4].as_str(),
+            keys_owned[5].as_str(),
         ];
+        let flags_out = lock(&cluster.view).flags_out.clone();
         let sent = Instant::now();
         let now_ms = crate::telemetry::epoch_ms();
         let args = [
@@ -206,9 +222,28 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
             ttl.saturating_mul(3).to_string(),
             secret_candidate.clone(),
             if stopping { "release" } else { "take" }.to_string(),
+            flags_out.clone().unwrap_or_default(),
         ];
         match conn.call(keys, args) {
             Ok(beat) => {
+                // Flags: ours are in Redis now (unless set again meanwhile); another
+                // replica's newer ones apply here.
+                let apply = {
+                    let mut view = lock(&cluster.view);
+                    if view.flags_out == flags_out {
+                        view.flags_out = None;
+                    }
+                    let newer = beat.flags_version != view.flags_version;
+                    view.flags_version = beat.flags_version;
+                    (newer && !beat.flags.is_empty() && flags_out.is_none())
+                        .then(|| {
+                            serde_json::from_str::<crate::control::Overrides>(&beat.flags).ok()
+                        })
+                        .flatten()
+                };
+                if let Some(o) = apply {
+                    gate.apply_cluster_overrides(&o);
+                }
                 if redis_was_up != Some(true) {
                     gate.cluster_event("redis_up", None);
                 }

@@ -94,6 +94,10 @@ struct View {
     leader_suspect_until: Option<Instant>,
     /// Last error talking to Redis (for `/stats`).
     last_error: Option<String>,
+    /// Flags set on this replica, not yet written to Redis (JSON of the overrides).
+    flags_out: Option<String>,
+    /// The version of the cluster's flags last applied here.
+    flags_version: u64,
 }
 
 /// Where a request goes.
@@ -269,6 +273,13 @@ impl Cluster {
         } else {
             "degraded"
         }
+    }
+
+    /// Flags were set on this replica: write them to Redis at once (the lease thread retries
+    /// until Redis takes them), so every replica applies them.
+    pub fn publish_flags(&self, overrides_json: String) {
+        lock(&self.view).flags_out = Some(overrides_json);
+        self.wake_lease();
     }
 
     fn suspect_leader(&self) {
