@@ -1,0 +1,404 @@
+//! Cluster mode, in process: replicas as `Gateway`s in this test over real sockets, sharing a
+//! real `redis-server` (started per test on a loopback port). What the lease and the shared
+//! flags promise: a flag set on any replica applies on all; a leader that shuts down hands the
+//! lease over at once; a replica that starts while Redis is down serves by fail mode and joins
+//! when Redis returns; a class that fails closed sends nothing upstream without its ledger.
+//! (The whole-process drills, with `kill -9`, are in crates/cli/tests/cluster.rs.)
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use slackgate_gateway::config::ClusterConfig;
+use slackgate_gateway::server::open_cluster_store;
+use slackgate_gateway::{Config, DecisionLog, Gateway, GatewayOptions};
+use slackgate_testkit::RedisServer;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+const TOML: &str = r#"
+default_class = "batch"
+[server]
+tenant_hash_key = "00112233445566778899aabbccddeeff"
+[[pools]]
+name = "default"
+upstream = "{UPSTREAM}"
+slots = 2
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 20000
+fail_mode = "open"
+[[classes]]
+name = "batch"
+priority = 10
+fail_mode = "closed"
+"#;
+
+fn redis() -> RedisServer {
+    RedisServer::start().expect(
+        "redis-server must be installed for the cluster tests (scripts/test.sh installs it: \
+         apt-get install redis-server)",
+    )
+}
+
+struct Replica {
+    gate: Gateway,
+    id: String,
+    log: std::path::PathBuf,
+}
+
+impl Replica {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.gate.local_addr(), path)
+    }
+    fn leads(&self) -> bool {
+        self.gate.shared().cluster.as_ref().unwrap().leads()
+    }
+    fn status(&self) -> slackgate_gateway::cluster::ClusterStatus {
+        self.gate.shared().cluster.as_ref().unwrap().status()
+    }
+}
+
+async fn replica(
+    redis_url: &str,
+    name: &str,
+    id: &str,
+    upstream: SocketAddr,
+) -> Result<Replica, String> {
+    let text = TOML.replace("{UPSTREAM}", &format!("http://{upstream}"));
+    let mut cfg = Config::from_toml(&text).unwrap();
+    let cluster = ClusterConfig {
+        redis: redis_url.to_string(),
+        name: name.to_string(),
+        replica_id: Some(id.to_string()),
+        lease_ttl_ms: 1_500,
+        redis_timeout_ms: 200,
+        expected_replicas: 2,
+        ..ClusterConfig::default()
+    };
+    cfg.cluster = Some(cluster.clone());
+    let store = open_cluster_store(&cluster, cfg.gate.ledger.retention_ms)?;
+    let log_path = temp_log(&format!("cluster-{name}-{id}"));
+    let log = DecisionLog::start(
+        slackgate_gateway::config::LogTarget::File(log_path.clone()),
+        1024,
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let gate = Gateway::start(listener, &cfg, log, store, GatewayOptions::default())?;
+    Ok(Replica {
+        gate,
+        id: id.to_string(),
+        log: log_path,
+    })
+}
+
+fn unique(name: &str) -> String {
+    format!(
+        "{name}-{}-{}",
+        std::process::id(),
+        Instant::now().elapsed().as_nanos()
+    )
+}
+
+/// Wait until exactly one of `rs` leads; its index.
+async fn leader_of(rs: &[&Replica]) -> usize {
+    let mut found = None;
+    wait_until(Duration::from_secs(10), "one leader", || {
+        let leaders: Vec<usize> = rs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.leads())
+            .map(|(i, _)| i)
+            .collect();
+        found = (leaders.len() == 1).then(|| leaders[0]);
+        std::future::ready(found.is_some())
+    })
+    .await;
+    found.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flag_set_on_any_replica_applies_on_every_one() {
+    let redis = redis();
+    let stub = stub(2, "fixed:50ms").await;
+    let name = unique("flags");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    let b = replica(&redis.url(), &name, "b", stub.local_addr())
+        .await
+        .unwrap();
+    let l = leader_of(&[&a, &b]).await;
+    let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    // The rollback flag, flipped on the follower (which decides nothing itself).
+    follower.gate.shared().set_admit_always(Some(true), "test");
+    wait_until(Duration::from_secs(5), "admit_always on the leader", || {
+        std::future::ready(leader.gate.shared().control.overrides().admit_always == Some(true))
+    })
+    .await;
+    // And back (admit_always would admit even a switched-off class).
+    follower.gate.shared().set_admit_always(None, "test");
+    wait_until(
+        Duration::from_secs(5),
+        "admit_always back on the leader",
+        || {
+            std::future::ready(
+                leader
+                    .gate
+                    .shared()
+                    .control
+                    .overrides()
+                    .admit_always
+                    .is_none(),
+            )
+        },
+    )
+    .await;
+    // A class switched off on the leader is off on the follower too, and back on.
+    leader
+        .gate
+        .shared()
+        .set_class_enabled("batch", Some(false), "test")
+        .unwrap();
+    wait_until(Duration::from_secs(5), "batch off on the follower", || {
+        std::future::ready(
+            follower
+                .gate
+                .shared()
+                .control
+                .overrides()
+                .enabled
+                .get("batch")
+                == Some(&false),
+        )
+    })
+    .await;
+    // The leader decides with the flag: a batch request through the follower is refused
+    // class_disabled (the follower forwarded it; the leader's core refused it).
+    let r = post(
+        &follower.url("/v1/chat/completions"),
+        &[("x-job-class", "batch")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, 429, "{:?}", r.json());
+    assert_eq!(r.json()["error"]["code"], "class_disabled");
+    leader
+        .gate
+        .shared()
+        .set_class_enabled("batch", None, "test")
+        .unwrap();
+    wait_until(Duration::from_secs(5), "batch back on the follower", || {
+        std::future::ready(
+            !follower
+                .gate
+                .shared()
+                .control
+                .overrides()
+                .enabled
+                .contains_key("batch"),
+        )
+    })
+    .await;
+    let r = post(
+        &follower.url("/v1/chat/completions"),
+        &[("x-job-class", "batch")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{:?}", r.json());
+    assert!(follower.status().forwarded >= 2);
+    a.gate.shutdown().await;
+    b.gate.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_shuts_down_hands_the_lease_over_at_once() {
+    let redis = redis();
+    let stub = stub(2, "fixed:50ms").await;
+    let name = unique("handover");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    let b = replica(&redis.url(), &name, "b", stub.local_addr())
+        .await
+        .unwrap();
+    let l = leader_of(&[&a, &b]).await;
+    let (leader, follower) = if l == 0 { (a, b) } else { (b, a) };
+    wait_until(
+        Duration::from_secs(5),
+        "the follower knows the leader",
+        || std::future::ready(follower.status().leader.is_some()),
+    )
+    .await;
+    let epoch = follower.status().leader.unwrap().epoch;
+    let stopped = Instant::now();
+    leader.gate.shutdown().await;
+    wait_until(Duration::from_secs(5), "the follower leads", || {
+        std::future::ready(follower.leads())
+    })
+    .await;
+    // Released, not lapsed: the follower's next heartbeat (a third of the TTL) takes it,
+    // well before the 1.5 s TTL would have run out.
+    let took = stopped.elapsed();
+    assert!(took < Duration::from_millis(1_500), "took {took:?}");
+    assert_eq!(follower.status().leader.unwrap().epoch, epoch + 1);
+    assert_eq!(follower.status().leader.unwrap().id, follower.id);
+    let r = post(
+        &follower.url("/v1/chat/completions"),
+        &[("x-job-class", "interactive")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    follower.gate.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_when_it_returns() {
+    let mut redis = redis();
+    redis.stop();
+    let stub = stub(2, "fixed:50ms").await;
+    let name = unique("late");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    assert_eq!(a.status().role, "degraded");
+    // Its share: two expected replicas, 2 slots -> 1.
+    wait_until(Duration::from_secs(5), "share of one slot", || {
+        std::future::ready(a.gate.shared().snapshot().pools[0].slots == 1)
+    })
+    .await;
+    let open = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-job-class", "interactive")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(open.status, 200, "{:?}", open.json());
+    let closed = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-job-class", "batch")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(closed.status, 503);
+    assert_eq!(closed.json()["error"]["code"], "cluster_unavailable");
+    assert_eq!(
+        closed.header("x-slackgate-reason").as_deref(),
+        Some("cluster_unavailable")
+    );
+    assert!(closed.header("retry-after").is_some());
+    redis.restart().unwrap();
+    wait_until(Duration::from_secs(10), "the lone replica leads", || {
+        std::future::ready(a.leads())
+    })
+    .await;
+    let closed = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-job-class", "batch")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(closed.status, 200, "{:?}", closed.json());
+    assert_eq!(a.gate.shared().snapshot().pools[0].slots, 2);
+    // The decision log says which decisions were made alone and which as leader, and when
+    // Redis went and came back.
+    a.gate.shared().log.flush().await;
+    let lines = read_log(&a.log);
+    let decided = |class: &str, mode: &str| {
+        lines.iter().any(|l| {
+            l["class_label"] == class
+                && l["cluster"] == mode
+                && matches!(l["action"].as_str(), Some("admit" | "reject"))
+        })
+    };
+    assert!(decided("interactive", "degraded"));
+    assert!(decided("batch", "degraded"));
+    assert!(decided("batch", "leader"));
+    for event in ["redis_down", "redis_up", "leader_acquired"] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l["flag"] == "cluster" && l["reason"] == event),
+            "{event}"
+        );
+    }
+    a.gate.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_or_a_tenant_key_a_replica_refuses_to_start_and_says_what_to_set() {
+    let mut redis = redis();
+    redis.stop();
+    let stub = stub(1, "fixed:10ms").await;
+    let text = TOML
+        .replace("{UPSTREAM}", &format!("http://{}", stub.local_addr()))
+        .replace("tenant_hash_key = \"00112233445566778899aabbccddeeff\"", "");
+    let mut cfg = Config::from_toml(&text).unwrap();
+    let cluster = ClusterConfig {
+        redis: redis.url(),
+        name: unique("nokey"),
+        redis_timeout_ms: 100,
+        ..ClusterConfig::default()
+    };
+    cfg.cluster = Some(cluster.clone());
+    let store = open_cluster_store(&cluster, 1_000).unwrap();
+    let log = DecisionLog::start(slackgate_gateway::config::LogTarget::Off, 16).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let err = Gateway::start(listener, &cfg, log, store, GatewayOptions::default())
+        .err()
+        .expect("no tenant hash key without Redis");
+    assert!(err.contains("server.tenant_hash_key"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_failing_closed_sends_nothing_upstream_when_redis_goes() {
+    let mut redis = redis();
+    let stub = stub(2, "fixed:50ms").await;
+    let name = unique("closed");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(10), "a leads", || {
+        std::future::ready(a.leads())
+    })
+    .await;
+    let before = stub.stats().requests;
+    redis.stop();
+    // Whether the leader still holds its lease (the hold cannot be made durable:
+    // ledger_unavailable) or has stepped down (cluster_unavailable), the request is refused
+    // with 503 before any upstream work.
+    for _ in 0..3 {
+        let r = post(
+            &a.url("/v1/chat/completions"),
+            &[("x-job-class", "batch")],
+            &chat(4),
+        )
+        .await;
+        assert_eq!(r.status, 503, "{:?}", r.json());
+        let code = r.json()["error"]["code"].as_str().unwrap().to_string();
+        assert!(
+            code == "ledger_unavailable" || code == "cluster_unavailable",
+            "{code}"
+        );
+        assert_eq!(r.json()["error"]["type"], "service_unavailable");
+    }
+    assert_eq!(
+        stub.stats().requests,
+        before,
+        "nothing reached the upstream"
+    );
+    // The open class is still served.
+    let r = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-job-class", "interactive")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{:?}", r.json());
+    let _ = redis.restart();
+    a.gate.shutdown().await;
+}
