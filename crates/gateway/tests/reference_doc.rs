@@ -381,7 +381,12 @@ async fn role(g: &TestGate) -> String {
 async fn a_cluster_replica_writes_its_documented_fields() {
     let mut redis = slackgate_testkit::RedisServer::start().expect("redis-server");
     let stub = stub(4, "fixed:1ms").await;
-    let g = TestGate::start(&cluster_config(&redis.url()), stub.local_addr(), "ref-cluster").await;
+    let g = TestGate::start(
+        &cluster_config(&redis.url()),
+        stub.local_addr(),
+        "ref-cluster",
+    )
+    .await;
     assert!(
         eventually(WAIT, || async { role(&g).await == "leader" }).await,
         "the only replica takes the lease"
@@ -400,8 +405,15 @@ async fn a_cluster_replica_writes_its_documented_fields() {
         .collect();
     let text = g.metrics().await;
     let extra: BTreeSet<String> = families(&text).difference(&single).cloned().collect();
-    assert_same("cluster metric families (name and type)", &documented, &extra);
-    assert!(text.contains("slackgate_cluster_leader{replica=\"ref-a\"} 1"), "{text}");
+    assert_same(
+        "cluster metric families (name and type)",
+        &documented,
+        &extra,
+    );
+    assert!(
+        text.contains("slackgate_cluster_leader{replica=\"ref-a\"} 1"),
+        "{text}"
+    );
 
     // Leader: decided with the whole state.
     let a = send(&g, headers("interactive", "ref-c1"), &chat(8)).await;
@@ -428,7 +440,8 @@ async fn a_cluster_replica_writes_its_documented_fields() {
     let seen = fields_seen(&lines);
     for kind in ["admit", "reject", "flag"] {
         assert!(
-            seen.get(kind).is_some_and(|f| kind == "flag" || f.contains("cluster")),
+            seen.get(kind)
+                .is_some_and(|f| kind == "flag" || f.contains("cluster")),
             "no `{kind}` line set `cluster`: {seen:?}"
         );
     }
@@ -458,6 +471,9 @@ async fn a_cluster_replica_writes_its_documented_fields() {
         .filter_map(|l| l["reason"].as_str())
         .collect();
     for e in ["redis_up", "leader_acquired", "redis_down", "leader_lost"] {
-        assert!(events.contains(e), "no cluster `flag` line `{e}`: {events:?}");
+        assert!(
+            events.contains(e),
+            "no cluster `flag` line `{e}`: {events:?}"
+        );
     }
 }
