@@ -86,11 +86,12 @@ enabled = false
 
 /// The type each metric the artifacts use must have. A metric new to an alert or a panel must
 /// be added here; the scrape test then proves Prometheus stores it with this type.
-const TYPES: [(&str, &str); 36] = [
+const TYPES: [(&str, &str); 37] = [
     ("slackgate_admit_always", "gauge"),
     ("slackgate_class_deadline_seconds", "gauge"),
     ("slackgate_class_enabled", "gauge"),
     ("slackgate_cluster_degraded", "gauge"),
+    ("slackgate_cluster_events_total", "counter"),
     ("slackgate_cluster_leader", "gauge"),
     ("slackgate_cluster_redis_up", "gauge"),
     ("slackgate_decisions_total", "counter"),
