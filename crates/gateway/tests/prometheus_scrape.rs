@@ -86,10 +86,14 @@ enabled = false
 
 /// The type each metric the artifacts use must have. A metric new to an alert or a panel must
 /// be added here; the scrape test then proves Prometheus stores it with this type.
-const TYPES: [(&str, &str); 32] = [
+const TYPES: [(&str, &str); 37] = [
     ("slackgate_admit_always", "gauge"),
     ("slackgate_class_deadline_seconds", "gauge"),
     ("slackgate_class_enabled", "gauge"),
+    ("slackgate_cluster_degraded", "gauge"),
+    ("slackgate_cluster_events_total", "counter"),
+    ("slackgate_cluster_leader", "gauge"),
+    ("slackgate_cluster_redis_up", "gauge"),
     ("slackgate_decisions_total", "counter"),
     ("slackgate_endpoint_draining", "gauge"),
     ("slackgate_endpoint_ejected", "gauge"),
@@ -104,6 +108,7 @@ const TYPES: [(&str, &str); 32] = [
     ("slackgate_in_flight", "gauge"),
     ("slackgate_in_flight_oldest_age_seconds", "gauge"),
     ("slackgate_ledger_amplification_ratio", "gauge"),
+    ("slackgate_ledger_store_conflicts_total", "counter"),
     ("slackgate_ledger_store_records_lost_total", "counter"),
     ("slackgate_ledger_store_write_errors_total", "counter"),
     ("slackgate_log_dropped_total", "counter"),
@@ -121,10 +126,33 @@ const TYPES: [(&str, &str); 32] = [
     ("slackgate_upstream_responses_total", "counter"),
 ];
 
+/// The gate as one replica of a cluster (on its own `redis-server`), so the cluster families
+/// the alerts use are exported too; it has taken the lease before this returns, so every
+/// request below is decided as on a gate alone.
+async fn cluster_gate(
+    s: &slackgate_stub::Stub,
+    name: &str,
+) -> (slackgate_testkit::RedisServer, TestGate) {
+    let redis = slackgate_testkit::RedisServer::start().expect("redis-server");
+    let cfg = format!(
+        "{CONFIG}[cluster]\nredis = \"{}\"\nname = \"{name}\"\nreplica_id = \"{name}\"\n",
+        redis.url()
+    );
+    let g = TestGate::start(&cfg, s.local_addr(), name).await;
+    assert!(
+        eventually(WAIT, || async {
+            g.stats().await["cluster"]["role"] == "leader"
+        })
+        .await,
+        "the only replica takes the lease"
+    );
+    (redis, g)
+}
+
 #[tokio::test]
 async fn artifacts_name_only_exported_metrics() {
     let s = stub(4, "tokens:prefill_us=0,decode_us=1000").await;
-    let g = TestGate::start(CONFIG, s.local_addr(), "artifacts").await;
+    let (_redis, g) = cluster_gate(&s, "artifacts").await;
     drive_first_phase(&g).await;
     let fams = families(&scrape(&g).await);
 
@@ -276,7 +304,7 @@ async fn real_prometheus_scrapes_the_gate() {
         return;
     };
     let s = stub(4, "tokens:prefill_us=0,decode_us=1000").await;
-    let g = TestGate::start(CONFIG, s.local_addr(), "prometheus").await;
+    let (_redis, g) = cluster_gate(&s, "prometheus").await;
     let url = g.url("/v1/chat/completions");
     drive_first_phase(&g).await;
 

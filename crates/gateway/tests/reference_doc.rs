@@ -8,7 +8,11 @@
 //!   sets a field its kind does not list, and every listed field is seen set (but for the few
 //!   named in [`NOT_EXERCISED`], whose own tests cover them);
 //! - the metric families: the doc's table (name and type) against the `# TYPE` lines of a
-//!   live gate's `/metrics`.
+//!   live gate's `/metrics`;
+//! - cluster mode, against a replica of a cluster with its own `redis-server`: the cluster
+//!   metric families (a table of their own: a gate alone does not export them), and the
+//!   lines only a cluster writes (the `cluster` field of decision lines, `flag` lines about
+//!   the cluster, `cluster_unavailable` refusals) set only their kind's fields.
 //!
 //! The doc's tables sit between `<!-- reference:NAME -->` and `<!-- /reference:NAME -->`
 //! markers; the first cell of each row holds the name in backticks.
@@ -38,6 +42,10 @@ const NOT_EXERCISED: &[(&str, &str, &str)] = &[
         "ttft_ms",
         "proxy.rs: a client that leaves mid-stream",
     ),
+    // Set only in cluster mode: `a_cluster_replica_writes_its_documented_fields` below.
+    ("admit", "cluster", "this file's cluster test"),
+    ("reject", "cluster", "this file's cluster test"),
+    ("shadow_reject", "cluster", "this file's cluster test"),
 ];
 
 fn reference() -> String {
@@ -281,12 +289,29 @@ async fn every_kind_of_line_sets_exactly_its_documented_fields() {
     assert!(eventually(WAIT, || has_line(&g, "shutdown", "shutting_down")).await);
 
     let lines = g.log_lines().await;
+    let seen = fields_seen(&lines);
+    for (kind, fields) in FIELDS_BY_KIND {
+        let got = seen.get(*kind).cloned().unwrap_or_default();
+        for f in fields.iter().chain(COMMON_FIELDS) {
+            let excused = NOT_EXERCISED.iter().any(|(k, n, _)| k == kind && n == f);
+            assert!(
+                excused || got.contains(*f),
+                "no `{kind}` line set `{f}`: the reference lists a field the code never sets, \
+                 or this test no longer drives it"
+            );
+        }
+    }
+}
+
+/// The fields set (not null) on `lines`, by kind; panics on a line of a kind the reference
+/// does not list, or one that sets a field its kind does not list.
+fn fields_seen(lines: &[Value]) -> BTreeMap<String, BTreeSet<String>> {
     let allowed: BTreeMap<&str, BTreeSet<&str>> = FIELDS_BY_KIND
         .iter()
         .map(|(k, f)| (*k, f.iter().chain(COMMON_FIELDS).copied().collect()))
         .collect();
     let mut seen: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for l in &lines {
+    for l in lines {
         let kind = l["action"].as_str().unwrap();
         let Some(listed) = allowed.get(kind) else {
             panic!("a `{kind}` line, a kind the reference does not list: {l}");
@@ -305,17 +330,7 @@ async fn every_kind_of_line_sets_exactly_its_documented_fields() {
             seen.entry(kind.to_string()).or_default().insert(f.clone());
         }
     }
-    for (kind, fields) in FIELDS_BY_KIND {
-        let got = seen.get(*kind).cloned().unwrap_or_default();
-        for f in fields.iter().chain(COMMON_FIELDS) {
-            let excused = NOT_EXERCISED.iter().any(|(k, n, _)| k == kind && n == f);
-            assert!(
-                excused || got.contains(*f),
-                "no `{kind}` line set `{f}`: the reference lists a field the code never sets, \
-                 or this test no longer drives it"
-            );
-        }
-    }
+    seen
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -335,4 +350,130 @@ async fn the_metric_families_are_the_documented_ones() {
         .map(|r| format!("{} {}", name(r), r[1]))
         .collect();
     assert_same("metric families (name and type)", &documented, &code);
+}
+
+/// The `# TYPE` lines of a scrape, as `name type`.
+fn families(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect()
+}
+
+/// `config()` as one replica of a cluster on `redis`: `batch` fails closed, `interactive`
+/// open (the default); a short lease, so losing Redis shows within a second.
+fn cluster_config(redis: &str) -> String {
+    format!(
+        "{}fail_mode = \"closed\"\n[cluster]\nredis = \"{redis}\"\nname = \"reference\"\n\
+         replica_id = \"ref-a\"\nlease_ttl_ms = 900\nredis_timeout_ms = 100\n",
+        config()
+    )
+}
+
+async fn role(g: &TestGate) -> String {
+    g.stats().await["cluster"]["role"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_replica_writes_its_documented_fields() {
+    let mut redis = slackgate_testkit::RedisServer::start().expect("redis-server");
+    let stub = stub(4, "fixed:1ms").await;
+    let g = TestGate::start(
+        &cluster_config(&redis.url()),
+        stub.local_addr(),
+        "ref-cluster",
+    )
+    .await;
+    assert!(
+        eventually(WAIT, || async { role(&g).await == "leader" }).await,
+        "the only replica takes the lease"
+    );
+
+    // The cluster families: what a replica exports beyond a gate alone, both ways against
+    // their own table (the main table is checked against a gate alone above).
+    let doc = reference();
+    let single: BTreeSet<String> = rows(section(&doc, "metrics"))
+        .iter()
+        .map(|r| format!("{} {}", name(r), r[1]))
+        .collect();
+    let documented: BTreeSet<String> = rows(section(&doc, "cluster-metrics"))
+        .iter()
+        .map(|r| format!("{} {}", name(r), r[1]))
+        .collect();
+    let text = g.metrics().await;
+    let extra: BTreeSet<String> = families(&text).difference(&single).cloned().collect();
+    assert_same(
+        "cluster metric families (name and type)",
+        &documented,
+        &extra,
+    );
+    assert!(
+        text.contains("slackgate_cluster_leader{replica=\"ref-a\"} 1"),
+        "{text}"
+    );
+
+    // Leader: decided with the whole state.
+    let a = send(&g, headers("interactive", "ref-c1"), &chat(8)).await;
+    assert_eq!(a.status, 200, "{:?}", a.body);
+    // Redis gone: the lease lapses, the replica is degraded; batch fails closed, interactive
+    // open.
+    redis.stop();
+    assert!(
+        eventually(WAIT, || async { role(&g).await == "degraded" }).await,
+        "no leader once Redis is gone"
+    );
+    let closed = send(&g, headers("batch", "ref-c2"), &chat(8)).await;
+    assert_eq!(closed.status, 503, "{:?}", closed.body);
+    let body: Value = serde_json::from_slice(&closed.body).unwrap();
+    assert_eq!(body["error"]["code"], "cluster_unavailable");
+    assert_eq!(body["error"]["type"], "service_unavailable");
+    let open = send(&g, headers("interactive", "ref-c3"), &chat(8)).await;
+    assert_eq!(open.status, 200, "{:?}", open.body);
+    // The replica stops deciding as leader when its lease runs out; the `leader_lost` line
+    // comes with the first heartbeat after that (up to a third of the TTL later).
+    assert!(eventually(WAIT, || has_line(&g, "flag", "leader_lost")).await);
+
+    let lines = g.log_lines().await;
+    let seen = fields_seen(&lines);
+    for kind in ["admit", "reject", "flag"] {
+        assert!(
+            seen.get(kind)
+                .is_some_and(|f| kind == "flag" || f.contains("cluster")),
+            "no `{kind}` line set `cluster`: {seen:?}"
+        );
+    }
+    let modes: BTreeSet<(String, String)> = lines
+        .iter()
+        .filter(|l| l["cluster"].is_string())
+        .map(|l| {
+            (
+                l["action"].as_str().unwrap_or("").to_string(),
+                l["cluster"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    for (action, mode) in [
+        ("admit", "leader"),
+        ("admit", "degraded"),
+        ("reject", "degraded"),
+    ] {
+        assert!(
+            modes.contains(&(action.to_string(), mode.to_string())),
+            "no `{action}` line with cluster `{mode}`: {modes:?}"
+        );
+    }
+    let events: BTreeSet<&str> = lines
+        .iter()
+        .filter(|l| l["action"] == "flag" && l["flag"] == "cluster")
+        .filter_map(|l| l["reason"].as_str())
+        .collect();
+    for e in ["redis_up", "leader_acquired", "redis_down", "leader_lost"] {
+        assert!(
+            events.contains(e),
+            "no cluster `flag` line `{e}`: {events:?}"
+        );
+    }
 }
