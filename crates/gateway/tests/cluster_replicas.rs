@@ -402,3 +402,44 @@ async fn a_class_failing_closed_sends_nothing_upstream_when_redis_goes() {
     let _ = redis.restart();
     a.gate.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
+    let mut redis = redis();
+    let stub = stub(2, "fixed:20ms").await;
+    let name = unique("wipe");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    let b = replica(&redis.url(), &name, "b", stub.local_addr())
+        .await
+        .unwrap();
+    let first = leader_of(&[&a, &b]).await;
+    // Redis comes back empty: the lease key is gone while the leader still counts its lease
+    // as held. Whoever takes the new lease (epoch 1 again) must wait that out.
+    redis.restart().unwrap();
+    let start = Instant::now();
+    let mut both = 0;
+    let mut changed_hands = false;
+    while start.elapsed() < Duration::from_secs(6) {
+        let (la, lb) = (a.leads(), b.leads());
+        if la && lb {
+            both += 1;
+        }
+        if (la && first == 1) || (lb && first == 0) {
+            changed_hands = true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(both, 0, "two replicas led at once");
+    // Someone leads again, at the new epoch.
+    let l = leader_of(&[&a, &b]).await;
+    let status = [&a, &b][l].status();
+    assert_eq!(
+        status.leader.unwrap().epoch,
+        1,
+        "changed hands: {changed_hands}"
+    );
+    a.gate.shutdown().await;
+    b.gate.shutdown().await;
+}

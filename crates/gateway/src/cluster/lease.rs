@@ -30,7 +30,8 @@ pub enum LeaseError {
 
 /// One heartbeat. KEYS: lease, epoch, registry, secret, flags, flags version. ARGV: me
 /// (`id|url`), ttl ms, now ms, how long a replica stays in the registry without checking in
-/// (ms), a secret candidate, `take` | `release`, flags to publish (JSON; empty: none).
+/// (ms), a secret candidate, `take` | `yield` (give the lease up, stay registered) |
+/// `release` (give it up and leave), flags to publish (JSON; empty: none).
 const BEAT: &str = r"
 if ARGV[7] ~= '' then
   redis.call('SET', KEYS[5], ARGV[7])
@@ -49,6 +50,11 @@ if ARGV[6] == 'release' then
     cur = false
   end
   redis.call('ZREM', KEYS[3], ARGV[1])
+elseif ARGV[6] == 'yield' then
+  if cur == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    cur = false
+  end
 elseif not cur then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('INCR', KEYS[2])
@@ -199,6 +205,12 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
     let secret_candidate = random_hex();
     let mut leading = false;
     let mut redis_was_up: Option<bool> = None;
+    // The highest lease epoch seen: one at or below it means Redis lost its data.
+    let mut max_epoch: u64 = 0;
+    // A lease just taken that must be waited out before deciding (see below).
+    let mut standby_until: Option<Instant> = None;
+    // The ledger could not be loaded: give the lease up so that another replica can lead.
+    let mut yield_next = false;
     loop {
         let stopping = cluster.stopping.load(Ordering::SeqCst);
         let Some(gate) = shared.upgrade() else {
@@ -221,7 +233,14 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
             now_ms.to_string(),
             ttl.saturating_mul(3).to_string(),
             secret_candidate.clone(),
-            if stopping { "release" } else { "take" }.to_string(),
+            if stopping {
+                "release"
+            } else if yield_next {
+                "yield"
+            } else {
+                "take"
+            }
+            .to_string(),
             flags_out.clone().unwrap_or_default(),
         ];
         match conn.call(keys, args) {
@@ -248,8 +267,26 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
                     gate.cluster_event("redis_up", None);
                 }
                 redis_was_up = Some(true);
+                yield_next = false;
                 let mine = beat.holder == me;
-                if mine && !leading {
+                if !mine {
+                    standby_until = None;
+                }
+                if mine && !leading && standby_until.is_none() {
+                    // A lease at epoch 1, or at one not above an epoch seen before, follows a
+                    // Redis that lost its data (or a new cluster): the last leader may still
+                    // count its lease as held in its own clock, for up to a TTL. Wait that out
+                    // before deciding; an epoch that went up was released or expired in Redis.
+                    if beat.epoch <= 1 || beat.epoch <= max_epoch {
+                        standby_until = Some(sent + Duration::from_millis(ttl));
+                    } else {
+                        standby_until = Some(sent);
+                    }
+                }
+                max_epoch = max_epoch.max(beat.epoch);
+                let waited = standby_until.is_some_and(|t| t <= Instant::now());
+                if mine && !leading && waited {
+                    standby_until = None;
                     // Take over the shared ledger before deciding anything as leader.
                     match gate.adopt_shared_ledger() {
                         Ok(n) => {
@@ -264,6 +301,11 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
                             );
                         }
                         Err(e) => {
+                            // Holding the lease without leading would leave the cluster with
+                            // no leader: give it up at once (another replica, or this one
+                            // again, takes it at its next heartbeat).
+                            yield_next = true;
+                            cluster.wake_lease();
                             gate.cluster_event(
                                 "leader_adopt_failed",
                                 Some(format!("cannot load the shared ledger: {e}")),

@@ -235,14 +235,13 @@ impl Cluster {
         if forwarded {
             return Route::NotLeader;
         }
-        let fresh = view
-            .last_ok
-            .is_some_and(|t| now.duration_since(t) < Duration::from_millis(self.cfg.lease_ttl_ms));
+        // The leader last seen gets the request even when Redis does not answer here: it
+        // checks its own lease (a replica that no longer leads answers `NotLeader`, and the
+        // request then follows its fail mode), so a follower cut off from Redis but not from
+        // the leader keeps the cluster one gate.
         let suspect = view.leader_suspect_until.is_some_and(|t| t > now);
         match &view.leader {
-            Some(l) if fresh && !suspect && l.id != self.replica_id => {
-                Route::Forward(l.url.clone())
-            }
+            Some(l) if !suspect && l.id != self.replica_id => Route::Forward(l.url.clone()),
             _ => Route::Degraded,
         }
     }
@@ -313,7 +312,13 @@ impl Cluster {
             name: self.cfg.name.clone(),
             role: if leads {
                 "leader"
-            } else if view.leader.is_some() && view.redis_up {
+            } else if view
+                .leader
+                .as_ref()
+                .is_some_and(|l| l.id != self.replica_id)
+                && view.leader_suspect_until.is_none_or(|t| t <= now)
+            {
+                // Forwarding (see `route`).
                 "follower"
             } else {
                 "degraded"
@@ -827,10 +832,15 @@ mod tests {
         {
             let mut v = lock(&c.view);
             v.leader_suspect_until = None;
-            // Redis last answered longer ago than a lease: the leader may be gone.
+            // Redis last answered longer ago than a lease: the leader still gets the request
+            // (it checks its own lease).
             v.last_ok = Some(Instant::now() - Duration::from_millis(c.cfg.lease_ttl_ms + 1));
+            v.redis_up = false;
         }
-        assert_eq!(c.route(false), Route::Degraded);
+        assert_eq!(
+            c.route(false),
+            Route::Forward("http://10.0.0.2:8080".into())
+        );
         {
             let mut v = lock(&c.view);
             v.last_ok = Some(Instant::now());
