@@ -383,6 +383,9 @@ fn config(spec: &Spec, redis: &str, name: &str, stub: SocketAddr, id: &str, log:
         r#"default_class = "batch"
 [server]
 config_poll_ms = 0
+# Not used in cluster mode (the ledger is in Redis). Were it used, each replica would have a
+# ledger of its own and the shared-ledger checks would fail, as they should.
+ledger = "memory"
 tenant_hash_key = "{TENANT_HASH_KEY}"
 [log]
 path = "{log}"
@@ -651,6 +654,11 @@ impl Load {
     /// Stop sending and wait for every request sent to end.
     async fn finish(self) -> Res<Vec<Outcome>> {
         self.stop.store(true, Ordering::SeqCst);
+        self.join().await
+    }
+
+    /// Wait for the workers to end by themselves (a load with a limit).
+    async fn join(self) -> Res<Vec<Outcome>> {
         let mut all = Vec::new();
         for t in self.tasks {
             all.extend(t.await?);
@@ -718,7 +726,7 @@ fn peak_concurrency_across_three_replicas_stays_within_the_pool_slots() -> Res {
         let c = Cluster::start(&spec, redis).await?;
         let before = c.views(&[0, 1, 2]).await?;
         let load = Load::start("peak", c.addrs(&[0, 1, 2]), &["batch"], 12, Some(40));
-        let outcomes = load.finish().await?;
+        let outcomes = load.join().await?;
         let views = c.views(&[0, 1, 2]).await?;
         let stub = stub_stats(c.stub_addr).await?;
         let diag = || c.diagnostics();
@@ -1010,7 +1018,21 @@ fn kill_9_of_the_leader_under_load_hands_over_and_leaks_nothing() -> Res {
         for k in &ok_keys {
             let state = holds.get(k).map(|v| v["state"].clone()).unwrap_or(Value::Null);
             if state != "done" {
-                not_done.push((k.clone(), state));
+                let o = outcomes.iter().find(|o| &o.key == k);
+                not_done.push(format!(
+                    "{k}: {} (answered by r{} in {:?}, cluster mode {:?}; leader was r{leader}, \
+                     new leader r{new_leader}; record {})",
+                    state,
+                    o.map_or(9, |o| o.replica),
+                    o.map(|o| o.took),
+                    o.and_then(|o| {
+                        c.log_lines(o.replica)
+                            .into_iter()
+                            .find(|l| l["idempotency_key"] == k.as_str() && l["action"] == "admit")
+                            .map(|l| l["cluster"].clone())
+                    }),
+                    holds.get(k).cloned().unwrap_or(Value::Null)
+                ));
             }
         }
         assert!(
