@@ -470,12 +470,17 @@ async fn serve(a: ServeArgs) -> Result<()> {
         source,
         env: None,
     };
-    let store = slackgate_gateway::server::open_store_pruned(
-        &cfg.server.ledger,
-        cfg.server.ledger_synchronous,
-        Some(cfg.gate.ledger.retention_ms),
-        cfg.server.ledger_prune_interval_ms,
-    )
+    // In a cluster the replicas share one ledger in Redis; `server.ledger` is not used (a
+    // local file per replica would let a key or a grant be spent once per replica).
+    let store = match &cfg.cluster {
+        Some(c) => slackgate_gateway::server::open_cluster_store(c, cfg.gate.ledger.retention_ms),
+        None => slackgate_gateway::server::open_store_pruned(
+            &cfg.server.ledger,
+            cfg.server.ledger_synchronous,
+            Some(cfg.gate.ledger.retention_ms),
+            cfg.server.ledger_prune_interval_ms,
+        ),
+    }
     .map_err(anyhow::Error::msg)?;
     let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
     if let Some(at) = gw.admin_addr() {

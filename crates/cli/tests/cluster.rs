@@ -1,0 +1,1423 @@
+//! Cluster mode end to end: three `slackgate serve` replicas, each a child process (so a
+//! `kill -9` is a real crash), sharing one gate through a real `redis-server` (one per test,
+//! each test its own cluster name), in front of one `slackgate stub`. Everything talks over
+//! real sockets on 127.0.0.1; every port is chosen by the process that binds it (`:0`) and read
+//! back from its first stderr line.
+//!
+//! The stub is given more slots than the gate's pool (`STUB_SLOTS` against `N`): with exactly
+//! `N` slots the stub itself would queue the excess and its `max_in_flight_seen` could never
+//! pass `N`, so the peak-concurrency checks would prove nothing about the gate.
+//!
+//! The tests run one at a time (a process-wide lock): each starts five processes, and the
+//! lease timing they check (takeover within the TTL plus a margin) should not compete with
+//! another test's replicas for the machine's cores.
+//!
+//! Without a `redis-server` (on `PATH` or in `$SLACKGATE_REDIS_SERVER`) each test is reported
+//! skipped by name (`slackgate_testkit::skip`), and fails with the reason under CI (`CI=true`
+//! or `SLACKGATE_FORBID_SKIPS`): there the cluster must be proven, not skipped.
+#![cfg(unix)]
+
+use serde_json::Value;
+use slackgate_testkit::RedisServer;
+use std::collections::{BTreeMap, HashMap};
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// What a test step returns: any error ends the test with its message.
+type Res<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The gate pool's slots in every test.
+const N: usize = 2;
+/// The stub's own slots: more than `N`, so that only the gate can hold concurrency at `N`.
+const STUB_SLOTS: usize = 8;
+/// Longest any single HTTP exchange may take: a request still unanswered by then "hangs".
+const REQUEST_BOUND: Duration = Duration::from_secs(15);
+/// Fixed hash key, so `slackgate tenant-id` and the replicas agree on tenant ids.
+const TENANT_HASH_KEY: &str = "0123456789abcdef0123456789abcdef";
+
+/// One test at a time (see the module doc).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn fail(msg: impl Into<String>) -> Box<dyn std::error::Error + Send + Sync> {
+    msg.into().into()
+}
+
+/// A real Redis of the test's own, or `None` after reporting the test skipped (a failure under
+/// CI).
+fn redis_for(test: &str) -> Res<Option<RedisServer>> {
+    match RedisServer::start() {
+        Ok(r) => Ok(Some(r)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let reason = format!("cluster tests need a real redis-server: {e}");
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                return Err(fail(format!("{test} cannot run under CI=true: {reason}")));
+            }
+            // Panics when SLACKGATE_FORBID_SKIPS is set.
+            slackgate_testkit::skip(test, &reason);
+            Ok(None)
+        }
+        Err(e) => Err(fail(format!("redis-server did not start: {e}"))),
+    }
+}
+
+fn temp_dir(name: &str) -> Res<PathBuf> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let d = std::env::temp_dir().join(format!(
+        "slackgate-cluster-{name}-{}-{nanos}",
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+/// A child process of this test, killed by its own PID (SIGKILL) when dropped, so a failing
+/// or panicking test leaves nothing running.
+struct Proc {
+    child: Child,
+    /// Its stderr lines so far (read by a thread, so the pipe never fills), for diagnostics.
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    /// Spawn `slackgate ARGS` and wait (at most 20 s) for a stderr line containing `marker`;
+    /// returns the process and the address that follows the marker.
+    fn spawn(args: &[&str], marker: &'static str) -> Res<(Proc, SocketAddr)> {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+            .args(args)
+            .env_remove("SLACKGATE_ADMIN_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        let stderr = child.stderr.take();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        if let Some(stderr) = stderr {
+            let lines = lines.clone();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(stderr)
+                    .lines()
+                    .map_while(Result::ok)
+                {
+                    if let Some(rest) = line.split(marker).nth(1) {
+                        let addr = rest
+                            .split(|c: char| c.is_whitespace() || c == ')' || c == '(')
+                            .next()
+                            .unwrap_or("")
+                            .to_string();
+                        let _ = tx.send(addr);
+                    }
+                    if let Ok(mut l) = lines.lock() {
+                        if l.len() < 10_000 {
+                            l.push(line);
+                        }
+                    }
+                }
+            });
+        }
+        let mut proc = Proc {
+            child,
+            stderr: lines,
+        };
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(a) => match a.parse() {
+                Ok(addr) => Ok((proc, addr)),
+                Err(_) => Err(fail(format!("{args:?}: cannot parse address {a:?}"))),
+            },
+            Err(_) => {
+                proc.kill9();
+                Err(fail(format!(
+                    "slackgate {args:?} did not print {marker:?} within 20 s; stderr: {:?}",
+                    proc.stderr_lines()
+                )))
+            }
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL to this PID and reap it: a crash, no chance to give the lease up.
+    fn kill9(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+        }
+        let _ = self.child.wait();
+    }
+
+    fn stderr_lines(&self) -> Vec<String> {
+        self.stderr.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// One parsed HTTP/1.1 response.
+#[derive(Clone, Debug)]
+struct Reply {
+    status: u16,
+    headers: HashMap<String, String>,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+
+    /// `x-slackgate-reason`, or "".
+    fn reason(&self) -> &str {
+        self.headers
+            .get("x-slackgate-reason")
+            .map_or("", String::as_str)
+    }
+
+    /// The OpenAI-shaped error body's `error.code`, or "".
+    fn error_code(&self) -> String {
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+    }
+}
+
+/// Decode a chunked body (the gate streams proxied answers); malformed input gives what was
+/// decoded so far.
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size_text = String::from_utf8_lossy(&raw[..eol]);
+        let size_hex = size_text.split(';').next().unwrap_or("").trim();
+        let Ok(size) = usize::from_str_radix(size_hex, 16) else {
+            return out;
+        };
+        raw = &raw[eol + 2..];
+        if size == 0 || raw.len() < size {
+            out.extend_from_slice(&raw[..size.min(raw.len())]);
+            return out;
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = raw.get(size + 2..).unwrap_or(&[]);
+    }
+}
+
+/// One HTTP/1.1 exchange on a fresh connection, bounded by [`REQUEST_BOUND`].
+async fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Res<Reply> {
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        req.push_str(body);
+        s.write_all(req.as_bytes()).await?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await?;
+        Ok::<_, std::io::Error>(buf)
+    };
+    let buf = tokio::time::timeout(REQUEST_BOUND, exchange)
+        .await
+        .map_err(|_| {
+            fail(format!(
+                "{method} {addr}{path}: no answer within {REQUEST_BOUND:?}"
+            ))
+        })??;
+    let Some(split) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Err(fail(format!(
+            "{method} {addr}{path}: no complete response head ({} bytes)",
+            buf.len()
+        )));
+    };
+    let head = String::from_utf8_lossy(&buf[..split]).to_string();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers: HashMap<String, String> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let raw = &buf[split + 4..];
+    let body = if headers
+        .get("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
+        dechunk(raw)
+    } else {
+        raw.to_vec()
+    };
+    Ok(Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).to_string(),
+    })
+}
+
+/// A small chat request (the stub answers `max_tokens` tokens).
+fn chat(max_tokens: u32) -> String {
+    format!(
+        r#"{{"model":"stub","messages":[{{"role":"user","content":"hi"}}],"max_tokens":{max_tokens}}}"#
+    )
+}
+
+/// `POST /v1/chat/completions` with an idempotency key, a class and extra headers.
+async fn post_chat(addr: SocketAddr, key: &str, class: &str, extra: &[(&str, &str)]) -> Res<Reply> {
+    let mut h: Vec<(&str, &str)> = vec![("idempotency-key", key), ("x-job-class", class)];
+    h.extend_from_slice(extra);
+    http(addr, "POST", "/v1/chat/completions", &h, &chat(4)).await
+}
+
+async fn stats(addr: SocketAddr) -> Res<Value> {
+    let r = http(addr, "GET", "/stats", &[], "").await?;
+    if r.status != 200 {
+        return Err(fail(format!("GET {addr}/stats: {}", r.status)));
+    }
+    Ok(r.json())
+}
+
+/// A metric's value summed over its label sets in one replica's `/metrics`.
+async fn metric(addr: SocketAddr, name: &str) -> Res<f64> {
+    let r = http(addr, "GET", "/metrics", &[], "").await?;
+    Ok(r.body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum())
+}
+
+async fn stub_stats(addr: SocketAddr) -> Res<Value> {
+    Ok(http(addr, "GET", "/stub/stats", &[], "").await?.json())
+}
+
+/// Poll `cond` every 25 ms until it holds; an error naming `what` after `within`.
+async fn wait_until<F, Fut>(within: Duration, what: &str, mut cond: F) -> Res<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !cond().await {
+        if start.elapsed() > within {
+            return Err(fail(format!("waited {within:?} for {what}")));
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    Ok(start.elapsed())
+}
+
+/// The settings that differ between tests.
+struct Spec {
+    /// Test name: the cluster's name and the scratch directory's.
+    name: &'static str,
+    /// `[[classes]]` tables (TOML) after `default_class = "batch"`.
+    classes: &'static str,
+    /// Extra `[ledger]` lines.
+    ledger: String,
+    lease_ttl_ms: u64,
+    redis_timeout_ms: u64,
+    /// `slackgate stub --latency`.
+    latency: &'static str,
+}
+
+const BATCH_CLASS: &str = r#"
+[[classes]]
+name = "batch"
+priority = 10
+"#;
+
+/// A replica of the cluster.
+struct Replica {
+    id: String,
+    addr: SocketAddr,
+    log: PathBuf,
+    proc: Proc,
+}
+
+/// Redis, the stub and three replicas; all killed (by PID) when dropped.
+struct Cluster {
+    // Field order is drop order: the gates go first, then the stub, then Redis.
+    replicas: Vec<Replica>,
+    _stub: Proc,
+    stub_addr: SocketAddr,
+    redis: RedisServer,
+    name: String,
+    dir: PathBuf,
+}
+
+fn config(spec: &Spec, redis: &str, name: &str, stub: SocketAddr, id: &str, log: &Path) -> String {
+    format!(
+        r#"default_class = "batch"
+[server]
+config_poll_ms = 0
+# Not used in cluster mode (the ledger is in Redis). Were it used, each replica would have a
+# ledger of its own and the shared-ledger checks would fail, as they should.
+ledger = "memory"
+tenant_hash_key = "{TENANT_HASH_KEY}"
+[log]
+path = "{log}"
+[ledger]
+{ledger}
+[[pools]]
+name = "default"
+slots = {N}
+upstream = "http://{stub}"
+[pools.prior]
+overhead_ms = 300
+prefill_ms_per_token = 0
+decode_ms_per_token = 0
+learn = false
+{classes}
+[cluster]
+redis = "{redis}"
+name = "{name}"
+replica_id = "{id}"
+lease_ttl_ms = {ttl}
+redis_timeout_ms = {timeout}
+"#,
+        log = log.display(),
+        ledger = spec.ledger,
+        classes = spec.classes,
+        ttl = spec.lease_ttl_ms,
+        timeout = spec.redis_timeout_ms,
+    )
+}
+
+impl Cluster {
+    /// Start everything and wait until each replica is leader or follower, one leader.
+    async fn start(spec: &Spec, redis: RedisServer) -> Res<Cluster> {
+        let dir = temp_dir(spec.name)?;
+        let name = format!("{}-{}", spec.name, std::process::id());
+        let slots = STUB_SLOTS.to_string();
+        let (stub, stub_addr) = Proc::spawn(
+            &[
+                "stub",
+                "--listen",
+                "127.0.0.1:0",
+                "--slots",
+                &slots,
+                "--latency",
+                spec.latency,
+            ],
+            "fake model on http://",
+        )?;
+        let mut replicas = Vec::new();
+        for i in 0..3 {
+            let id = format!("r{i}");
+            let log = dir.join(format!("{id}.log"));
+            let cfg_path = dir.join(format!("{id}.toml"));
+            std::fs::write(
+                &cfg_path,
+                config(spec, &redis.url(), &name, stub_addr, &id, &log),
+            )?;
+            let cfg_arg = cfg_path.display().to_string();
+            let log_arg = log.display().to_string();
+            let (proc, addr) = Proc::spawn(
+                &[
+                    "serve",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--config",
+                    &cfg_arg,
+                    "--log",
+                    &log_arg,
+                ],
+                "gate listening on http://",
+            )?;
+            replicas.push(Replica {
+                id,
+                addr,
+                log,
+                proc,
+            });
+        }
+        let cluster = Cluster {
+            replicas,
+            _stub: stub,
+            stub_addr,
+            redis,
+            name,
+            dir,
+        };
+        cluster
+            .wait_formed(&[0, 1, 2], Duration::from_secs(20))
+            .await?;
+        Ok(cluster)
+    }
+
+    fn addrs(&self, which: &[usize]) -> Vec<SocketAddr> {
+        which.iter().map(|&i| self.replicas[i].addr).collect()
+    }
+
+    /// Each replica's `cluster` object from `/stats`.
+    async fn views(&self, which: &[usize]) -> Res<Vec<Value>> {
+        let mut out = Vec::new();
+        for a in self.addrs(which) {
+            out.push(stats(a).await?["cluster"].clone());
+        }
+        Ok(out)
+    }
+
+    /// Wait until the replicas `which` are each leader or follower, exactly one of them leads
+    /// and all name it; returns the leader's index.
+    async fn wait_formed(&self, which: &[usize], within: Duration) -> Res<usize> {
+        let start = Instant::now();
+        loop {
+            if let Ok(views) = self.views(which).await {
+                let leaders: Vec<usize> = which
+                    .iter()
+                    .zip(&views)
+                    .filter(|(_, v)| v["role"] == "leader")
+                    .map(|(&i, _)| i)
+                    .collect();
+                let formed = views
+                    .iter()
+                    .all(|v| v["role"] == "leader" || v["role"] == "follower");
+                if formed && leaders.len() == 1 {
+                    let id = &self.replicas[leaders[0]].id;
+                    if views.iter().all(|v| v["leader"]["id"] == id.as_str()) {
+                        return Ok(leaders[0]);
+                    }
+                }
+                if start.elapsed() > within {
+                    return Err(fail(format!(
+                        "the cluster did not form within {within:?}: {views:?}"
+                    )));
+                }
+            } else if start.elapsed() > within {
+                return Err(fail(format!("/stats unreachable for {within:?}")));
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    /// The shared ledger: key -> record, from `slackgate:<name>:holds`.
+    fn holds(&self) -> Res<BTreeMap<String, Value>> {
+        let client = redis::Client::open(self.redis.url())?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let raw: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(format!("slackgate:{}:holds", self.name))
+            .query(&mut conn)?;
+        Ok(raw
+            .into_iter()
+            .map(|(k, v)| (k, serde_json::from_str(&v).unwrap_or(Value::Null)))
+            .collect())
+    }
+
+    /// Decision-log lines of replica `i` (unparseable lines are skipped).
+    fn log_lines(&self, i: usize) -> Vec<Value> {
+        std::fs::read_to_string(&self.replicas[i].log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Every replica's stderr, for failure messages.
+    fn diagnostics(&self) -> String {
+        let mut out = String::new();
+        for r in &self.replicas {
+            let lines = r.proc.stderr_lines();
+            let tail = lines.len().saturating_sub(20);
+            out.push_str(&format!("--- {} stderr (pid {}):\n", r.id, r.proc.pid()));
+            for l in &lines[tail..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Processes are killed by their own guards; only the scratch files are left to go.
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// The result of one request of a load.
+#[derive(Debug, Clone)]
+struct Outcome {
+    key: String,
+    replica: usize,
+    class: &'static str,
+    /// `None`: the exchange itself failed (connection refused or broken, or no answer).
+    reply: Option<Reply>,
+    error: String,
+    took: Duration,
+}
+
+/// A background load: `concurrency` workers sending chat requests round robin over the
+/// replicas marked alive, each with a fresh idempotency key, until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    alive: Arc<Mutex<Vec<bool>>>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Outcome>>>,
+}
+
+impl Load {
+    fn start(
+        tag: &str,
+        addrs: Vec<SocketAddr>,
+        classes: &'static [&'static str],
+        concurrency: usize,
+        limit: Option<u64>,
+    ) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let alive = Arc::new(Mutex::new(vec![true; addrs.len()]));
+        let next = Arc::new(AtomicU64::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..concurrency {
+            let (stop, alive, next, addrs) =
+                (stop.clone(), alive.clone(), next.clone(), addrs.clone());
+            let tag = tag.to_string();
+            tasks.push(tokio::spawn(async move {
+                let mut out = Vec::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let n = next.fetch_add(1, Ordering::SeqCst);
+                    if limit.is_some_and(|l| n >= l) {
+                        break;
+                    }
+                    let live: Vec<usize> = match alive.lock() {
+                        Ok(a) => (0..a.len()).filter(|&i| a[i]).collect(),
+                        Err(_) => break,
+                    };
+                    if live.is_empty() {
+                        break;
+                    }
+                    let replica = live[(n as usize) % live.len()];
+                    let class = classes[(n as usize / live.len()) % classes.len()];
+                    let key = format!("{tag}-{n}");
+                    let start = Instant::now();
+                    let r = post_chat(addrs[replica], &key, class, &[]).await;
+                    let took = start.elapsed();
+                    let (reply, error) = match r {
+                        Ok(r) => (Some(r), String::new()),
+                        Err(e) => (None, e.to_string()),
+                    };
+                    out.push(Outcome {
+                        key,
+                        replica,
+                        class,
+                        reply,
+                        error,
+                        took,
+                    });
+                }
+                out
+            }));
+        }
+        Load { stop, alive, tasks }
+    }
+
+    /// Send no more requests to replica `i`.
+    fn exclude(&self, i: usize) {
+        if let Ok(mut a) = self.alive.lock() {
+            a[i] = false;
+        }
+    }
+
+    /// Stop sending and wait for every request sent to end.
+    async fn finish(self) -> Res<Vec<Outcome>> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.join().await
+    }
+
+    /// Wait for the workers to end by themselves (a load with a limit).
+    async fn join(self) -> Res<Vec<Outcome>> {
+        let mut all = Vec::new();
+        for t in self.tasks {
+            all.extend(t.await?);
+        }
+        Ok(all)
+    }
+}
+
+fn runtime() -> Res<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Run `body` with the serial lock, a runtime and the test's own Redis.
+fn run_cluster_test<F, Fut>(test: &str, body: F) -> Res
+where
+    F: FnOnce(RedisServer) -> Fut,
+    Fut: std::future::Future<Output = Res>,
+{
+    let _serial = serial();
+    let Some(redis) = redis_for(test)? else {
+        return Ok(());
+    };
+    let rt = runtime()?;
+    rt.block_on(async {
+        tokio::time::timeout(Duration::from_secs(60), body(redis))
+            .await
+            .map_err(|_| fail(format!("{test}: over its 60 s bound")))?
+    })
+}
+
+fn summarize(outcomes: &[Outcome]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for o in outcomes {
+        let k = match &o.reply {
+            Some(r) => format!("{} {} {}", o.class, r.status, r.reason()),
+            None => format!("{} error", o.class),
+        };
+        *m.entry(k).or_insert(0) += 1;
+    }
+    m
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Peak concurrency
+// ---------------------------------------------------------------------------------------------
+
+/// 40 requests spread round robin over the three replicas, 12 at a time, 300 ms each at the
+/// stub: the stub never serves more than the pool's `N` slots at once (and does reach `N`),
+/// every request is answered 200, exactly one replica leads and the followers forwarded every
+/// request sent to them (none was decided alone by fail mode).
+#[test]
+fn peak_concurrency_across_three_replicas_stays_within_the_pool_slots() -> Res {
+    run_cluster_test("peak_concurrency", |redis| async move {
+        let spec = Spec {
+            name: "peak",
+            classes: BATCH_CLASS,
+            ledger: String::new(),
+            lease_ttl_ms: 2000,
+            redis_timeout_ms: 400,
+            latency: "fixed:300ms",
+        };
+        let c = Cluster::start(&spec, redis).await?;
+        let before = c.views(&[0, 1, 2]).await?;
+        let load = Load::start("peak", c.addrs(&[0, 1, 2]), &["batch"], 12, Some(40));
+        let outcomes = load.join().await?;
+        let views = c.views(&[0, 1, 2]).await?;
+        let stub = stub_stats(c.stub_addr).await?;
+        let diag = || c.diagnostics();
+
+        assert_eq!(outcomes.len(), 40);
+        let not_ok: Vec<&Outcome> = outcomes
+            .iter()
+            .filter(|o| o.reply.as_ref().map(|r| r.status) != Some(200))
+            .collect();
+        assert!(not_ok.is_empty(), "not all 200: {not_ok:?}\n{}", diag());
+        let peak = stub["max_in_flight_seen"].as_u64().unwrap_or(u64::MAX);
+        assert!(
+            peak <= N as u64,
+            "the stub saw {peak} requests at once through three replicas of a {N}-slot gate"
+        );
+        assert_eq!(
+            peak, N as u64,
+            "the load never filled the {N} slots: {stub}"
+        );
+        assert_eq!(stub["served"].as_u64(), Some(40), "{stub}");
+        let leaders: Vec<&Value> = views.iter().filter(|v| v["role"] == "leader").collect();
+        assert_eq!(leaders.len(), 1, "exactly one leader: {views:?}");
+        let leader_idx = views
+            .iter()
+            .position(|v| v["role"] == "leader")
+            .unwrap_or(usize::MAX);
+        let sent_to_followers = outcomes.iter().filter(|o| o.replica != leader_idx).count();
+        let delta = |field: &str| -> u64 {
+            views
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| {
+                    a[field]
+                        .as_u64()
+                        .unwrap_or(0)
+                        .saturating_sub(b[field].as_u64().unwrap_or(0))
+                })
+                .sum()
+        };
+        assert_eq!(
+            delta("forwarded") as usize,
+            sent_to_followers,
+            "every request sent to a follower is forwarded to the leader: {views:?}"
+        );
+        assert_eq!(
+            delta("fail_open"),
+            0,
+            "nothing decided by fail mode: {views:?}"
+        );
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Idempotency and grants across replicas
+// ---------------------------------------------------------------------------------------------
+
+/// The tenant id `slackgate tenant-id` prints for the bearer key `key` under `config`.
+fn tenant_id(config: &Path, key: &str) -> Res<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .args(["tenant-id", "--config"])
+        .arg(config)
+        .arg(key)
+        .stdin(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        return Err(fail(format!(
+            "slackgate tenant-id failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !id.starts_with("k:") {
+        return Err(fail(format!("unexpected tenant id {id:?}")));
+    }
+    Ok(id)
+}
+
+/// Grant of the test tenant, in tokens: a few requests' worth, so three per-replica ledgers
+/// would let about three times as many through.
+const GRANT: u64 = 120;
+
+/// A key answered 200 on replica A is `reject_duplicate` (409) on B and C; a tenant's grant
+/// is spent once across replicas: requests of one tenant sent round robin to the three
+/// replicas are refused `budget_exhausted` once the grant as a whole is spent, on every
+/// replica, and what was spent never exceeds it.
+#[test]
+fn keys_and_grants_are_shared_by_the_replicas() -> Res {
+    run_cluster_test("keys_and_grants", |redis| async move {
+        // The tenant id depends only on the hash key: compute it from a config with that key.
+        let probe_dir = temp_dir("grant-probe")?;
+        let probe = probe_dir.join("probe.toml");
+        std::fs::write(
+            &probe,
+            format!("[server]\nledger = \"memory\"\ntenant_hash_key = \"{TENANT_HASH_KEY}\"\n"),
+        )?;
+        let tenant = tenant_id(&probe, "sk-tenant-grant")?;
+        let _ = std::fs::remove_dir_all(&probe_dir);
+        let spec = Spec {
+            name: "grants",
+            classes: BATCH_CLASS,
+            ledger: format!("grants = {{ \"{tenant}\" = {GRANT} }}"),
+            lease_ttl_ms: 2000,
+            redis_timeout_ms: 400,
+            latency: "fixed:20ms",
+        };
+        let c = Cluster::start(&spec, redis).await?;
+        let [a, b, cc] = [c.replicas[0].addr, c.replicas[1].addr, c.replicas[2].addr];
+
+        // Idempotency: the same key on A, then B, then C.
+        let first = post_chat(a, "dup-key-1", "batch", &[]).await?;
+        assert_eq!(first.status, 200, "{first:?}\n{}", c.diagnostics());
+        for (name, addr) in [("B", b), ("C", cc), ("A", a)] {
+            let again = post_chat(addr, "dup-key-1", "batch", &[]).await?;
+            assert_eq!(again.status, 409, "replay on {name}: {again:?}");
+            assert_eq!(again.reason(), "reject_duplicate", "replay on {name}");
+            assert_eq!(again.error_code(), "reject_duplicate", "replay on {name}");
+        }
+
+        // The grant: one tenant, round robin over the replicas until refused.
+        let auth = "Bearer sk-tenant-grant";
+        let mut spent = 0u64;
+        let mut served_on = [0usize; 3];
+        let mut refused_at = None;
+        for n in 0..40usize {
+            let i = n % 3;
+            let key = format!("grant-{n}");
+            let r = post_chat(
+                c.replicas[i].addr,
+                &key,
+                "batch",
+                &[("authorization", auth)],
+            )
+            .await?;
+            match r.status {
+                200 => {
+                    served_on[i] += 1;
+                    spent += r.json()["usage"]["total_tokens"].as_u64().unwrap_or(0);
+                }
+                _ if r.reason() == "budget_exhausted" => {
+                    refused_at = Some(n);
+                    break;
+                }
+                _ => return Err(fail(format!("request {n} on r{i}: {r:?}"))),
+            }
+        }
+        let Some(refused_at) = refused_at else {
+            return Err(fail(format!(
+                "40 requests of a {GRANT}-token grant all served (spent {spent}): the grant is \
+                 not enforced across replicas"
+            )));
+        };
+        assert!(
+            spent > 0 && spent <= GRANT,
+            "spent {spent} of a {GRANT}-token grant"
+        );
+        assert!(
+            refused_at >= 2,
+            "the grant should cover requests on at least two replicas (refused at {refused_at})"
+        );
+        assert!(
+            served_on.iter().filter(|&&s| s > 0).count() >= 2,
+            "served on {served_on:?}"
+        );
+        // Spent as a whole: every replica refuses the tenant now, with a fresh key.
+        for (i, r) in c.replicas.iter().enumerate() {
+            let key = format!("grant-after-{i}");
+            let again = post_chat(r.addr, &key, "batch", &[("authorization", auth)]).await?;
+            assert_eq!(
+                again.status, 429,
+                "r{i} after the grant is spent: {again:?}"
+            );
+            assert_eq!(again.reason(), "budget_exhausted", "r{i}: {again:?}");
+        }
+        // Another tenant is not affected.
+        let other = post_chat(
+            a,
+            "other-tenant-1",
+            "batch",
+            &[("authorization", "Bearer sk-other")],
+        )
+        .await?;
+        assert_eq!(other.status, 200, "{other:?}");
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. kill -9 of the leader under load
+// ---------------------------------------------------------------------------------------------
+
+/// The leader is killed with SIGKILL under load spread over the three replicas. Checked:
+/// another replica takes the lease within the TTL plus a margin, with a higher epoch; every
+/// request is answered (200, or 502/503 `cluster_unavailable` for those in flight at the dead
+/// leader; a broken connection only for requests sent to the dead replica itself); the shared
+/// ledger ends with every 200's key `done` and no key `held` (the dead leader's proxied holds
+/// were expired by the new leader on takeover); no replica's store refused a record
+/// (`slackgate_ledger_store_conflicts_total` is 0: keys are unique, and a dead leader cannot
+/// settle late, so any conflict would mean two replicas wrote one key's terminal states); and
+/// the slots come back: a fresh burst of 2N requests runs N at once at the stub, not fewer
+/// (slots leaked by the dead leader's requests) and not more.
+#[test]
+fn kill_9_of_the_leader_under_load_hands_over_and_leaks_nothing() -> Res {
+    run_cluster_test("kill_leader", |redis| kill_leader_scenario(redis, false))
+}
+
+/// KNOWN FAILURE (a bug in the lead's takeover, reported): the same scenario, also requiring
+/// that requests a surviving follower served by `fail_mode = "open"` while no leader was in
+/// reach end `done` in the shared ledger. They do not: the new leader's
+/// `Gate::adopt_ledger` expires every proxied `held` record it loads, the follower's own
+/// in-flight fail-open holds included; when the follower then settles them `done`, the store
+/// refuses that as a second terminal state (a conflict), so a request its client got 200 for
+/// stays `expired` (its tokens counted wasted, not spent against the tenant's grant), and
+/// the new leader believes those slots free while the follower still uses them. Run with
+/// `--ignored` to see it.
+#[test]
+#[ignore = "KNOWN FAILURE: the new leader expires live followers' fail-open holds on takeover (see the doc comment)"]
+fn kill_9_of_the_leader_fail_open_decisions_of_survivors_end_done() -> Res {
+    run_cluster_test("kill_leader_strict", |redis| {
+        kill_leader_scenario(redis, true)
+    })
+}
+
+/// The kill -9 scenario; `strict` also requires the survivors' fail-open decisions to end
+/// `done` (see the ignored test).
+async fn kill_leader_scenario(redis: RedisServer, strict: bool) -> Res {
+    {
+        let ttl = 1000u64;
+        let spec = Spec {
+            name: "kill",
+            classes: BATCH_CLASS,
+            ledger: String::new(),
+            lease_ttl_ms: ttl,
+            redis_timeout_ms: 200,
+            latency: "fixed:300ms",
+        };
+        let mut c = Cluster::start(&spec, redis).await?;
+        let views = c.views(&[0, 1, 2]).await?;
+        let leader = views
+            .iter()
+            .position(|v| v["role"] == "leader")
+            .ok_or_else(|| fail("no leader"))?;
+        let epoch0 = views[leader]["leader"]["epoch"].as_u64().unwrap_or(0);
+        let survivors: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+
+        let load = Load::start("kill", c.addrs(&[0, 1, 2]), &["batch"], 9, None);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        load.exclude(leader);
+        c.replicas[leader].proc.kill9();
+        let killed_at = Instant::now();
+        // Takeover: a survivor leads with a higher epoch, the other follows it.
+        let deadline = Duration::from_millis(ttl + 2000);
+        let new_leader = loop {
+            let mut found = None;
+            for &i in &survivors {
+                if let Ok(s) = stats(c.replicas[i].addr).await {
+                    let v = &s["cluster"];
+                    if v["role"] == "leader" && v["leader"]["epoch"].as_u64() > Some(epoch0) {
+                        found = Some(i);
+                    }
+                }
+            }
+            if let Some(i) = found {
+                break i;
+            }
+            if killed_at.elapsed() > deadline {
+                return Err(fail(format!(
+                    "no new leader with an epoch above {epoch0} within {deadline:?} of the \
+                     kill\n{}",
+                    c.diagnostics()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        };
+        let took = killed_at.elapsed();
+        c.wait_formed(&survivors, Duration::from_secs(5)).await?;
+        // Load on the survivors for a while after the takeover, then drain.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let outcomes = load.finish().await?;
+        let summary = summarize(&outcomes);
+
+        let mut ok_keys = Vec::new();
+        let mut after_takeover_ok = 0;
+        for o in &outcomes {
+            match &o.reply {
+                Some(r) if r.status == 200 => {
+                    ok_keys.push(o.key.clone());
+                    if o.replica != leader {
+                        after_takeover_ok += 1;
+                    }
+                }
+                Some(r) if (r.status == 502 || r.status == 503) => {
+                    assert_eq!(
+                        r.reason(),
+                        "cluster_unavailable",
+                        "{} on r{}: {r:?}",
+                        o.key,
+                        o.replica
+                    );
+                    assert_eq!(r.error_code(), "cluster_unavailable", "{r:?}");
+                }
+                Some(r) => {
+                    return Err(fail(format!(
+                        "{} on r{}: unexpected {r:?}; all: {summary:?}",
+                        o.key, o.replica
+                    )))
+                }
+                None => assert_eq!(
+                    o.replica, leader,
+                    "{} on surviving r{} got no answer ({}): {summary:?}",
+                    o.key, o.replica, o.error
+                ),
+            }
+            assert!(o.took < REQUEST_BOUND, "{o:?}");
+        }
+        assert!(
+            after_takeover_ok > 0,
+            "survivors served nothing: {summary:?}"
+        );
+
+        // The ledger settles: nothing stays held, every 200 is done.
+        let settle_start = Instant::now();
+        let holds = loop {
+            let h = c.holds()?;
+            let held: Vec<(&String, &Value)> =
+                h.iter().filter(|(_, v)| v["state"] == "held").collect();
+            if held.is_empty() {
+                break h;
+            }
+            if settle_start.elapsed() > Duration::from_secs(5) {
+                return Err(fail(format!(
+                    "keys still `held` in the shared ledger 5 s after the load: {held:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let mut not_done = Vec::new();
+        let mut fail_open_not_done = Vec::new();
+        for k in &ok_keys {
+            let state = holds
+                .get(k)
+                .map(|v| v["state"].clone())
+                .unwrap_or(Value::Null);
+            if state != "done" {
+                let o = outcomes.iter().find(|o| &o.key == k);
+                let mode = o.and_then(|o| {
+                    c.log_lines(o.replica)
+                        .into_iter()
+                        .find(|l| l["idempotency_key"] == k.as_str() && l["action"] == "admit")
+                        .map(|l| l["cluster"].clone())
+                });
+                let list = if mode == Some(Value::from("degraded")) {
+                    &mut fail_open_not_done
+                } else {
+                    &mut not_done
+                };
+                list.push(format!(
+                    "{k}: {} (answered by r{} in {:?}, cluster mode {:?}; leader was r{leader}, \
+                     new leader r{new_leader}; record {})",
+                    state,
+                    o.map_or(9, |o| o.replica),
+                    o.map(|o| o.took),
+                    mode,
+                    holds.get(k).cloned().unwrap_or(Value::Null)
+                ));
+            }
+        }
+        // Every request a leader decided and answered 200 is `done`: the dead leader's
+        // settlements that landed stay, nothing it had not settled is claimed done.
+        assert!(
+            not_done.is_empty(),
+            "keys a leader answered 200 but not `done` in the shared ledger: {not_done:?}"
+        );
+        if strict {
+            assert!(
+                fail_open_not_done.is_empty(),
+                "keys a surviving follower served by fail_mode=open (200) but not `done` in the \
+                 shared ledger: {fail_open_not_done:?}"
+            );
+        }
+        // Conflicts: keys are unique and a dead leader cannot settle late, so the only refusals
+        // expected are the known ones above (a follower settling `done` a fail-open hold the
+        // new leader had already expired): at most one per such key. Any other conflict
+        // means two replicas wrote terminal states of one key.
+        let mut conflicts = 0.0;
+        for a in c.addrs(&survivors) {
+            conflicts += metric(a, "slackgate_ledger_store_conflicts_total").await?;
+        }
+        let explained = fail_open_not_done.len() as f64;
+        assert!(
+            conflicts <= explained,
+            "the shared store refused {conflicts} records, {explained} explained by fail-open \
+             holds expired at takeover ({fail_open_not_done:?})\n{}",
+            c.diagnostics()
+        );
+        if !fail_open_not_done.is_empty() {
+            eprintln!(
+                "kill_leader: KNOWN BUG: {} fail-open 200s ended `expired` ({conflicts} store \
+                 conflicts): {fail_open_not_done:?}",
+                fail_open_not_done.len()
+            );
+        }
+
+        // Slots come back: wait until nothing is in flight, then 2N requests at once.
+        let leader_addr = c.replicas[new_leader].addr;
+        let stub_addr = c.stub_addr;
+        wait_until(
+            Duration::from_secs(5),
+            "the new leader's pool idle",
+            || async move {
+                let s = stats(leader_addr).await.unwrap_or(Value::Null);
+                let st = stub_stats(stub_addr).await.unwrap_or(Value::Null);
+                s["gate"]["pools"][0]["in_flight"] == 0 && st["in_flight"] == 0 && st["queued"] == 0
+            },
+        )
+        .await?;
+        let sampling = Arc::new(AtomicBool::new(true));
+        let sampler = {
+            let sampling = sampling.clone();
+            tokio::spawn(async move {
+                let mut max = 0u64;
+                while sampling.load(Ordering::SeqCst) {
+                    if let Ok(s) = stub_stats(stub_addr).await {
+                        max = max.max(s["in_flight"].as_u64().unwrap_or(0));
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                max
+            })
+        };
+        let mut burst = Vec::new();
+        for n in 0..2 * N {
+            let addr = c.replicas[survivors[n % survivors.len()]].addr;
+            burst.push(tokio::spawn(async move {
+                post_chat(
+                    addr,
+                    &format!("burst-{n}"),
+                    "batch",
+                    &[("x-stub-latency", "fixed:1s")],
+                )
+                .await
+            }));
+        }
+        for b in burst {
+            let r = b.await??;
+            assert_eq!(r.status, 200, "burst after the takeover: {r:?}");
+        }
+        sampling.store(false, Ordering::SeqCst);
+        let seen = sampler.await?;
+        assert_eq!(
+            seen, N as u64,
+            "after the takeover the stub should see the pool's {N} slots in use at once"
+        );
+        eprintln!(
+            "kill_leader: takeover {took:?} after kill -9 (lease {ttl} ms); outcomes {summary:?}"
+        );
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Redis stopped and restarted under load
+// ---------------------------------------------------------------------------------------------
+
+const OPEN_AND_CLOSED: &str = r#"
+[[classes]]
+name = "batch"
+priority = 10
+[[classes]]
+name = "open"
+priority = 10
+fail_mode = "open"
+[[classes]]
+name = "closed"
+priority = 10
+fail_mode = "closed"
+"#;
+
+/// Redis is killed and restarted (same port, empty) under a load of two classes. While it is
+/// down and the lease has lapsed, every replica is degraded: the `closed` class is refused
+/// 503 `cluster_unavailable` (body and `x-slackgate-reason`), the `open` class is served on
+/// the replicas' shares; each replica's decision log has `"cluster":"degraded"` decisions and
+/// a `redis_down` flag line. After the restart a leader is elected again without restarting
+/// any gate and the `closed` class is served again. No request runs past its bound.
+#[test]
+fn redis_down_follows_fail_modes_and_the_cluster_recovers_on_restart() -> Res {
+    run_cluster_test("redis_restart", |redis| async move {
+        let spec = Spec {
+            name: "redis",
+            classes: OPEN_AND_CLOSED,
+            ledger: String::new(),
+            lease_ttl_ms: 1000,
+            redis_timeout_ms: 200,
+            latency: "fixed:200ms",
+        };
+        let mut c = Cluster::start(&spec, redis).await?;
+        let all = [0usize, 1, 2];
+        let load = Load::start("rl", c.addrs(&all), &["open", "closed"], 6, None);
+        tokio::time::sleep(Duration::from_millis(800)).await;
+
+        c.redis.stop();
+        let addrs = c.addrs(&all);
+        let down_for = wait_until(Duration::from_secs(5), "every replica degraded", || {
+            let addrs = addrs.clone();
+            async move {
+                for a in addrs {
+                    match stats(a).await {
+                        Ok(s) if s["cluster"]["role"] == "degraded" => {}
+                        _ => return false,
+                    }
+                }
+                true
+            }
+        })
+        .await?;
+        for (i, a) in addrs.iter().enumerate() {
+            let closed = post_chat(*a, &format!("down-closed-{i}"), "closed", &[]).await?;
+            assert_eq!(
+                closed.status, 503,
+                "closed class on r{i}, Redis down: {closed:?}"
+            );
+            assert_eq!(closed.reason(), "cluster_unavailable", "r{i}: {closed:?}");
+            assert_eq!(
+                closed.error_code(),
+                "cluster_unavailable",
+                "r{i}: {closed:?}"
+            );
+            let open = post_chat(*a, &format!("down-open-{i}"), "open", &[]).await?;
+            assert_eq!(open.status, 200, "open class on r{i}, Redis down: {open:?}");
+            let v = stats(*a).await?;
+            assert_eq!(v["cluster"]["share_parts"], 3, "r{i}: {}", v["cluster"]);
+            assert_eq!(v["cluster"]["redis_up"], false, "r{i}: {}", v["cluster"]);
+        }
+        // The decision log says so (written asynchronously: wait for it).
+        for i in all {
+            let c = &c;
+            wait_until(
+                Duration::from_secs(5),
+                &format!("r{i}'s log: degraded decisions and a redis_down flag"),
+                || async move {
+                    let lines = c.log_lines(i);
+                    let degraded = lines.iter().any(|l| l["cluster"] == "degraded");
+                    let flag = lines
+                        .iter()
+                        .any(|l| l["flag"] == "cluster" && l["reason"] == "redis_down");
+                    degraded && flag
+                },
+            )
+            .await?;
+        }
+
+        c.redis.restart()?;
+        let back_in = Instant::now();
+        c.wait_formed(&all, Duration::from_secs(10)).await?;
+        let recovered = back_in.elapsed();
+        for (i, a) in addrs.iter().enumerate() {
+            let closed = post_chat(*a, &format!("back-closed-{i}"), "closed", &[]).await?;
+            assert_eq!(
+                closed.status,
+                200,
+                "closed class on r{i} after Redis restarted: {closed:?}\n{}",
+                c.diagnostics()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let outcomes = load.finish().await?;
+        let summary = summarize(&outcomes);
+        for o in &outcomes {
+            let Some(r) = &o.reply else {
+                return Err(fail(format!(
+                    "{} ({}) on r{}: no answer: {} ; all: {summary:?}",
+                    o.key, o.class, o.replica, o.error
+                )));
+            };
+            assert!(o.took < REQUEST_BOUND, "{o:?}");
+            match (o.class, r.status) {
+                (_, 200) => {}
+                ("closed", 503)
+                    if matches!(r.reason(), "cluster_unavailable" | "ledger_unavailable") => {}
+                _ => {
+                    return Err(fail(format!(
+                        "{} ({}) on r{}: unexpected {r:?}; all: {summary:?}",
+                        o.key, o.class, o.replica
+                    )))
+                }
+            }
+        }
+        let closed_refused = outcomes
+            .iter()
+            .filter(|o| o.class == "closed" && o.reply.as_ref().is_some_and(|r| r.status == 503))
+            .count();
+        let open_ok = outcomes
+            .iter()
+            .filter(|o| o.class == "open" && o.reply.as_ref().is_some_and(|r| r.status == 200))
+            .count();
+        assert!(
+            closed_refused > 0,
+            "the load saw no closed refusal: {summary:?}"
+        );
+        assert!(open_ok > 0, "{summary:?}");
+        eprintln!(
+            "redis_restart: all degraded {down_for:?} after the stop; re-formed {recovered:?} \
+             after the restart; outcomes {summary:?}"
+        );
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Hostile forwarded header
+// ---------------------------------------------------------------------------------------------
+
+/// A client that sends `x-slackgate-forwarded: guess` to a follower does not make it decide
+/// alone: the follower still forwards to the leader (its `forwarded` counter grows by the
+/// number sent, its `fail_open` does not).
+#[test]
+fn a_guessed_forwarded_header_is_still_forwarded_to_the_leader() -> Res {
+    run_cluster_test("forged_forward", |redis| async move {
+        let spec = Spec {
+            name: "forged",
+            classes: BATCH_CLASS,
+            ledger: String::new(),
+            lease_ttl_ms: 2000,
+            redis_timeout_ms: 400,
+            latency: "fixed:20ms",
+        };
+        let c = Cluster::start(&spec, redis).await?;
+        let leader = c.wait_formed(&[0, 1, 2], Duration::from_secs(5)).await?;
+        let follower = (leader + 1) % 3;
+        let addr = c.replicas[follower].addr;
+        let before = stats(addr).await?["cluster"].clone();
+        let sent = 5u64;
+        for n in 0..sent {
+            let r = post_chat(
+                addr,
+                &format!("forged-{n}"),
+                "batch",
+                &[("x-slackgate-forwarded", "guess")],
+            )
+            .await?;
+            assert_eq!(r.status, 200, "{r:?}");
+            assert!(
+                !r.headers.contains_key("x-slackgate-not-leader"),
+                "a guessed header must not be taken for a forward: {r:?}"
+            );
+        }
+        let after = stats(addr).await?["cluster"].clone();
+        let delta = |f: &str| after[f].as_u64().unwrap_or(0) - before[f].as_u64().unwrap_or(0);
+        assert_eq!(delta("forwarded"), sent, "before {before}, after {after}");
+        assert_eq!(delta("fail_open"), 0, "before {before}, after {after}");
+        // The leader decided them: its decision log names the keys, as the leader.
+        let leader_idx = leader;
+        wait_until(
+            Duration::from_secs(5),
+            "the leader's log lines of the keys",
+            || {
+                let lines = c.log_lines(leader_idx);
+                async move {
+                    (0..sent).all(|n| {
+                        let key = format!("forged-{n}");
+                        lines.iter().any(|l| {
+                            l["idempotency_key"] == key.as_str() && l["cluster"] == "leader"
+                        })
+                    })
+                }
+            },
+        )
+        .await?;
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parser checks for the test's own HTTP reader (malformed, oversized, hostile input).
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn dechunk_handles_valid_malformed_truncated_and_oversized_chunks() {
+    assert_eq!(dechunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"), b"abcde");
+    assert_eq!(dechunk(b"3;ext=1\r\nabc\r\n0\r\n\r\n"), b"abc");
+    // Malformed size: what came before it.
+    assert_eq!(dechunk(b"3\r\nabc\r\nzz\r\nde\r\n"), b"abc");
+    // Truncated: what arrived.
+    assert_eq!(dechunk(b"10\r\nabc"), b"abc");
+    // A size larger than anything addressable is refused, not allocated.
+    assert_eq!(dechunk(b"ffffffffffffffffffff\r\nabc"), b"");
+    assert_eq!(dechunk(b""), b"");
+}
