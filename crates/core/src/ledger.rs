@@ -43,6 +43,8 @@ pub struct Ledger {
     settled: std::collections::BTreeSet<(Millis, String)>,
     tenants: std::collections::HashMap<String, Usage>,
     totals: LedgerStats,
+    /// Written into every hold placed ([`HoldRecord::owner`]).
+    owner: Option<String>,
 }
 
 impl Ledger {
@@ -62,17 +64,21 @@ impl Ledger {
         records: impl IntoIterator<Item = HoldRecord>,
         now: Millis,
     ) -> (Ledger, Vec<HoldRecord>) {
-        Ledger::restore_keeping(cfg, records, now, &std::collections::HashSet::new())
+        let none = std::collections::HashSet::new();
+        Ledger::restore_keeping(cfg, records, now, &none, &none)
     }
 
-    /// [`Ledger::restore`], except that the proxied holds of `live` keys keep their TTL: their
-    /// requests still run in this process (a replica taking over a cluster's ledger keeps the
-    /// holds of its own requests; only the dead leader's expire at once).
+    /// [`Ledger::restore`], except that some proxied holds keep their TTL: those of `live`
+    /// keys (their requests still run in this process) and those placed by a replica in
+    /// `alive` (another process of the cluster, still running, settles them). A replica
+    /// taking a cluster's ledger over thus expires at once only the holds of processes that
+    /// are gone.
     pub fn restore_keeping(
         cfg: LedgerConfig,
         records: impl IntoIterator<Item = HoldRecord>,
         now: Millis,
         live: &std::collections::HashSet<String>,
+        alive: &std::collections::HashSet<String>,
     ) -> (Ledger, Vec<HoldRecord>) {
         let mut l = Ledger::new(cfg);
         let mut latest: std::collections::HashMap<String, HoldRecord> =
@@ -101,7 +107,12 @@ impl Ledger {
         let proxied: Vec<String> = l
             .holds
             .values()
-            .filter(|r| r.state == HoldState::Held && !r.reservation && !live.contains(&r.key))
+            .filter(|r| {
+                r.state == HoldState::Held
+                    && !r.reservation
+                    && !live.contains(&r.key)
+                    && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
+            })
             .map(|r| r.key.clone())
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
@@ -154,6 +165,41 @@ impl Ledger {
             HoldState::Rejected => self.totals.rejected += 1,
             HoldState::Held => {}
         }
+    }
+
+    /// Write `owner` into every hold placed from now on ([`HoldRecord::owner`]).
+    pub fn set_owner(&mut self, owner: Option<String>) {
+        self.owner = owner;
+    }
+
+    /// Expire at once the proxied holds nobody will settle: held, not placed through the
+    /// reservation API, not of a `live` key, and placed by no replica in `alive`. Tokens held
+    /// count as wasted. Returns the records to persist.
+    pub fn expire_orphans(
+        &mut self,
+        now: Millis,
+        live: &std::collections::HashSet<String>,
+        alive: &std::collections::HashSet<String>,
+    ) -> Vec<HoldRecord> {
+        let orphans: std::collections::BTreeSet<String> = self
+            .holds
+            .values()
+            .filter(|r| {
+                r.state == HoldState::Held
+                    && !r.reservation
+                    && !live.contains(&r.key)
+                    && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
+            })
+            .map(|r| r.key.clone())
+            .collect();
+        let mut out = Vec::new();
+        for key in orphans {
+            let held = self.holds.get(&key).map_or(0, |r| r.tokens_held);
+            if let Some(r) = self.end(now, &key, HoldState::Expired, 0, held) {
+                out.push(r);
+            }
+        }
+        out
     }
 
     /// Every key's current record (any order).
@@ -337,6 +383,7 @@ impl Ledger {
             prior_spent: carried.0,
             prior_wasted: carried.1,
             reservation: false,
+            owner: self.owner.clone(),
         };
         let t = tenant.unwrap_or("");
         // Look up before inserting: the common case (a known tenant) allocates nothing.
@@ -388,6 +435,7 @@ impl Ledger {
             prior_spent: carried.0,
             prior_wasted: carried.1,
             reservation: false,
+            owner: self.owner.clone(),
         };
         self.totals.rejected += 1;
         self.settled.insert((now, r.key.clone()));

@@ -499,6 +499,7 @@ impl Model {
             prior_spent: self.carried(k).0,
             prior_wasted: self.carried(k).1,
             reservation: false,
+            owner: None,
         };
         self.retried |= self.latest.contains_key(k);
         self.use_tokens(t, tokens, 0);
@@ -538,6 +539,7 @@ impl Model {
             prior_spent: self.carried(k).0,
             prior_wasted: self.carried(k).1,
             reservation: false,
+            owner: None,
         };
         self.retried |= self.latest.contains_key(k);
         self.totals.rejected += 1;

@@ -44,6 +44,7 @@ fn pair(i: usize) -> (HoldRecord, HoldRecord) {
         prior_spent: 0,
         prior_wasted: 0,
         reservation: false,
+        owner: None,
     };
     let done = HoldRecord {
         state: HoldState::Done,

@@ -152,7 +152,12 @@ impl Gateway {
             // Generated keys name the replica: two replicas started in the same millisecond
             // must never generate the same key into the shared ledger.
             let tag = format!("{}-{:x}", c.replica_id, shared.clock.now_ms());
-            shared.with_core(|st, _, _| st.gate.set_key_run_tag(&tag));
+            shared.with_core(|st, _, _| {
+                st.gate.set_key_run_tag(&tag);
+                // Holds name their replica: a new leader keeps those of replicas still
+                // running and expires those of replicas gone.
+                st.gate.set_hold_owner(&c.replica_id);
+            });
         }
         shared.cluster = cluster.clone();
         let shared = Arc::new(shared);

@@ -254,7 +254,11 @@ impl Shared {
         gate.set_key_run_tag(&format!("{:x}", clock.now_ms()));
         gate.restore_ledger(records, clock.now_ms());
         let restored = gate.take_ledger_records();
-        store.write(restored);
+        // In a cluster the leader owns the shared ledger: what a replica's restore changed
+        // (the leader's live holds expired in its stale view) must not reach the store.
+        if cfg.cluster.is_none() {
+            store.write(restored);
+        }
         for (i, p) in cfg.gate.pools.iter().enumerate() {
             let endpoints = p.endpoint_list();
             if endpoints.is_empty() {
@@ -342,7 +346,16 @@ impl Shared {
                 }
             }
             st.number(&mut lines);
-            let records = st.gate.take_ledger_records();
+            let mut records = st.gate.take_ledger_records();
+            // In a cluster only the leader writes the shared ledger as a whole; another
+            // replica writes only the holds it placed itself (its fail-open decisions). The
+            // rest of what its core changes (a TTL expiry in its stale copy, say) is its own
+            // view, and must not overwrite the leader's truth.
+            if let Some(c) = &self.cluster {
+                if !c.leads() {
+                    records.retain(|r| r.owner.as_deref() == Some(c.replica_id.as_str()));
+                }
+            }
             // Queued to the store's single writer while still under the lock, so records reach
             // it in the order the core produced them (the store also keeps the highest version).
             if !records.is_empty() {
@@ -537,14 +550,32 @@ impl Shared {
     /// Cluster mode: this replica has just taken the gate's lease. Load every record the
     /// shared store holds and take the ledger over (see the core's `Gate::adopt_ledger`).
     /// Blocking (the store's `load`): called on the lease thread. Returns the records loaded.
-    pub fn adopt_shared_ledger(&self) -> Result<usize, String> {
+    pub fn adopt_shared_ledger(
+        &self,
+        alive: &std::collections::HashSet<String>,
+        store_lost_data: bool,
+    ) -> Result<usize, String> {
         // What this replica wrote while it could not reach the store goes first (bounded by
         // the store's timeout; what does not make it is merged from memory by the core).
         let _ = self.store.flush();
         let records = self.store.load().map_err(|e| e.to_string())?;
         let n = records.len();
-        self.with_core(|st, now, _| st.gate.adopt_ledger(records, now));
+        // Written as leader: the lease is this replica's from here (the lease thread makes it
+        // lead right after), so the records the takeover changes go to the store.
+        let out = self.with_core(|st, now, _| {
+            st.gate.adopt_ledger(records, now, alive, store_lost_data);
+            st.gate.take_ledger_records()
+        });
+        if !out.is_empty() {
+            self.store.write(out);
+        }
         Ok(n)
+    }
+
+    /// Cluster mode, on the leader: expire the proxied holds of replicas no longer in
+    /// `alive` (their requests died with them). Returns how many.
+    pub fn expire_orphans(&self, alive: &std::collections::HashSet<String>) -> usize {
+        self.with_core(|st, now, _| st.gate.expire_orphans(now, alive))
     }
 
     /// Split every pool's slots `parts` ways on this replica (cluster mode; 1 on the leader).

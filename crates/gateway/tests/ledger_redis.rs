@@ -42,6 +42,7 @@ fn rec(key: &str, attempt: u32, created: u64, state: HoldState, version: u64) ->
         prior_spent: 0,
         prior_wasted: 0,
         reservation: false,
+        owner: None,
     }
 }
 

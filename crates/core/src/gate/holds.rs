@@ -36,42 +36,98 @@ impl Gate {
     /// wasted (those records are queued for persistence); done keys still answer duplicates.
     pub fn restore_ledger(&mut self, records: Vec<HoldRecord>, now: Millis) {
         let now = self.clock(now);
-        let (ledger, changed) = Ledger::restore(self.ledger.config().clone(), records, now);
+        let owner = self.hold_owner.clone();
+        let (mut ledger, changed) = Ledger::restore(self.ledger.config().clone(), records, now);
+        ledger.set_owner(owner);
         self.ledger = ledger;
         self.ledger_out.extend(changed);
     }
 
-    /// Take over a ledger shared with other gates (cluster mode: this replica has just become
-    /// the leader and `records` are everything the shared store holds). What this gate knows
-    /// and the store does not (a newer version of a key, or a key the store lost: Redis
-    /// restarted empty, a write still queued) is kept and queued for the store again, so a
-    /// settled key still answers duplicates. Holds of this gate's live jobs keep counting; the
-    /// proxied holds of any other process expire at once (their connections died with it);
-    /// reservation-API holds keep their TTL. The records that changed are queued for
-    /// persistence.
-    pub fn adopt_ledger(&mut self, mut records: Vec<HoldRecord>, now: Millis) {
-        let now = self.clock(now);
-        let live: std::collections::HashSet<String> = self
-            .keys
+    /// Name this gate in every hold it places from now on (cluster mode: its replica id; see
+    /// [`HoldRecord::owner`]).
+    pub fn set_hold_owner(&mut self, owner: &str) {
+        self.hold_owner = Some(owner.to_string());
+        self.ledger.set_owner(self.hold_owner.clone());
+    }
+
+    /// Keys of this gate's live jobs.
+    fn live_keys(&self) -> std::collections::HashSet<String> {
+        self.keys
             .iter()
             .filter(|(_, id)| self.jobs.contains_key(id))
             .map(|(k, _)| k.clone())
-            .collect();
+            .collect()
+    }
+
+    /// Cluster mode, on the leader: expire the proxied holds whose request no process will
+    /// settle: not a live job of this gate, and placed by no replica in `alive` (the others
+    /// still checking in; this gate's own id does not belong there: its holds are live jobs
+    /// or nothing). Returns how many expired (tokens wasted; records queued for the store).
+    pub fn expire_orphans(
+        &mut self,
+        now: Millis,
+        alive: &std::collections::HashSet<String>,
+    ) -> usize {
+        let now = self.clock(now);
+        let live = self.live_keys();
+        let out = self.ledger.expire_orphans(now, &live, alive);
+        let n = out.len();
+        self.ledger_out.extend(out);
+        n
+    }
+
+    /// Take over a ledger shared with other gates (cluster mode: this replica has just become
+    /// the leader and `records` are everything the shared store holds).
+    ///
+    /// The store is the truth, except where this gate knows better: the record of one of its
+    /// live jobs' keys, and a hold it placed itself (its `owner` is this gate), when its own
+    /// copy is newer (a write that has not reached the store yet). When `store_lost_data`
+    /// (the store came back empty), every record this gate knows and the store lacks is kept
+    /// too, and written back, so a settled key still answers duplicates. Without it, a key
+    /// the store lacks was pruned there (its tokens folded into a carry record) and is not
+    /// brought back: that would count its tokens twice.
+    ///
+    /// Holds of this gate's live jobs keep counting; the proxied holds of processes gone
+    /// expire at once (their connections died with them), those of the replicas in `alive`
+    /// keep their TTL (still running: they settle them; [`Gate::expire_orphans`] catches
+    /// those that stop), and reservation-API holds keep theirs. The records that changed
+    /// are queued for persistence.
+    pub fn adopt_ledger(
+        &mut self,
+        mut records: Vec<HoldRecord>,
+        now: Millis,
+        alive: &std::collections::HashSet<String>,
+        store_lost_data: bool,
+    ) {
+        let now = self.clock(now);
+        let live = self.live_keys();
         let shared: std::collections::HashMap<&str, u64> = records
             .iter()
             .map(|r| (r.key.as_str(), r.version))
             .collect();
+        let me = self.hold_owner.as_deref();
         let mine: Vec<HoldRecord> = self
             .ledger
             .records()
-            .filter(|r| shared.get(r.key.as_str()).is_none_or(|v| *v < r.version))
+            .filter(|r| match shared.get(r.key.as_str()) {
+                Some(v) => {
+                    *v < r.version
+                        && (live.contains(&r.key) || (me.is_some() && r.owner.as_deref() == me))
+                }
+                None => {
+                    store_lost_data
+                        || live.contains(&r.key)
+                        || (me.is_some() && r.owner.as_deref() == me)
+                }
+            })
             .cloned()
             .collect();
         drop(shared);
         self.ledger_out.extend(mine.iter().cloned());
         records.extend(mine);
-        let (ledger, changed) =
-            Ledger::restore_keeping(self.ledger.config().clone(), records, now, &live);
+        let (mut ledger, changed) =
+            Ledger::restore_keeping(self.ledger.config().clone(), records, now, &live, alive);
+        ledger.set_owner(self.hold_owner.clone());
         self.ledger = ledger;
         self.ledger_out.extend(changed);
     }

@@ -51,6 +51,8 @@ pub struct Gate {
     unlabeled_suspended: bool,
     /// Each pool's slots are split this many ways ([`Gate::set_capacity_share`]).
     share_parts: u32,
+    /// Written into every hold this gate places (cluster mode).
+    hold_owner: Option<String>,
 }
 
 impl Gate {
@@ -78,6 +80,7 @@ impl Gate {
             closing_at: None,
             unlabeled_suspended: false,
             share_parts: 1,
+            hold_owner: None,
         };
         // Building is a reconfiguration of an empty gate: every pool and lane is new.
         g.reconfigure(0, cfg)?;

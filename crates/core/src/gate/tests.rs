@@ -715,6 +715,7 @@ fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_p
         prior_spent: 0,
         prior_wasted: 0,
         reservation,
+        owner: None,
     };
     // What the shared store holds: the dead leader's proxied hold, a worker's reservation, a
     // settled key; it does not have this gate's own hold yet.
@@ -723,7 +724,7 @@ fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_p
         other("worker", HoldState::Held, true),
         other("settled", HoldState::Done, false),
     ];
-    g.adopt_ledger(shared, 2_000);
+    g.adopt_ledger(shared, 2_000, &std::collections::HashSet::new(), false);
     let l = g.ledger();
     assert_eq!(l.get("mine").map(|h| h.state), Some(HoldState::Held));
     assert_eq!(l.get("dead").map(|h| h.state), Some(HoldState::Expired));
@@ -758,7 +759,7 @@ fn a_gate_adopting_an_emptied_shared_ledger_keeps_what_it_knew_and_writes_it_bac
     drain(&mut g, 1_500);
     g.take_ledger_records();
     // The store restarted empty: the settled key survives in this gate and goes back to it.
-    g.adopt_ledger(Vec::new(), 2_000);
+    g.adopt_ledger(Vec::new(), 2_000, &std::collections::HashSet::new(), true);
     assert_eq!(g.ledger().get("k").map(|h| h.state), Some(HoldState::Done));
     let out = g.take_ledger_records();
     assert!(out
@@ -767,4 +768,64 @@ fn a_gate_adopting_an_emptied_shared_ledger_keeps_what_it_knew_and_writes_it_bac
     let mut dup = req(&g, "prod");
     dup.idempotency_key = Some("k".into());
     assert_eq!(g.offer(2_001, dup).reason, Reason::RejectDuplicate);
+}
+
+#[test]
+fn adopting_without_data_loss_brings_back_no_pruned_key_and_keeps_live_replicas_holds() {
+    use crate::ledger::{HoldRecord, HoldState};
+    let mut g = Gate::new(cfg(2, 800.0)).unwrap();
+    g.set_hold_owner("b");
+    let rec = |key: &str, state: HoldState, owner: &str| HoldRecord {
+        key: key.into(),
+        tenant: Some("t".into()),
+        state,
+        attempt: 0,
+        tokens_held: 100,
+        tokens_spent: if state == HoldState::Done { 90 } else { 0 },
+        tokens_wasted: 0,
+        created_at_ms: 500,
+        expires_at_ms: 900_000,
+        updated_at_ms: 500,
+        version: 500,
+        prior_spent: 0,
+        prior_wasted: 0,
+        reservation: false,
+        owner: Some(owner.into()),
+    };
+    // This gate learned "old" at start (settled by replica a); the store has since pruned it
+    // (its 90 tokens folded into a carry record).
+    g.restore_ledger(vec![rec("old", HoldState::Done, "a")], 1_000);
+    g.take_ledger_records();
+    let store = vec![
+        rec("c-live", HoldState::Held, "c"),
+        rec("a-dead", HoldState::Held, "a"),
+    ];
+    let alive: std::collections::HashSet<String> = ["c".to_string()].into();
+    g.adopt_ledger(store, 2_000, &alive, false);
+    let l = g.ledger();
+    assert!(l.get("old").is_none(), "a pruned key must not come back");
+    assert_eq!(l.get("c-live").map(|h| h.state), Some(HoldState::Held));
+    assert_eq!(l.get("a-dead").map(|h| h.state), Some(HoldState::Expired));
+    let out = g.take_ledger_records();
+    assert!(out.iter().all(|h| h.key != "old"));
+    // Replica c stops checking in: its proxied hold is an orphan now.
+    assert_eq!(
+        g.expire_orphans(3_000, &std::collections::HashSet::new()),
+        1
+    );
+    assert_eq!(
+        g.ledger().get("c-live").map(|h| h.state),
+        Some(HoldState::Expired)
+    );
+    // This gate's own holds carry its name.
+    let mut r = req(&g, "prod");
+    r.idempotency_key = Some("new".into());
+    assert!(g.offer(3_001, r).admitted());
+    assert_eq!(
+        g.ledger()
+            .get("new")
+            .and_then(|h| h.owner.clone())
+            .as_deref(),
+        Some("b")
+    );
 }

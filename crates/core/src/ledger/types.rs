@@ -90,6 +90,12 @@ pub struct HoldRecord {
     /// hold), rather than by a proxied request whose connection settles it.
     #[serde(default)]
     pub reservation: bool,
+    /// The gate replica that placed the hold (cluster mode; `None` on a gate alone). A
+    /// proxied hold is settled by its request's connection, which lives in that process: a
+    /// replica taking a cluster's ledger over expires the proxied holds of replicas that are
+    /// gone, and keeps those of replicas still running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Ledger settings (`[ledger]` in the config file).

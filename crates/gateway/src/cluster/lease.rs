@@ -6,8 +6,16 @@
 //!
 //! Safety of the lease: the leader counts its lease from *before* it sent the renewal, and
 //! gives it up a tenth of the TTL early, so it stops deciding before Redis lets the key
-//! expire and any other replica can take it. A replica that takes the lease loads the shared
-//! ledger before it decides anything ([`slackgate_core::Gate::adopt_ledger`]).
+//! expire and any other replica can take it. Redis keeps, beside the lease, the time (its own
+//! clock) until which the last lease holds: a replica that finds the lease free earlier than
+//! that (the key vanished: a failover to a replica that had not seen it, an eviction, a
+//! `DEL`) waits until then before deciding, and one that finds no record of any lease at all
+//! (Redis came back empty, or a new cluster) waits a whole TTL. A lease given up on purpose
+//! (shutdown) is free at once. A replica that takes the lease loads the shared ledger before
+//! it decides anything ([`slackgate_core::Gate::adopt_ledger`]).
+//!
+//! The lease's value names the replica, its URL and a random token per process, so two
+//! processes given the same `replica_id` never both count as its holder.
 
 use super::{lock, Cluster, Leader, Replica};
 use crate::state::Shared;
@@ -28,10 +36,14 @@ pub enum LeaseError {
     },
 }
 
-/// One heartbeat. KEYS: lease, epoch, registry, secret, flags, flags version. ARGV: me
-/// (`id|url`), ttl ms, now ms, how long a replica stays in the registry without checking in
-/// (ms), a secret candidate, `take` | `yield` (give the lease up, stay registered) |
-/// `release` (give it up and leave), flags to publish (JSON; empty: none).
+/// One heartbeat. KEYS: lease, epoch, registry, secret, flags, flags version, lease
+/// deadline, incarnation. ARGV: me (`id|url|token`), ttl ms, now ms (this replica's clock, for
+/// the registry), how long a replica stays in the registry without checking in (ms), a
+/// secret candidate, `take` | `yield` (give the lease up, stay registered) | `release` (give
+/// it up and leave), flags to publish (JSON; empty: none), an incarnation candidate.
+/// Returns the holder, the epoch, the secret, the registry, the flags and their version, the
+/// incarnation (a new one means Redis lost its data), and how long a lease just taken must be
+/// waited out (ms).
 const BEAT: &str = r"
 if ARGV[7] ~= '' then
   redis.call('SET', KEYS[5], ARGV[7])
@@ -39,34 +51,46 @@ if ARGV[7] ~= '' then
 end
 redis.call('SET', KEYS[4], ARGV[5], 'NX')
 local secret = redis.call('GET', KEYS[4])
+redis.call('SET', KEYS[8], ARGV[8], 'NX')
+local incarnation = redis.call('GET', KEYS[8])
 local now = tonumber(ARGV[3])
 local stale = tonumber(ARGV[4])
+local ttl = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local rnow = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - stale)
 local cur = redis.call('GET', KEYS[1])
-if ARGV[6] == 'release' then
+local wait = 0
+if ARGV[6] == 'release' or ARGV[6] == 'yield' then
   if cur == ARGV[1] then
     redis.call('DEL', KEYS[1])
+    redis.call('SET', KEYS[7], rnow)
     cur = false
   end
-  redis.call('ZREM', KEYS[3], ARGV[1])
-elseif ARGV[6] == 'yield' then
-  if cur == ARGV[1] then
-    redis.call('DEL', KEYS[1])
-    cur = false
+  if ARGV[6] == 'release' then
+    redis.call('ZREM', KEYS[3], ARGV[1])
   end
 elseif not cur then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  local deadline = tonumber(redis.call('GET', KEYS[7]) or '')
+  if deadline and deadline > rnow then
+    wait = deadline - rnow
+  elseif not redis.call('GET', KEYS[2]) then
+    wait = ttl
+  end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
   redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[7], rnow + ttl)
   cur = ARGV[1]
 elseif cur == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('SET', KEYS[7], rnow + ttl)
 end
 local epoch = redis.call('GET', KEYS[2]) or '0'
 local members = redis.call('ZRANGEBYSCORE', KEYS[3], now - stale, '+inf', 'WITHSCORES')
 local flags = redis.call('GET', KEYS[5]) or ''
 local flags_version = redis.call('GET', KEYS[6]) or '0'
-return {cur or '', epoch, secret, members, flags, flags_version}
+return {cur or '', epoch, secret, members, flags, flags_version, incarnation, tostring(wait)}
 ";
 
 /// What one heartbeat read back.
@@ -78,32 +102,19 @@ struct Beat {
     members: Vec<(String, u64)>,
     flags: String,
     flags_version: u64,
+    incarnation: String,
+    wait_ms: u64,
 }
 
+/// A registry member or lease value, `id|url|token`: (id, url).
 fn split_member(m: &str) -> (String, String) {
-    match m.split_once('|') {
-        Some((id, url)) => (id.to_string(), url.to_string()),
-        None => (m.to_string(), String::new()),
-    }
+    let (id, rest) = m.split_once('|').unwrap_or((m, ""));
+    let url = rest.rsplit_once('|').map_or(rest, |(url, _)| url);
+    (id.to_string(), url.to_string())
 }
 
 fn random_hex() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    // Two SipHash outputs under the process's random keys, mixed with time and pid: only a
-    // tie-breaker for the first replica to set the secret, read back by all the others.
-    let mut out = String::new();
-    for i in 0..2u64 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(i);
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
-        );
-        h.write_u32(std::process::id());
-        out.push_str(&format!("{:016x}", h.finish()));
-    }
-    out
+    crate::tenant::key_hex(&crate::tenant::random_key())
 }
 
 struct Conn {
@@ -113,7 +124,7 @@ struct Conn {
 }
 
 impl Conn {
-    fn call(&mut self, keys: [&str; 6], args: [String; 7]) -> Result<Beat, String> {
+    fn call(&mut self, keys: &[String], args: [String; 8]) -> Result<Beat, String> {
         if self.conn.is_none() {
             let c = self
                 .client
@@ -136,10 +147,21 @@ impl Conn {
         for a in args {
             cmd.arg(a);
         }
-        type Reply = (String, String, String, Vec<String>, String, String);
-        let r: Result<Reply, _> = cmd.query(conn);
-        match r {
-            Ok((holder, epoch, secret, flat, flags, flags_version)) => {
+        let r: Result<redis::Value, _> = cmd.query(conn);
+        let reply = r.and_then(|v| {
+            redis::from_redis_value::<(
+                String,
+                String,
+                String,
+                Vec<String>,
+                String,
+                String,
+                String,
+                String,
+            )>(&v)
+        });
+        match reply {
+            Ok((holder, epoch, secret, flat, flags, flags_version, incarnation, wait)) => {
                 let members = flat
                     .chunks(2)
                     .filter_map(|c| match c {
@@ -154,6 +176,8 @@ impl Conn {
                     members,
                     flags,
                     flags_version: flags_version.parse().unwrap_or(0),
+                    incarnation,
+                    wait_ms: wait.parse().unwrap_or(0),
                 })
             }
             Err(e) => {
@@ -185,6 +209,26 @@ pub fn start(
         .map_err(|e| format!("cluster: cannot start the lease thread: {e}"))
 }
 
+/// What the lease thread remembers between heartbeats.
+#[derive(Default)]
+struct Lease {
+    /// This replica leads (it took the lease and adopted the ledger).
+    leading: bool,
+    /// A lease just taken is waited out until then before this replica decides.
+    standby_until: Option<Instant>,
+    /// The ledger could not be loaded: give the lease up at the next heartbeat.
+    yield_next: bool,
+    /// The incarnation of Redis's data last seen (a new one: Redis lost its data).
+    incarnation: Option<String>,
+    /// Redis lost its data since this replica last adopted the ledger.
+    lost_data: bool,
+    /// Whether Redis answered the last heartbeat (events on a change only).
+    redis_up: Option<bool>,
+    /// A duplicate replica id was reported.
+    duplicate_reported: bool,
+    beats: u64,
+}
+
 fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
     let ttl = cluster.cfg.lease_ttl_ms;
     let timeout = Duration::from_millis(cluster.cfg.redis_timeout_ms);
@@ -193,210 +237,281 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
         conn: None,
         timeout,
     };
-    let me = format!("{}|{}", cluster.replica_id, cluster.advertise);
-    let keys_owned = [
-        format!("{}:lease", cluster.prefix),
-        format!("{}:lease_epoch", cluster.prefix),
-        format!("{}:replicas", cluster.prefix),
-        format!("{}:secret", cluster.prefix),
-        format!("{}:flags", cluster.prefix),
-        format!("{}:flags_version", cluster.prefix),
-    ];
+    let me = format!(
+        "{}|{}|{}",
+        cluster.replica_id,
+        cluster.advertise,
+        &random_hex()[..16]
+    );
+    let keys: Vec<String> = [
+        "lease",
+        "lease_epoch",
+        "replicas",
+        "secret",
+        "flags",
+        "flags_version",
+        "lease_deadline",
+        "incarnation",
+    ]
+    .iter()
+    .map(|k| format!("{}:{k}", cluster.prefix))
+    .collect();
     let secret_candidate = random_hex();
-    let mut leading = false;
-    let mut redis_was_up: Option<bool> = None;
-    // The highest lease epoch seen: one at or below it means Redis lost its data.
-    let mut max_epoch: u64 = 0;
-    // A lease just taken that must be waited out before deciding (see below).
-    let mut standby_until: Option<Instant> = None;
-    // The ledger could not be loaded: give the lease up so that another replica can lead.
-    let mut yield_next = false;
+    let incarnation_candidate = random_hex();
+    let mut st = Lease::default();
     loop {
         let stopping = cluster.stopping.load(Ordering::SeqCst);
         let Some(gate) = shared.upgrade() else {
             return;
         };
-        let keys = [
-            keys_owned[0].as_str(),
-            keys_owned[1].as_str(),
-            keys_owned[2].as_str(),
-            keys_owned[3].as_str(),
-            keys_owned[4].as_str(),
-            keys_owned[5].as_str(),
-        ];
         let flags_out = lock(&cluster.view).flags_out.clone();
         let sent = Instant::now();
         let now_ms = crate::telemetry::epoch_ms();
+        let mode = if stopping {
+            "release"
+        } else if st.yield_next {
+            "yield"
+        } else {
+            "take"
+        };
         let args = [
             me.clone(),
             ttl.to_string(),
             now_ms.to_string(),
             ttl.saturating_mul(3).to_string(),
             secret_candidate.clone(),
-            if stopping {
-                "release"
-            } else if yield_next {
-                "yield"
-            } else {
-                "take"
-            }
-            .to_string(),
+            mode.to_string(),
             flags_out.clone().unwrap_or_default(),
+            incarnation_candidate.clone(),
         ];
-        match conn.call(keys, args) {
-            Ok(beat) => {
-                // Flags: ours are in Redis now (unless set again meanwhile); another
-                // replica's newer ones apply here.
-                let apply = {
-                    let mut view = lock(&cluster.view);
-                    if view.flags_out == flags_out {
-                        view.flags_out = None;
-                    }
-                    let newer = beat.flags_version != view.flags_version;
-                    view.flags_version = beat.flags_version;
-                    (newer && !beat.flags.is_empty() && flags_out.is_none())
-                        .then(|| {
-                            serde_json::from_str::<crate::control::Overrides>(&beat.flags).ok()
-                        })
-                        .flatten()
-                };
-                if let Some(o) = apply {
-                    gate.apply_cluster_overrides(&o);
-                }
-                if redis_was_up != Some(true) {
-                    gate.cluster_event("redis_up", None);
-                }
-                redis_was_up = Some(true);
-                yield_next = false;
-                let mine = beat.holder == me;
-                if !mine {
-                    standby_until = None;
-                }
-                if mine && !leading && standby_until.is_none() {
-                    // A lease at epoch 1, or at one not above an epoch seen before, follows a
-                    // Redis that lost its data (or a new cluster): the last leader may still
-                    // count its lease as held in its own clock, for up to a TTL. Wait that out
-                    // before deciding; an epoch that went up was released or expired in Redis.
-                    if beat.epoch <= 1 || beat.epoch <= max_epoch {
-                        standby_until = Some(sent + Duration::from_millis(ttl));
-                    } else {
-                        standby_until = Some(sent);
-                    }
-                }
-                max_epoch = max_epoch.max(beat.epoch);
-                let waited = standby_until.is_some_and(|t| t <= Instant::now());
-                if mine && !leading && waited {
-                    standby_until = None;
-                    // Take over the shared ledger before deciding anything as leader.
-                    match gate.adopt_shared_ledger() {
-                        Ok(n) => {
-                            leading = true;
-                            cluster
-                                .counters
-                                .leader_acquired
-                                .fetch_add(1, Ordering::Relaxed);
-                            gate.cluster_event(
-                                "leader_acquired",
-                                Some(format!("epoch {}; {n} ledger records adopted", beat.epoch)),
-                            );
-                        }
-                        Err(e) => {
-                            // Holding the lease without leading would leave the cluster with
-                            // no leader: give it up at once (another replica, or this one
-                            // again, takes it at its next heartbeat).
-                            yield_next = true;
-                            cluster.wake_lease();
-                            gate.cluster_event(
-                                "leader_adopt_failed",
-                                Some(format!("cannot load the shared ledger: {e}")),
-                            );
-                        }
-                    }
-                } else if !mine && leading {
-                    leading = false;
-                    cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
-                    gate.cluster_event(
-                        "leader_lost",
-                        Some(format!(
-                            "the lease is held by {:?}",
-                            split_member(&beat.holder).0
-                        )),
-                    );
-                }
-                let mut view = lock(&cluster.view);
-                view.redis_up = true;
-                view.last_ok = Some(sent);
-                view.last_error = None;
-                view.secret = Some(beat.secret.clone());
-                view.leader = (!beat.holder.is_empty()).then(|| {
-                    let (id, url) = split_member(&beat.holder);
-                    Leader {
-                        id,
-                        url,
-                        epoch: beat.epoch,
-                    }
-                });
-                // Counted from before the renewal was sent, a tenth early: this replica stops
-                // deciding before Redis can hand the lease to another.
-                view.lead_until =
-                    (leading && mine).then(|| sent + Duration::from_millis(ttl - ttl / 10));
-                if view.lead_until.is_some() {
-                    view.leader_suspect_until = None;
-                }
-                view.replicas = beat
-                    .members
-                    .iter()
-                    .map(|(m, seen)| {
-                        let (id, url) = split_member(m);
-                        Replica {
-                            id,
-                            url,
-                            seen_ms_ago: now_ms.saturating_sub(*seen),
-                        }
-                    })
-                    .collect();
-            }
-            Err(e) => {
-                cluster
-                    .counters
-                    .redis_errors
-                    .fetch_add(1, Ordering::Relaxed);
-                let reason = format!("{}: {e}", crate::ledger_store::redact(&cluster.cfg.redis));
-                if redis_was_up != Some(false) {
-                    gate.cluster_event("redis_down", Some(reason.clone()));
-                }
-                redis_was_up = Some(false);
-                let mut view = lock(&cluster.view);
-                view.redis_up = false;
-                view.last_error = Some(reason);
-                if leading && view.lead_until.is_none_or(|t| t <= Instant::now()) {
-                    leading = false;
-                    view.lead_until = None;
-                    drop(view);
-                    cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
-                    gate.cluster_event(
-                        "leader_lost",
-                        Some("the lease could not be renewed in time (Redis out of reach)".into()),
-                    );
-                }
-            }
+        match conn.call(&keys, args) {
+            Ok(beat) => beat_ok(
+                &gate,
+                &cluster,
+                &mut st,
+                &me,
+                beat,
+                sent,
+                now_ms,
+                flags_out.as_ref(),
+            ),
+            Err(e) => beat_failed(&gate, &cluster, &mut st, &e),
         }
         gate.set_share(cluster.share_parts());
         if stopping {
             return;
         }
         drop(gate);
-        // Sleep a third of the TTL, or until woken (a failed forward, shutdown). While this
-        // replica leads but Redis does not answer, wake up in time to step down promptly.
+        // Sleep a third of the TTL, or until woken (a failed forward, flags to publish,
+        // shutdown); a leader wakes when its lease runs out (to give its slots up at once),
+        // a replica waiting a lease out when the wait ends.
+        let mut wait = Duration::from_millis(ttl / 3);
+        let now = Instant::now();
+        let wake_at = {
+            let view = lock(&cluster.view);
+            [view.lead_until, st.standby_until]
+                .into_iter()
+                .flatten()
+                .filter(|t| *t > now)
+                .min()
+        };
+        if let Some(t) = wake_at {
+            wait = wait.min(t.duration_since(now) + Duration::from_millis(1));
+        }
         let (m, cv) = &cluster.wake;
         let mut woken = lock(m);
         if !*woken {
-            let wait = Duration::from_millis(ttl / 3);
             woken = cv
                 .wait_timeout(woken, wait)
                 .map(|(g, _)| g)
                 .unwrap_or_else(|p| p.into_inner().0);
         }
         *woken = false;
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn beat_ok(
+    gate: &Shared,
+    cluster: &Cluster,
+    st: &mut Lease,
+    me: &str,
+    beat: Beat,
+    sent: Instant,
+    now_ms: u64,
+    flags_out: Option<&String>,
+) {
+    let ttl = cluster.cfg.lease_ttl_ms;
+    // Flags: ours are in Redis now (unless set again meanwhile); another replica's newer
+    // ones apply here.
+    let apply = {
+        let mut view = lock(&cluster.view);
+        if view.flags_out.as_ref() == flags_out {
+            view.flags_out = None;
+        }
+        let newer = beat.flags_version != view.flags_version;
+        view.flags_version = beat.flags_version;
+        (newer && !beat.flags.is_empty() && flags_out.is_none())
+            .then(|| serde_json::from_str::<crate::control::Overrides>(&beat.flags).ok())
+            .flatten()
+    };
+    if let Some(o) = apply {
+        gate.apply_cluster_overrides(&o);
+    }
+    if st.redis_up != Some(true) {
+        gate.cluster_event("redis_up", None);
+    }
+    st.redis_up = Some(true);
+    match &st.incarnation {
+        Some(seen) if *seen != beat.incarnation => {
+            st.lost_data = true;
+            gate.cluster_event(
+                "redis_data_lost",
+                Some("Redis came back without its data: the next leader writes back the ledger it knows".into()),
+            );
+        }
+        _ => {}
+    }
+    st.incarnation = Some(beat.incarnation.clone());
+    st.yield_next = false;
+    // The other replicas that checked in within a TTL: still running, so their proxied holds
+    // are theirs to settle. A dead leader has not: its lease had to lapse (a TTL without a
+    // renewal) before this one could be taken.
+    let alive: std::collections::HashSet<String> = beat
+        .members
+        .iter()
+        .filter(|(m, seen)| m != me && now_ms.saturating_sub(*seen) < ttl)
+        .map(|(m, _)| split_member(m).0)
+        .filter(|id| *id != cluster.replica_id)
+        .collect();
+    if !st.duplicate_reported
+        && beat
+            .members
+            .iter()
+            .any(|(m, _)| m != me && split_member(m).0 == cluster.replica_id)
+    {
+        st.duplicate_reported = true;
+        gate.cluster_event(
+            "duplicate_replica_id",
+            Some(format!(
+                "another process checks in as {:?}: give every replica its own cluster.replica_id",
+                cluster.replica_id
+            )),
+        );
+    }
+    let mine = beat.holder == me;
+    if !mine {
+        st.standby_until = None;
+    } else if !st.leading && st.standby_until.is_none() {
+        st.standby_until = Some(sent + Duration::from_millis(beat.wait_ms));
+    }
+    let waited = st.standby_until.is_some_and(|t| t <= Instant::now());
+    if mine && !st.leading && waited {
+        st.standby_until = None;
+        // Take over the shared ledger before deciding anything as leader.
+        match gate.adopt_shared_ledger(&alive, st.lost_data) {
+            Ok(n) => {
+                st.leading = true;
+                st.lost_data = false;
+                cluster
+                    .counters
+                    .leader_acquired
+                    .fetch_add(1, Ordering::Relaxed);
+                gate.cluster_event(
+                    "leader_acquired",
+                    Some(format!("epoch {}; {n} ledger records adopted", beat.epoch)),
+                );
+            }
+            Err(e) => {
+                // Holding the lease without leading would leave the cluster with no leader:
+                // give it up at once (another replica, or this one again, takes it next).
+                st.yield_next = true;
+                cluster.wake_lease();
+                gate.cluster_event(
+                    "leader_adopt_failed",
+                    Some(format!("cannot load the shared ledger: {e}")),
+                );
+            }
+        }
+    } else if mine && st.leading {
+        // About once a TTL: holds of replicas that stopped checking in expire.
+        st.beats += 1;
+        if st.beats.is_multiple_of(3) {
+            let n = gate.expire_orphans(&alive);
+            if n > 0 {
+                gate.cluster_event(
+                    "orphans_expired",
+                    Some(format!(
+                        "{n} proxied holds of replicas no longer checking in expired"
+                    )),
+                );
+            }
+        }
+    } else if !mine && st.leading {
+        st.leading = false;
+        cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
+        gate.cluster_event(
+            "leader_lost",
+            Some(format!(
+                "the lease is held by {:?}",
+                split_member(&beat.holder).0
+            )),
+        );
+    }
+    let mut view = lock(&cluster.view);
+    view.redis_up = true;
+    view.last_ok = Some(sent);
+    view.last_error = None;
+    view.secret = Some(beat.secret.clone());
+    view.leader = (!beat.holder.is_empty()).then(|| {
+        let (id, url) = split_member(&beat.holder);
+        Leader {
+            id,
+            url,
+            epoch: beat.epoch,
+        }
+    });
+    // Counted from before the renewal was sent, a tenth early: this replica stops deciding
+    // before Redis can hand the lease to another.
+    view.lead_until = (st.leading && mine).then(|| sent + Duration::from_millis(ttl - ttl / 10));
+    if view.lead_until.is_some() {
+        view.leader_suspect_until = None;
+    }
+    view.replicas = beat
+        .members
+        .iter()
+        .map(|(m, seen)| {
+            let (id, url) = split_member(m);
+            Replica {
+                id,
+                url,
+                seen_ms_ago: now_ms.saturating_sub(*seen),
+            }
+        })
+        .collect();
+}
+
+fn beat_failed(gate: &Shared, cluster: &Cluster, st: &mut Lease, e: &str) {
+    cluster
+        .counters
+        .redis_errors
+        .fetch_add(1, Ordering::Relaxed);
+    let reason = format!("{}: {e}", crate::ledger_store::redact(&cluster.cfg.redis));
+    if st.redis_up != Some(false) {
+        gate.cluster_event("redis_down", Some(reason.clone()));
+    }
+    st.redis_up = Some(false);
+    let mut view = lock(&cluster.view);
+    view.redis_up = false;
+    view.last_error = Some(reason);
+    if st.leading && view.lead_until.is_none_or(|t| t <= Instant::now()) {
+        st.leading = false;
+        view.lead_until = None;
+        drop(view);
+        cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
+        gate.cluster_event(
+            "leader_lost",
+            Some("the lease could not be renewed in time (Redis out of reach)".into()),
+        );
     }
 }

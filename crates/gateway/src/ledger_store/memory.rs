@@ -112,6 +112,7 @@ mod tests {
             prior_spent: 0,
             prior_wasted: 0,
             reservation: false,
+            owner: None,
         }
     }
 

@@ -344,5 +344,6 @@ fn parse_row(row: &Row<'_>) -> Result<HoldRecord, String> {
         key,
         tenant,
         state,
+        owner: None,
     })
 }
