@@ -189,11 +189,42 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
         after_ms: ms,
         should_retry: d.should_retry,
     });
-    let resp = if d.admitted() {
-        // The hold is durable before the worker is told to go ahead.
-        if let Err(e) = shared.durable().await {
-            shared.note_store_error(&e);
+    // The hold is durable before the worker is told to go ahead; a shared ledger may refuse
+    // it there (another replica holds or has done the key): then it is a duplicate after all.
+    let refused = if d.admitted() {
+        match shared.durable().await {
+            Err(e) => {
+                shared.note_store_error(&e);
+                false
+            }
+            Ok(()) => shared.hold_refused_key(&d.idempotency_key),
         }
+    } else {
+        false
+    };
+    if refused {
+        let key = d.idempotency_key.clone();
+        let _ = shared.settle_key(&key, false, 0);
+        let mut resp = with_status(
+            StatusCode::CONFLICT,
+            response::json(&json!({
+                "action": "reject",
+                "reason": Reason::RejectDuplicate.as_str(),
+                "idempotency_key": key,
+                "message": "the key is already held or done in the shared ledger: a replay never reserves or spends twice",
+            })),
+        );
+        response::add_retry_headers(
+            &mut resp,
+            Reason::RejectDuplicate,
+            Some(response::RetryAdvice {
+                after_ms: 60_000,
+                should_retry: false,
+            }),
+        );
+        return Ok(resp);
+    }
+    let resp = if d.admitted() {
         let ttl = shared.hold_ttl_ms();
         with_status(
             StatusCode::ACCEPTED,

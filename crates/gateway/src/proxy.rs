@@ -315,10 +315,11 @@ where
     // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
     // this future is dropped (client gone) the guard takes the job out of the queue.
     let closed = shared.fail_mode_of(decision.class) == slackgate_core::FailMode::Closed;
-    let go = match wait_for_slot(&shared, signal, closed).await {
+    let go = match wait_for_slot(&shared, signal, closed, decision.job_id).await {
         Ok(go) => go,
         Err(SlotRefused::Answer(resp)) => return resp,
         Err(SlotRefused::LedgerDown(e)) => return ledger_unavailable(guard, &e),
+        Err(SlotRefused::Duplicate(key)) => return duplicate_in_store(guard, &key),
     };
     let (pool, pool_name, queue_wait_ms) = (go.pool, go.pool_name, go.queue_wait_ms);
     let (mut endpoint, mut base, mut abort) = (go.endpoint, go.upstream, Some(go.abort));
@@ -404,7 +405,7 @@ where
                         continue;
                     }
                     if let Some(signal) = shared.requeue(decision.job_id) {
-                        match wait_for_slot(&shared, signal, closed).await {
+                        match wait_for_slot(&shared, signal, closed, decision.job_id).await {
                             Ok(go) => {
                                 (endpoint, base, abort) =
                                     (go.endpoint, go.upstream, Some(go.abort));
@@ -413,6 +414,9 @@ where
                             Err(SlotRefused::Answer(resp)) => return resp,
                             Err(SlotRefused::LedgerDown(e)) => {
                                 return ledger_unavailable(guard, &e)
+                            }
+                            Err(SlotRefused::Duplicate(key)) => {
+                                return duplicate_in_store(guard, &key)
                             }
                         }
                     }
@@ -519,6 +523,28 @@ enum SlotRefused {
     Answer(Response<ResBody>),
     /// Its hold could not be made durable and its class fails closed.
     LedgerDown(String),
+    /// The shared ledger refused its hold: another replica holds or has done the key.
+    Duplicate(String),
+}
+
+/// Refuse a dispatched request whose hold the shared ledger refused (another replica holds
+/// or has settled its idempotency key): 409 `reject_duplicate`, nothing sent upstream, the
+/// slot released and nothing spent.
+fn duplicate_in_store(guard: JobGuard, key: &str) -> Response<ResBody> {
+    guard.cancel_with(Reason::RejectDuplicate, 0);
+    response::error(
+        StatusCode::CONFLICT,
+        Reason::RejectDuplicate,
+        &format!(
+            "idempotency key {key:?} is already held or done in the shared ledger: a replay \
+             never reserves or spends twice"
+        ),
+        None,
+        Some(RetryAdvice {
+            after_ms: 60_000,
+            should_retry: false,
+        }),
+    )
 }
 
 /// Refuse a dispatched request whose hold the ledger store could not record (its class fails
@@ -544,6 +570,7 @@ async fn wait_for_slot(
     shared: &Shared,
     signal: tokio::sync::oneshot::Receiver<Signal>,
     fail_closed: bool,
+    job: slackgate_core::JobId,
 ) -> Result<Go, SlotRefused> {
     match signal.await {
         Ok(Signal::Go(go)) => {
@@ -557,6 +584,10 @@ async fn wait_for_slot(
                 if fail_closed {
                     return Err(SlotRefused::LedgerDown(e));
                 }
+            } else if let Some(key) = shared.hold_refused(job) {
+                // The one atomic check-and-hold across replicas: the shared ledger's script
+                // refused this hold because the key is held or done there.
+                return Err(SlotRefused::Duplicate(key));
             }
             Ok(go)
         }

@@ -572,6 +572,19 @@ impl Shared {
         Ok(n)
     }
 
+    /// After a flush: whether the shared ledger refused the hold of `job` (its client's
+    /// idempotency key is held or done there by another hold). Returns the key if so.
+    pub fn hold_refused(&self, job: JobId) -> Option<String> {
+        let key = self.with_core(|st, _, _| st.waiting.get(&job)?.meta.idempotency_key.clone())?;
+        self.hold_refused_key(&key).then_some(key)
+    }
+
+    /// [`Shared::hold_refused`] by key (the reservation API's holds).
+    pub fn hold_refused_key(&self, key: &str) -> bool {
+        let created = self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.created_at_ms));
+        created.is_some_and(|c| self.store.hold_refused(key, c))
+    }
+
     /// Cluster mode, on the leader: expire the proxied holds of replicas no longer in
     /// `alive` (their requests died with them). Returns how many.
     pub fn expire_orphans(&self, alive: &std::collections::HashSet<String>) -> usize {

@@ -443,3 +443,68 @@ async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
     a.gate.shutdown().await;
     b.gate.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstream() {
+    use slackgate_core::ledger::{HoldRecord, HoldState};
+    use slackgate_gateway::ledger_store::{LedgerStore, RedisOptions, RedisStore};
+    let redis = redis();
+    let stub = stub(2, "fixed:20ms").await;
+    let name = unique("refused");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(10), "a leads", || {
+        std::future::ready(a.leads())
+    })
+    .await;
+    // Another replica (deciding alone while it could not reach the leader) holds key K in the
+    // shared ledger; the leader never saw it.
+    let other = RedisStore::open(RedisOptions {
+        url: redis.url(),
+        prefix: format!("slackgate:{name}"),
+        timeout: Duration::from_millis(500),
+        retention_ms: 60_000,
+    })
+    .unwrap();
+    let now = slackgate_gateway::telemetry::epoch_ms();
+    other.write(vec![HoldRecord {
+        key: "K".into(),
+        tenant: None,
+        state: HoldState::Held,
+        attempt: 0,
+        tokens_held: 10,
+        tokens_spent: 0,
+        tokens_wasted: 0,
+        created_at_ms: now - 10,
+        expires_at_ms: now + 600_000,
+        updated_at_ms: now - 10,
+        version: now - 10,
+        prior_spent: 0,
+        prior_wasted: 0,
+        reservation: false,
+        owner: Some("x".into()),
+    }]);
+    other.flush().unwrap();
+    let before = stub.stats().requests;
+    let r = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-job-class", "interactive"), ("idempotency-key", "K")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, 409, "{:?}", r.json());
+    assert_eq!(r.json()["error"]["code"], "reject_duplicate");
+    assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+    assert_eq!(stub.stats().requests, before, "nothing went upstream");
+    // The slot came back and another key goes through.
+    let r = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-job-class", "interactive"), ("idempotency-key", "K2")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{:?}", r.json());
+    assert_eq!(a.gate.shared().snapshot().pools[0].in_flight, 0);
+    a.gate.shutdown().await;
+}

@@ -50,6 +50,13 @@ pub trait LedgerStore: Send + Sync + 'static {
     /// time and kept with the records, so ids survive a restart
     /// ([`crate::tenant`]).
     fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError>;
+    /// After a flush: whether the store refused the hold of `key` placed at `created_at_ms`
+    /// because another hold of the key was held or done there (a shared store: another
+    /// replica holds it). Asking forgets the answer. Stores that one process owns never
+    /// refuse (the ledger in memory already checked).
+    fn hold_refused(&self, _key: &str, _created_at_ms: u64) -> bool {
+        false
+    }
     /// [`LedgerStore::flush`] for async callers (the request path): resolves when everything
     /// written so far is durable, without parking a thread per waiter. The default runs
     /// `flush` on tokio's blocking pool.

@@ -125,6 +125,10 @@ struct Shared {
     timeout: Duration,
     counters: Counters,
     healthy: AtomicBool,
+    /// New holds the put script refused (the key was held or done by another hold), by key
+    /// and the refused hold's `created_at_ms`, oldest first, bounded: asked by the request
+    /// that placed the hold after its flush ([`LedgerStore::hold_refused`]).
+    refused: std::sync::Mutex<std::collections::VecDeque<(String, u64)>>,
 }
 
 impl Shared {
@@ -314,6 +318,7 @@ impl RedisStore {
             counters: Counters::default(),
             // Optimistic until a call says otherwise: nothing has failed yet.
             healthy: AtomicBool::new(true),
+            refused: std::sync::Mutex::new(std::collections::VecDeque::new()),
         });
         let upkeep = Arc::new(Mutex::new(Link::new(client.clone(), opts.timeout)));
         let (tx, rx) = mpsc::channel();
@@ -440,6 +445,21 @@ fn prune(
 }
 
 impl LedgerStore for RedisStore {
+    fn hold_refused(&self, key: &str, created_at_ms: u64) -> bool {
+        let mut q = self
+            .shared
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match q.iter().position(|(k, t)| k == key && *t == created_at_ms) {
+            Some(i) => {
+                q.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Commits what was queued before, then reads the whole hash with `HSCAN` (in steps, so
     /// Redis is never blocked by one huge reply). Unreadable entries are skipped and counted.
     fn load(&self) -> Result<Vec<HoldRecord>, StoreError> {
@@ -735,6 +755,19 @@ impl Writer {
                     self.lose(unstorable, "unstorable", "a record could not be encoded");
                 }
                 self.count_conflicts(&reply);
+                if !reply.refused.is_empty() {
+                    let mut q = self
+                        .shared
+                        .refused
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner());
+                    for r in reply.refused {
+                        if q.len() >= MAX_REFUSED_KEPT {
+                            q.pop_front();
+                        }
+                        q.push_back(r);
+                    }
+                }
                 true
             }
             Err(e) => {
@@ -942,19 +975,32 @@ struct PutReply {
     first_terminal: String,
     first_held: String,
     unreadable: u64,
+    refused: Vec<(String, u64)>,
 }
+
+/// Refused holds remembered for their requests to ask about (older ones are forgotten: a
+/// request asks right after its flush).
+const MAX_REFUSED_KEPT: usize = 10_000;
 
 impl redis::FromRedisValue for PutReply {
     fn from_redis_value(v: &redis::Value) -> redis::RedisResult<PutReply> {
-        type Raw = (u64, u64, u64, u64, String, String, u64);
-        let (_written, _stale, term, held, first_term, first_held, bad): Raw =
+        type Raw = (u64, u64, u64, u64, String, String, u64, Vec<String>);
+        let (_written, _stale, term, held, first_term, first_held, bad, flat): Raw =
             redis::FromRedisValue::from_redis_value(v)?;
+        let refused = flat
+            .chunks(2)
+            .filter_map(|c| match c {
+                [k, t] => Some((k.clone(), t.parse::<u64>().ok()?)),
+                _ => None,
+            })
+            .collect();
         Ok(PutReply {
             terminal_conflicts: term,
             held_conflicts: held,
             first_terminal: first_term,
             first_held,
             unreadable: bad,
+            refused,
         })
     }
 }

@@ -25,7 +25,9 @@
 /// once); a written held record leaves it.
 ///
 /// Returns `{written, stale, terminal conflicts, held conflicts, first terminal conflict key,
-/// first held conflict key, unreadable new records}`.
+/// first held conflict key, unreadable new records, refused holds}`, the last a flat list of
+/// (key, `created_at_ms`) of new `held` records refused (at most 1,000): the store tells the
+/// request that placed such a hold that its key is a duplicate before it goes upstream.
 pub(super) const PUT: &str = r#"
 local holds, settled = KEYS[1], KEYS[2]
 local gen, carry = ARGV[1], ARGV[2]
@@ -42,6 +44,7 @@ local function decode(raw)
 end
 local written, stale, c_term, c_held, bad = 0, 0, 0, 0, 0
 local first_term, first_held = '', ''
+local refused = {}
 for i = 3, #ARGV - 1, 2 do
   local key, raw = ARGV[i], ARGV[i + 1]
   local n = decode(raw)
@@ -83,10 +86,14 @@ for i = 3, #ARGV - 1, 2 do
     else
       c_held = c_held + 1
       if first_held == '' then first_held = key .. ' (' .. s.state .. ')' end
+      if n.state == 'held' and #refused < 2000 then
+        refused[#refused + 1] = key
+        refused[#refused + 1] = string.format('%.0f', n.created_at_ms)
+      end
     end
   end
 end
-return {written, stale, c_term, c_held, first_term, first_held, bad}
+return {written, stale, c_term, c_held, first_term, first_held, bad, refused}
 "#;
 
 /// Prune one batch of settled keys. `KEYS[1]` the holds hash, `KEYS[2]` the settled sorted
