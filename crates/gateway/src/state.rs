@@ -527,7 +527,13 @@ impl Shared {
     /// Log and count a request refused because the cluster's shared state is out of reach
     /// and its class fails closed (it never reached the core).
     pub fn log_cluster_refusal(&self, path: &str, label: Option<String>) {
+        let class = self.with_core(|st, _, _| {
+            st.gate
+                .classify(label.as_deref())
+                .map(|l| st.gate.class_name(l).to_string())
+        });
         let mut lines = vec![LogLine {
+            class,
             ts_ms: epoch_ms(),
             action: Action::Reject.as_str(),
             reason: Reason::ClusterUnavailable.as_str(),

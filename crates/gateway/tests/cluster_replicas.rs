@@ -66,13 +66,23 @@ async fn replica(
     id: &str,
     upstream: SocketAddr,
 ) -> Result<Replica, String> {
+    replica_ttl(redis_url, name, id, upstream, 1_500).await
+}
+
+async fn replica_ttl(
+    redis_url: &str,
+    name: &str,
+    id: &str,
+    upstream: SocketAddr,
+    lease_ttl_ms: u64,
+) -> Result<Replica, String> {
     let text = TOML.replace("{UPSTREAM}", &format!("http://{upstream}"));
     let mut cfg = Config::from_toml(&text).unwrap();
     let cluster = ClusterConfig {
         redis: redis_url.to_string(),
         name: name.to_string(),
         replica_id: Some(id.to_string()),
-        lease_ttl_ms: 1_500,
+        lease_ttl_ms,
         redis_timeout_ms: 200,
         expected_replicas: 2,
         ..ClusterConfig::default()
@@ -219,10 +229,12 @@ async fn a_leader_that_shuts_down_hands_the_lease_over_at_once() {
     let redis = redis();
     let stub = stub(2, "fixed:50ms").await;
     let name = unique("handover");
-    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+    // A 3 s lease, renewed every second: handed over, the lease is taken at the follower's
+    // next heartbeat (within a second); left to lapse, it would take 3 s or more.
+    let a = replica_ttl(&redis.url(), &name, "a", stub.local_addr(), 3_000)
         .await
         .unwrap();
-    let b = replica(&redis.url(), &name, "b", stub.local_addr())
+    let b = replica_ttl(&redis.url(), &name, "b", stub.local_addr(), 3_000)
         .await
         .unwrap();
     let l = leader_of(&[&a, &b]).await;
@@ -241,9 +253,9 @@ async fn a_leader_that_shuts_down_hands_the_lease_over_at_once() {
     })
     .await;
     // Released, not lapsed: the follower's next heartbeat (a third of the TTL) takes it,
-    // well before the 1.5 s TTL would have run out.
+    // well before the 3 s TTL would have run out.
     let took = stopped.elapsed();
-    assert!(took < Duration::from_millis(1_500), "took {took:?}");
+    assert!(took < Duration::from_millis(2_500), "took {took:?}");
     assert_eq!(follower.status().leader.unwrap().epoch, epoch + 1);
     assert_eq!(follower.status().leader.unwrap().id, follower.id);
     let r = post(

@@ -281,6 +281,22 @@ impl Cluster {
         self.wake_lease();
     }
 
+    /// Wake the lease thread and wait (at most a third of the TTL plus Redis's timeout) for
+    /// a heartbeat that ends after now; then where a request goes.
+    async fn route_after_next_beat(&self) -> Route {
+        let asked = Instant::now();
+        self.wake_lease();
+        let limit = Duration::from_millis(self.cfg.lease_ttl_ms / 3 + self.cfg.redis_timeout_ms);
+        while asked.elapsed() < limit {
+            let fresh = lock(&self.view).last_ok.is_some_and(|t| t > asked);
+            if fresh {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        self.route(false)
+    }
+
     fn suspect_leader(&self) {
         let mut view = lock(&self.view);
         view.leader_suspect_until =
@@ -488,6 +504,7 @@ pub async fn serve(
         Route::Local => local(shared, req, target).await,
         Route::NotLeader => not_leader(),
         Route::Forward(url) => {
+            let arrived = Instant::now();
             let (parts, body) = req.into_parts();
             let path = parts.uri.path().to_string();
             let bytes = match crate::proxy::read_body(&shared, body, &parts.headers).await {
@@ -496,20 +513,37 @@ pub async fn serve(
                     return crate::proxy::body_failure(&shared, &path, label(&parts.headers), e)
                 }
             };
-            match forward(&cluster, &url, &parts, bytes.clone()).await {
-                Ok(resp) => {
-                    cluster.counters.forwarded.fetch_add(1, Ordering::Relaxed);
-                    resp
+            let bound = Duration::from_millis(shared.server.upstream_timeout_ms);
+            let mut url = url;
+            for attempt in 0..2 {
+                match forward(&cluster, &url, &parts, bytes.clone(), arrived, bound).await {
+                    Ok(resp) => {
+                        cluster.counters.forwarded.fetch_add(1, Ordering::Relaxed);
+                        return resp;
+                    }
+                    Err(()) => {
+                        cluster
+                            .counters
+                            .forward_failed
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
                 }
-                Err(()) => {
-                    cluster
-                        .counters
-                        .forward_failed
-                        .fetch_add(1, Ordering::Relaxed);
-                    cluster.suspect_leader();
-                    degraded(shared, cluster, Request::from_parts(parts, bytes), target).await
+                if attempt > 0 {
+                    break;
+                }
+                // The lease may just have changed hands (the old leader answered that it no
+                // longer leads, or is gone): ask Redis now, and go where the answer says.
+                match cluster.route_after_next_beat().await {
+                    Route::Forward(next) => url = next,
+                    Route::Local => {
+                        let body = http_body_util::Full::new(bytes);
+                        return local(shared, Request::from_parts(parts, body), target).await;
+                    }
+                    Route::Degraded | Route::NotLeader => break,
                 }
             }
+            cluster.suspect_leader();
+            degraded(shared, cluster, Request::from_parts(parts, bytes), target).await
         }
         Route::Degraded => {
             let (parts, body) = req.into_parts();
@@ -605,6 +639,8 @@ async fn forward(
     base: &str,
     parts: &http::request::Parts,
     bytes: Bytes,
+    arrived: Instant,
+    bound: Duration,
 ) -> Result<Response<ResBody>, ()> {
     use http_body_util::BodyExt;
     let Ok(base) = crate::upstream::parse_base(base) else {
@@ -616,6 +652,19 @@ async fn forward(
     let secret = lock(&cluster.view).secret.clone().ok_or(())?;
     // Hop-by-hop headers, Host and Content-Length go (and the cluster's own headers).
     let mut headers = crate::proxy::upstream_request_headers(parts.headers.clone());
+    // Relative budgets run from the request's arrival here, not at the leader: the time its
+    // body took and the forwarding so far come out of them.
+    let spent = u64::try_from(arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
+    for name in ["x-deadline-ms", "x-slo-ttft-ms"] {
+        let left = headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(|ms| ms.saturating_sub(spent).max(1));
+        if let Some(left) = left {
+            headers.insert(name, HeaderValue::from(left));
+        }
+    }
     headers.insert(
         FORWARDED_HEADER,
         HeaderValue::from_str(&secret).map_err(|_| ())?,
@@ -630,7 +679,22 @@ async fn forward(
     // No timeout on the response head beyond the connect's: the leader holds a queued request
     // as long as its deadline allows, and answers once it is dispatched or refused. A client
     // that gives up drops this future, which closes the connection: the leader cancels.
-    let resp = match cluster.client.request(up).await {
+    let resp = match tokio::time::timeout(bound, cluster.client.request(up)).await {
+        Err(_) => {
+            return Ok(response::error(
+                StatusCode::GATEWAY_TIMEOUT,
+                Reason::ClusterUnavailable,
+                &format!(
+                    "the leader replica did not answer within {} ms",
+                    bound.as_millis()
+                ),
+                None,
+                None,
+            ))
+        }
+        Ok(r) => r,
+    };
+    let resp = match resp {
         Ok(r) => r,
         // Never delivered: the leader did not see it, so deciding it here is safe.
         Err(e) if e.is_connect() => return Err(()),
