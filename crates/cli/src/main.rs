@@ -100,6 +100,14 @@ struct ServeArgs {
     /// SLACKGATE_ADMIN_TOKEN environment variable.
     #[arg(long)]
     admin_listen: Option<SocketAddr>,
+    /// This replica's id in its cluster (overrides cluster.replica_id; Kubernetes: the pod
+    /// name, `--replica-id $(POD_NAME)`).
+    #[arg(long)]
+    replica_id: Option<String>,
+    /// The URL other replicas forward to (overrides cluster.advertise; Kubernetes:
+    /// `--advertise http://$(POD_IP):8080`).
+    #[arg(long)]
+    advertise: Option<String>,
 }
 
 /// The command-line settings that override the config file, applied again at every reload
@@ -112,6 +120,8 @@ struct Overrides {
     log: Option<String>,
     ledger: Option<String>,
     admin_listen: Option<SocketAddr>,
+    replica_id: Option<String>,
+    advertise: Option<String>,
 }
 
 impl Overrides {
@@ -142,6 +152,16 @@ impl Overrides {
         }
         if let Some(a) = self.admin_listen {
             cfg.admin.listen = Some(a);
+        }
+        // Only with a [cluster] section (a gate alone has no replica id): `serve` refuses the
+        // flags without one.
+        if let Some(c) = cfg.cluster.as_mut() {
+            if let Some(id) = &self.replica_id {
+                c.replica_id = Some(id.clone());
+            }
+            if let Some(a) = &self.advertise {
+                c.advertise = Some(a.clone());
+            }
         }
     }
 }
@@ -381,7 +401,15 @@ async fn serve(a: ServeArgs) -> Result<()> {
         log: a.log.clone(),
         ledger: a.ledger.clone(),
         admin_listen: a.admin_listen,
+        replica_id: a.replica_id.clone(),
+        advertise: a.advertise.clone(),
     };
+    if (a.replica_id.is_some() || a.advertise.is_some()) && cfg.cluster.is_none() {
+        anyhow::bail!(
+            "--replica-id and --advertise name a replica of a cluster: the config has no \
+             [cluster] section"
+        );
+    }
     if a.demo && over.ledger.is_none() {
         over.ledger = Some("memory".into());
     }

@@ -578,6 +578,28 @@ impl Shared {
         Ok(n)
     }
 
+    /// Cluster mode, after Redis lost its data: write back every record of this replica's
+    /// ledger that it placed itself. Returns how many.
+    pub fn republish_own_records(&self) -> usize {
+        let Some(c) = &self.cluster else {
+            return 0;
+        };
+        let me = c.replica_id.as_str();
+        let records: Vec<slackgate_core::HoldRecord> = self.with_core(|st, _, _| {
+            st.gate
+                .ledger()
+                .records()
+                .filter(|r| r.owner.as_deref() == Some(me))
+                .cloned()
+                .collect()
+        });
+        let n = records.len();
+        if n > 0 {
+            self.store.write(records);
+        }
+        n
+    }
+
     /// After a flush: whether the shared ledger refused the hold of `job` (its client's
     /// idempotency key is held or done there by another hold). Returns the key if so.
     pub fn hold_refused(&self, job: JobId) -> Option<String> {

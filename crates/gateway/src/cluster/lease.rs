@@ -257,7 +257,6 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
     .map(|k| format!("{}:{k}", cluster.prefix))
     .collect();
     let secret_candidate = random_hex();
-    let incarnation_candidate = random_hex();
     let mut st = Lease::default();
     loop {
         let stopping = cluster.stopping.load(Ordering::SeqCst);
@@ -282,7 +281,9 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
             secret_candidate.clone(),
             mode.to_string(),
             flags_out.clone().unwrap_or_default(),
-            incarnation_candidate.clone(),
+            // Fresh each time: after Redis lost its data, the first heartbeat to reach it
+            // sets a value no replica has seen before.
+            random_hex(),
         ];
         match conn.call(&keys, args) {
             Ok(beat) => beat_ok(
@@ -365,9 +366,14 @@ fn beat_ok(
     match &st.incarnation {
         Some(seen) if *seen != beat.incarnation => {
             st.lost_data = true;
+            // Every replica writes back the holds it placed (a leader, below, everything it
+            // knows), so that settled keys still answer duplicates whoever leads next.
+            let n = gate.republish_own_records();
             gate.cluster_event(
                 "redis_data_lost",
-                Some("Redis came back without its data: the next leader writes back the ledger it knows".into()),
+                Some(format!(
+                    "Redis came back without its data: {n} records this replica placed written back"
+                )),
             );
         }
         _ => {}
@@ -432,6 +438,16 @@ fn beat_ok(
                     Some(format!("cannot load the shared ledger: {e}")),
                 );
             }
+        }
+    } else if mine && st.leading && st.lost_data {
+        // Redis came back empty under this leader: write back the ledger it knows, so that
+        // the next leader finds it there.
+        match gate.adopt_shared_ledger(&alive, true) {
+            Ok(_) => st.lost_data = false,
+            Err(e) => gate.cluster_event(
+                "leader_adopt_failed",
+                Some(format!("cannot write the ledger back to Redis: {e}")),
+            ),
         }
     } else if mine && st.leading {
         // About once a TTL: holds of replicas that stopped checking in expire.
