@@ -235,6 +235,13 @@ fn tenant_id(
         (Some(hex), None) => {
             tenant::parse_key(hex).map_err(|e| anyhow::anyhow!("server.tenant_hash_key: {e}"))?
         }
+        // A cluster keeps its secret in Redis, shared by every replica.
+        (None, None) if cfg.cluster.is_some() => {
+            slackgate_gateway::server::open_configured_store(&cfg)
+                .map_err(anyhow::Error::msg)?
+                .tenant_hash_key()
+                .context("cannot read the cluster's tenant hash key from Redis")?
+        }
         (_, path) => {
             let path = path.map_or_else(|| PathBuf::from(&cfg.server.ledger), PathBuf::from);
             if cfg.server.ledger == "memory" && ledger.is_none() {
@@ -498,18 +505,8 @@ async fn serve(a: ServeArgs) -> Result<()> {
         source,
         env: None,
     };
-    // In a cluster the replicas share one ledger in Redis; `server.ledger` is not used (a
-    // local file per replica would let a key or a grant be spent once per replica).
-    let store = match &cfg.cluster {
-        Some(c) => slackgate_gateway::server::open_cluster_store(c, cfg.gate.ledger.retention_ms),
-        None => slackgate_gateway::server::open_store_pruned(
-            &cfg.server.ledger,
-            cfg.server.ledger_synchronous,
-            Some(cfg.gate.ledger.retention_ms),
-            cfg.server.ledger_prune_interval_ms,
-        ),
-    }
-    .map_err(anyhow::Error::msg)?;
+    let store =
+        slackgate_gateway::server::open_configured_store(&cfg).map_err(anyhow::Error::msg)?;
     let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
     if let Some(at) = gw.admin_addr() {
         let auth = if gw.shared().control.has_token() {

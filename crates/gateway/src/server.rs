@@ -263,20 +263,25 @@ pub async fn run_with(
     opts: GatewayOptions,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
-    let store = match &cfg.cluster {
-        // Replicas share one ledger: in Redis, beside the lease.
-        Some(c) => open_cluster_store(c, cfg.gate.ledger.retention_ms)?,
+    let gw = Gateway::start(listener, cfg, log, open_configured_store(cfg)?, opts)?;
+    shutdown.await;
+    gw.shutdown().await;
+    Ok(())
+}
+
+/// Open the ledger store `cfg` names: with `[cluster]`, the replicas' shared ledger in Redis
+/// (`server.ledger` is then not used: a file per replica would let a key or a grant be spent
+/// once per replica); otherwise `server.ledger` (a SQLite file, pruned, or `memory`).
+pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, String> {
+    match &cfg.cluster {
+        Some(c) => open_cluster_store(c, cfg.gate.ledger.retention_ms),
         None => open_store_pruned(
             &cfg.server.ledger,
             cfg.server.ledger_synchronous,
             Some(cfg.gate.ledger.retention_ms),
             cfg.server.ledger_prune_interval_ms,
-        )?,
-    };
-    let gw = Gateway::start(listener, cfg, log, store, opts)?;
-    shutdown.await;
-    gw.shutdown().await;
-    Ok(())
+        ),
+    }
 }
 
 /// Open the shared ledger of a cluster, in its Redis (`server.ledger` is then not used).
