@@ -596,12 +596,21 @@ impl Metrics {
     }
 }
 
-/// The ledger's totals and its store's health, appended to a scrape.
+/// The ledger's totals (when given) and its store's health, appended to a scrape. In a
+/// cluster only the leader gives the totals: its ledger is the cluster's, while another
+/// replica's is a stale copy that would count the same tokens again in a sum over replicas.
 pub fn render_ledger(
     o: &mut String,
-    l: &slackgate_core::ledger::LedgerStats,
+    l: Option<&slackgate_core::ledger::LedgerStats>,
     st: &crate::ledger_store::StoreStats,
 ) {
+    if let Some(l) = l {
+        render_ledger_totals(o, l);
+    }
+    render_store(o, st);
+}
+
+fn render_ledger_totals(o: &mut String, l: &slackgate_core::ledger::LedgerStats) {
     let one = |v: f64| std::iter::once((String::new(), v));
     family(
         o,
@@ -652,6 +661,10 @@ pub fn render_ledger(
         .into_iter()
         .map(|(k, v)| (format!("state=\"{k}\""), v as f64)),
     );
+}
+
+fn render_store(o: &mut String, st: &crate::ledger_store::StoreStats) {
+    let one = |v: f64| std::iter::once((String::new(), v));
     family(
         o,
         "slackgate_ledger_store_pending",

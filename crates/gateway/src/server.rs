@@ -68,7 +68,12 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
         (&Method::GET, "/metrics") => {
             let (ledger, snap) = shared.ledger_view();
             let mut body = shared.metrics.render(&snap, shared.log.counters());
-            crate::metrics::render_ledger(&mut body, &ledger, &shared.store.stats());
+            let totals = shared.cluster.as_ref().is_none_or(|c| c.leads());
+            crate::metrics::render_ledger(
+                &mut body,
+                totals.then_some(&ledger),
+                &shared.store.stats(),
+            );
             crate::metrics::render_controls(&mut body, shared.control.generation());
             crate::connlimit::render_all(
                 &mut body,
