@@ -893,7 +893,7 @@ async fn run_mode(
         Target::External { gate, upstream } => {
             let upstream = upstream.trim_end_matches('/').to_string();
             let target = match mode {
-                Mode::On | Mode::Signal => gate.trim_end_matches('/').to_string(),
+                Mode::On | Mode::Signal | Mode::Cluster => gate.trim_end_matches('/').to_string(),
                 Mode::Off => upstream.clone(),
             };
             (None, target, upstream)
