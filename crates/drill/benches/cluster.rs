@@ -12,11 +12,12 @@
 //!   request to the leader (one extra HTTP hop).
 //!
 //! Everything runs in this process on one tokio runtime, stub and clients included, so the
-//! figures are the whole machine's work per request; compare ratios within a run. Redis round
-//! trips per request are Redis's own count (`INFO commandstats`, summed over commands, less
-//! `INFO` itself) before and after each phase, divided by the phase's requests (warm-up
-//! included on both sides); it includes the replicas' lease heartbeats (one script call per
-//! replica every third of the lease TTL).
+//! figures are the whole machine's work per request; compare ratios within a run. Redis's own
+//! counts (`INFO commandstats`) before and after each phase give, per request answered in the
+//! phase (warm-up included, as in the counts): the round trips (commands clients sent: the
+//! scripts' `EVALSHA`, see [`CLIENT_COMMANDS`]) and the commands executed (those the scripts
+//! run inside Redis included). Both include the replicas' lease heartbeats (one script call
+//! per replica every third of the lease TTL, about 2 per second here).
 //!
 //! Run: `cargo bench -p slackgate-drill --bench cluster` (release).
 
@@ -29,11 +30,18 @@ use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
 use slackgate_drill::client::{http_client, HttpClient};
-use slackgate_drill::redis::Redis;
+use slackgate_drill::redis::{command_calls, Redis};
 use slackgate_gateway::config::LogTarget;
 use slackgate_gateway::{Config, DecisionLog, Gateway};
 use slackgate_stub::{LatencySpec, Stub, StubConfig};
 use tokio::net::TcpListener;
+
+/// The commands a client sends (round trips): `INFO commandstats` also counts every
+/// `redis.call` made inside a script, which is no round trip. The gateway's Redis clients
+/// send only these during a run (the store's put and prune scripts and the lease script by
+/// `EVALSHA`, `EVAL`/`SCRIPT LOAD` once, `HSCAN` at a leader's load; `SET`/`GET` of the
+/// tenant key only when a store opens, before a phase starts).
+const CLIENT_COMMANDS: [&str; 6] = ["evalsha", "eval", "script", "hscan", "ping", "select"];
 
 type Res<T> = Result<T, Box<dyn Error + Send + Sync>>;
 
@@ -87,6 +95,8 @@ struct Phase {
     p50_us: u64,
     p99_us: u64,
     redis_calls: Option<u64>,
+    /// Commands Redis executed, those run inside the scripts included.
+    redis_commands: Option<u64>,
     /// Every request answered in the phase, warm-up included (what the Redis count covers).
     all_requests: u64,
 }
@@ -186,13 +196,34 @@ async fn phase(
     secs: u64,
 ) -> Res<Phase> {
     let before = match redis {
-        Some(r) => Some(r.commands_served()?),
+        Some(r) => Some(command_calls(&r.info("commandstats")?)),
         None => None,
     };
     let (requests, non_2xx, errors, secs_measured, lat, all) =
         load(http, base, clients, secs).await;
+    let mut breakdown = Vec::new();
+    let mut commands = None;
     let redis_calls = match (redis, before) {
-        (Some(r), Some(b)) => Some(r.commands_served()?.saturating_sub(b)),
+        (Some(r), Some(b)) => {
+            let after = command_calls(&r.info("commandstats")?);
+            for (cmd, n) in &after {
+                let was = b.iter().find(|(c, _)| c == cmd).map_or(0, |(_, k)| *k);
+                if cmd != "info" && *n > was {
+                    breakdown.push(format!("{cmd} {}", n - was));
+                }
+            }
+            let client_sent = |v: &[(String, u64)]| -> u64 {
+                v.iter()
+                    .filter(|(c, _)| CLIENT_COMMANDS.contains(&c.as_str()))
+                    .map(|(_, n)| n)
+                    .sum()
+            };
+            let all = |v: &[(String, u64)]| -> u64 {
+                v.iter().filter(|(c, _)| c != "info").map(|(_, n)| n).sum()
+            };
+            commands = Some(all(&after).saturating_sub(all(&b)));
+            Some(client_sent(&after).saturating_sub(client_sent(&b)))
+        }
         _ => None,
     };
     let p = Phase {
@@ -204,8 +235,14 @@ async fn phase(
         p50_us: pct(&lat, 0.50),
         p99_us: pct(&lat, 0.99),
         redis_calls,
+        redis_commands: commands,
         all_requests: all,
     };
+    eprintln!(
+        "{name}: Redis commands {} over {} requests (warm-up included)",
+        breakdown.join(", "),
+        p.all_requests
+    );
     eprintln!(
         "{name}: {} ok in {:.1} s ({:.0}/s), p50 {} us, p99 {} us, non-2xx {}, errors {}",
         p.requests,
@@ -299,17 +336,20 @@ async fn bench() -> Res<Vec<Phase>> {
         "closed loop, {clients} clients, {secs} s per phase after 1 s warm-up, stub latency 0 ms, {} cores\n",
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    println!("| target | req/s | vs one gate (memory) | p50 | p99 | added p50 / p99 vs stub | Redis calls / request | non-2xx | errors |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| target | req/s | vs one gate (memory) | p50 | p99 | added p50 / p99 vs stub | Redis round trips / request | Redis commands executed / request | non-2xx | errors |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let base = phases.first().map_or((0, 0), |p| (p.p50_us, p.p99_us));
     let single = phases.get(1).map_or(1.0, |p| p.requests as f64 / p.secs);
     for p in &phases {
         let rps = p.requests as f64 / p.secs;
-        let per_req = p.redis_calls.map_or(String::new(), |c| {
-            format!("{:.2}", c as f64 / p.all_requests.max(1) as f64)
-        });
+        let per = |n: Option<u64>| {
+            n.map_or(String::new(), |c| {
+                format!("{:.2}", c as f64 / p.all_requests.max(1) as f64)
+            })
+        };
+        let (per_req, per_cmd) = (per(p.redis_calls), per(p.redis_commands));
         println!(
-            "| {} | {:.0} | {:.2} | {:.2} ms | {:.2} ms | {:+.2} / {:+.2} ms | {} | {} | {} |",
+            "| {} | {:.0} | {:.2} | {:.2} ms | {:.2} ms | {:+.2} / {:+.2} ms | {} | {} | {} | {} |",
             p.name,
             rps,
             rps / single,
@@ -318,6 +358,7 @@ async fn bench() -> Res<Vec<Phase>> {
             (p.p50_us as f64 - base.0 as f64) / 1000.0,
             (p.p99_us as f64 - base.1 as f64) / 1000.0,
             per_req,
+            per_cmd,
             p.non_2xx,
             p.errors
         );
