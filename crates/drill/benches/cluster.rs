@@ -57,7 +57,12 @@ fn env_or(name: &str, default: u64) -> u64 {
 
 /// The gate's configuration: one wide pool on the stub, one deadline class, so every request
 /// is decided, admitted, held in the ledger, dispatched and settled, and none is refused.
-fn gate_config(upstream: &str, ledger: &str, log: &str, cluster: Option<(&str, &str, &str)>) -> Res<Config> {
+fn gate_config(
+    upstream: &str,
+    ledger: &str,
+    log: &str,
+    cluster: Option<(&str, &str, &str)>,
+) -> Res<Config> {
     let mut text = format!(
         r#"
 [server]
@@ -262,7 +267,10 @@ async fn spawn_gate(cfg: &Config, dir: &std::path::Path, tag: &str) -> Res<Gatew
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let store = match &cfg.cluster {
         Some(c) => slackgate_gateway::server::open_cluster_store(c, cfg.gate.ledger.retention_ms)?,
-        None => slackgate_gateway::server::open_store(&cfg.server.ledger, cfg.server.ledger_synchronous)?,
+        None => slackgate_gateway::server::open_store(
+            &cfg.server.ledger,
+            cfg.server.ledger_synchronous,
+        )?,
     };
     Ok(Gateway::spawn_with_store(listener, cfg, log, store)?)
 }
@@ -285,10 +293,23 @@ async fn bench() -> Res<Vec<Phase>> {
     let http = http_client();
     let redis = tokio::task::spawn_blocking(Redis::start).await??;
     let mut phases = Vec::new();
-    phases.push(phase("stub directly (no gate)", &http, &upstream, Some(&redis), clients, secs).await?);
+    phases.push(
+        phase(
+            "stub directly (no gate)",
+            &http,
+            &upstream,
+            Some(&redis),
+            clients,
+            secs,
+        )
+        .await?,
+    );
     for (name, ledger) in [
         ("one gate, memory ledger", "memory".to_owned()),
-        ("one gate, SQLite ledger", dir.join("ledger.db").display().to_string()),
+        (
+            "one gate, SQLite ledger",
+            dir.join("ledger.db").display().to_string(),
+        ),
     ] {
         let log = dir.join("unused.jsonl").display().to_string();
         let cfg = gate_config(&upstream, &ledger, &log, None)?;
@@ -300,7 +321,12 @@ async fn bench() -> Res<Vec<Phase>> {
     let name = format!("bench-{}", std::process::id());
     let url = redis.url();
     let log = dir.join("unused.jsonl").display().to_string();
-    let r0 = spawn_gate(&gate_config(&upstream, "memory", &log, Some((&url, &name, "r0")))?, &dir, "r0").await?;
+    let r0 = spawn_gate(
+        &gate_config(&upstream, "memory", &log, Some((&url, &name, "r0")))?,
+        &dir,
+        "r0",
+    )
+    .await?;
     // r0 alone first: it takes the lease; r1 joins as a follower.
     let deadline = Instant::now() + Duration::from_secs(20);
     let leads = |g: &Gateway| g.shared().cluster.as_ref().is_some_and(|c| c.leads());
@@ -310,7 +336,12 @@ async fn bench() -> Res<Vec<Phase>> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let r1 = spawn_gate(&gate_config(&upstream, "memory", &log, Some((&url, &name, "r1")))?, &dir, "r1").await?;
+    let r1 = spawn_gate(
+        &gate_config(&upstream, "memory", &log, Some((&url, &name, "r1")))?,
+        &dir,
+        "r1",
+    )
+    .await?;
     loop {
         let st = r1.shared().cluster.as_ref().map(|c| c.status());
         if st.is_some_and(|s| s.role == "follower" && s.leader.is_some_and(|l| l.id == "r0")) {
@@ -321,11 +352,18 @@ async fn bench() -> Res<Vec<Phase>> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    for (label, g) in [("cluster: the leader directly", &r0), ("cluster: a follower (forwards to the leader)", &r1)] {
+    for (label, g) in [
+        ("cluster: the leader directly", &r0),
+        ("cluster: a follower (forwards to the leader)", &r1),
+    ] {
         let base = format!("http://{}", g.local_addr());
         phases.push(phase(label, &http, &base, Some(&redis), clients, secs).await?);
     }
-    let forwarded = r1.shared().cluster.as_ref().map_or(0, |c| c.status().forwarded);
+    let forwarded = r1
+        .shared()
+        .cluster
+        .as_ref()
+        .map_or(0, |c| c.status().forwarded);
     eprintln!("the follower forwarded {forwarded} requests");
     r1.shutdown().await;
     r0.shutdown().await;
@@ -371,7 +409,9 @@ fn main() -> Res<()> {
     if std::env::args().any(|a| a == "--list" || a == "--test") {
         return Ok(());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let phases = rt.block_on(bench())?;
     if phases.iter().any(|p| p.requests == 0) {
         return Err("a phase completed no request".into());

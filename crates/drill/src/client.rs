@@ -352,9 +352,9 @@ async fn offer(
         "{}/v1/chat/completions",
         run.target_for(a.request, attempt)
     ))
-        .header("content-type", "application/json")
-        .header("x-job-class", class.name.as_str())
-        .header("x-attempt", attempt);
+    .header("content-type", "application/json")
+    .header("x-job-class", class.name.as_str())
+    .header("x-attempt", attempt);
     let body = match &run.real {
         // A real server generates what it generates: ask for the scenario's output length
         // (the request's true size; `ignore_eos` so a model that would stop early does not

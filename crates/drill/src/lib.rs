@@ -767,9 +767,7 @@ async fn start_cluster(
         slackgate_gateway::telemetry::epoch_ms(),
         std::process::id()
     );
-    let start_err = |what: &'static str| {
-        move |why: String| DrillError::Start { what, why }
-    };
+    let start_err = |what: &'static str| move |why: String| DrillError::Start { what, why };
     let mut gates = Vec::with_capacity(opts.replicas);
     let mut logs = Vec::with_capacity(opts.replicas);
     for i in 0..opts.replicas {

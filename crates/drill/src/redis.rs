@@ -146,10 +146,7 @@ impl Redis {
         let mut s = TcpStream::connect_timeout(&self.addr, Duration::from_secs(2)).map_err(io)?;
         s.set_read_timeout(Some(Duration::from_secs(5)))
             .map_err(io)?;
-        let cmd = format!(
-            "*2\r\n$4\r\nINFO\r\n${}\r\n{section}\r\n",
-            section.len()
-        );
+        let cmd = format!("*2\r\n$4\r\nINFO\r\n${}\r\n{section}\r\n", section.len());
         s.write_all(cmd.as_bytes()).map_err(io)?;
         let mut got = Vec::new();
         let mut buf = [0u8; 8192];
@@ -208,7 +205,10 @@ fn bulk_string(got: &[u8]) -> Result<Option<String>, String> {
     };
     let head = std::str::from_utf8(&got[..eol]).map_err(|_| "answer is not text".to_string())?;
     let Some(len) = head.strip_prefix('$') else {
-        return Err(format!("unexpected answer {:?}", head.chars().take(80).collect::<String>()));
+        return Err(format!(
+            "unexpected answer {:?}",
+            head.chars().take(80).collect::<String>()
+        ));
     };
     let len: usize = len
         .parse()

@@ -215,10 +215,10 @@ impl Drill {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "## {} replicas against one gate
-
-`gate-on-cluster`: {} gate replicas sharing one              Redis (one holds the lease and decides, the others forward to it), the clients'              offers spread round-robin over them (a retry goes to the next replica);              `gate-on`: one gate, same requests.
-",
+            "## {} replicas against one gate\n\n`gate-on-cluster`: {} gate replicas sharing one \
+             Redis (one holds the lease and decides, the others forward to it), the clients' \
+             offers spread round-robin over them (a retry goes to the next replica); \
+             `gate-on`: one gate, same requests.\n",
             c.replicas, c.replicas
         );
         let _ = writeln!(
