@@ -26,8 +26,9 @@ pub struct DrillArgs {
     /// class's learned mean, as with clients that send no hint.
     #[arg(long)]
     pub no_hint: bool,
-    /// Which runs: `on`, `off`, `signal` (gate on reading the upstream's /metrics), comma
-    /// separated (default `on,off`; `signal,on,off` when the scenario has a [neighbour]).
+    /// Which runs: `on`, `off`, `signal` (gate on reading the upstream's /metrics), `cluster`
+    /// (with --replicas), comma separated (default `on,off`; `signal,on,off` when the
+    /// scenario has a [neighbour]; `cluster,on` with --replicas above 1).
     #[arg(long = "run", value_delimiter = ',')]
     pub runs: Vec<String>,
     /// Drive a running gate instead of starting one (needs --upstream too). Gate off then
@@ -57,6 +58,15 @@ pub struct DrillArgs {
     /// Leave this many scenario seconds of each run out of the estimator's error (warm-up).
     #[arg(long, default_value_t = 30.0)]
     pub error_after_s: f64,
+    /// Run the scenario through this many gate replicas sharing one Redis (cluster mode,
+    /// offers spread round-robin over them), then through one gate, and report both side by
+    /// side with their ratio. 1: no cluster run.
+    #[arg(long, default_value_t = 1, conflicts_with_all = ["gate", "real_upstream"])]
+    pub replicas: usize,
+    /// The Redis of the cluster run (`redis://127.0.0.1:PORT[/DB]`; default: the drill starts
+    /// its own `redis-server` on a free loopback port and stops it afterwards).
+    #[arg(long)]
+    pub redis: Option<String>,
     /// Print JSON instead of markdown.
     #[arg(long)]
     pub json: bool,
@@ -103,13 +113,17 @@ pub fn run(a: DrillArgs) -> Result<()> {
             "on" => Ok(Mode::On),
             "off" => Ok(Mode::Off),
             "signal" => Ok(Mode::Signal),
+            "cluster" => Ok(Mode::Cluster),
             other => Err(anyhow::anyhow!(
-                "--run {other:?}: expected on, off or signal"
+                "--run {other:?}: expected on, off, signal or cluster"
             )),
         })
         .collect::<Result<Vec<_>>>()?;
     if !(a.error_after_s.is_finite() && a.error_after_s >= 0.0) {
         bail!("--error-after-s must be a number of seconds, 0 or more");
+    }
+    if a.redis.is_some() && a.replicas < 2 {
+        bail!("--redis is the cluster run's Redis: give --replicas 2 or more with it");
     }
     let target = match (a.gate, a.upstream, a.real_upstream) {
         (Some(gate), Some(upstream), _) => {
@@ -137,7 +151,7 @@ pub fn run(a: DrillArgs) -> Result<()> {
         _ => Target::InProcess,
     };
     let modes = if modes.is_empty() {
-        slackgate_drill::default_modes(&s, &target)
+        slackgate_drill::default_modes_for(&s, &target, a.replicas)
     } else {
         modes
     };
@@ -148,6 +162,8 @@ pub fn run(a: DrillArgs) -> Result<()> {
         progress: slackgate_drill::progress::wanted() && !a.json,
         log_dir: a.out.clone(),
         error_after_s: a.error_after_s,
+        replicas: a.replicas,
+        redis: a.redis,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -51,6 +51,10 @@ pub struct Run {
     pub t0: Instant,
     /// Where requests go: `http://host:port`.
     pub target: String,
+    /// Several replicas of one gate (a cluster run): each offer goes to one of them in turn,
+    /// by request and attempt, so a client's retry lands on another replica than its first
+    /// offer. Empty: everything goes to `target`.
+    pub spread: Vec<String>,
     /// Which run this is (distinct stub request ids per run).
     pub tag: &'static str,
     /// Unique to this drill invocation: idempotency keys never repeat across drills, so a
@@ -63,6 +67,19 @@ pub struct Run {
     /// Against a real model server: how to write its requests. `None`: the upstream is
     /// `slackgate stub`, told each request's output length and service time by header.
     pub real: Option<RealRequests>,
+}
+
+impl Run {
+    /// The gate replica an offer goes to: round-robin over `spread` by request and attempt.
+    pub fn target_for(&self, request: u64, attempt: u32) -> &str {
+        match self.spread.len() {
+            0 => &self.target,
+            n => {
+                let i = (request.wrapping_add(u64::from(attempt)) % n as u64) as usize;
+                self.spread.get(i).map_or(&self.target, String::as_str)
+            }
+        }
+    }
 }
 
 /// How requests to a real model server are written.
@@ -331,10 +348,13 @@ async fn offer(
         Some(spec) if fault_header.is_none() || fault_header.as_deref() == Some("reset") => spec,
         _ => format!("fixed:{real_us}us"),
     };
-    let mut req = Request::post(format!("{}/v1/chat/completions", run.target))
-        .header("content-type", "application/json")
-        .header("x-job-class", class.name.as_str())
-        .header("x-attempt", attempt);
+    let mut req = Request::post(format!(
+        "{}/v1/chat/completions",
+        run.target_for(a.request, attempt)
+    ))
+    .header("content-type", "application/json")
+    .header("x-job-class", class.name.as_str())
+    .header("x-attempt", attempt);
     let body = match &run.real {
         // A real server generates what it generates: ask for the scenario's output length
         // (the request's true size; `ignore_eos` so a model that would stop early does not

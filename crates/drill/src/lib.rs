@@ -24,10 +24,13 @@ pub mod joblog;
 pub mod neighbour;
 pub mod progress;
 pub mod realserver;
+pub mod redis;
 mod report;
 mod sampler;
 
-pub use report::{admitted_on_time, class_counters, AdmittedOnTime, Agreement, ClassCounters};
+pub use report::{
+    admitted_on_time, class_counters, AdmittedOnTime, Agreement, ClassCounters, ClusterComparison,
+};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,10 +63,14 @@ pub enum Mode {
     /// `server_metrics`, kind `llamacpp`): work it did not send counts in its projected wait.
     /// The drill's default first run when the scenario has a `[neighbour]`.
     Signal,
+    /// The gate on, as several replicas sharing one Redis ([`DrillOptions::replicas`]): the
+    /// clients' offers are spread round-robin over the replicas. Compared with `On` (one
+    /// replica) in the same drill.
+    Cluster,
 }
 
 /// Every mode, in the order a label is looked up.
-const MODES: [Mode; 3] = [Mode::On, Mode::Off, Mode::Signal];
+const MODES: [Mode; 4] = [Mode::On, Mode::Off, Mode::Signal, Mode::Cluster];
 
 impl Mode {
     /// The name in reports.
@@ -72,6 +79,7 @@ impl Mode {
             Mode::On => "gate-on",
             Mode::Off => "gate-off",
             Mode::Signal => "gate-on-signal",
+            Mode::Cluster => "gate-on-cluster",
         }
     }
 
@@ -80,12 +88,13 @@ impl Mode {
         MODES.into_iter().find(|m| m.label() == label)
     }
 
-    /// A small number unique to the mode (0, 1, 2), to keep each run's prompts distinct.
+    /// A small number unique to the mode (0 to 3), to keep each run's prompts distinct.
     pub fn index(self) -> u64 {
         match self {
             Mode::On => 0,
             Mode::Off => 1,
             Mode::Signal => 2,
+            Mode::Cluster => 3,
         }
     }
 
@@ -93,7 +102,7 @@ impl Mode {
     /// neighbour, the signal changes nothing and the gate is slackgate).
     pub fn sim_policy(self) -> &'static str {
         match self {
-            Mode::On | Mode::Signal => "slackgate",
+            Mode::On | Mode::Signal | Mode::Cluster => "slackgate",
             Mode::Off => "admit-always",
         }
     }
@@ -103,7 +112,15 @@ impl Mode {
 /// (and a gate the drill starts), gate on with the server's signal first, so both gate-on
 /// figures come from one invocation.
 pub fn default_modes(s: &Scenario, target: &Target) -> Vec<Mode> {
-    if s.neighbour.is_some() && !matches!(target, Target::External { .. }) {
+    default_modes_for(s, target, 1)
+}
+
+/// [`default_modes`] for `replicas` gate replicas: with more than one, the cluster run and
+/// then the same scenario through one gate, to compare.
+pub fn default_modes_for(s: &Scenario, target: &Target, replicas: usize) -> Vec<Mode> {
+    if replicas > 1 {
+        vec![Mode::Cluster, Mode::On]
+    } else if s.neighbour.is_some() && !matches!(target, Target::External { .. }) {
         vec![Mode::Signal, Mode::On, Mode::Off]
     } else {
         vec![Mode::On, Mode::Off]
@@ -194,7 +211,19 @@ pub struct DrillOptions {
     /// The estimator's error is measured on requests dispatched this many scenario seconds
     /// after a run starts (the warm-up is left out).
     pub error_after_s: f64,
+    /// Gate replicas of the cluster run ([`Mode::Cluster`]), sharing one Redis; 1 (no
+    /// cluster run) by default.
+    pub replicas: usize,
+    /// The Redis of the cluster run (`redis://127.0.0.1:PORT[/DB]`); `None`: the drill starts
+    /// its own `redis-server` on a free loopback port and stops it after the run.
+    pub redis: Option<String>,
 }
+
+/// Most replicas a cluster run starts (each is a full gate in this process).
+pub const MAX_REPLICAS: usize = 16;
+
+/// Longest wait for the cluster run's replicas to agree on a leader (real time).
+const CLUSTER_READY: Duration = Duration::from_secs(20);
 
 impl Default for DrillOptions {
     fn default() -> Self {
@@ -205,6 +234,8 @@ impl Default for DrillOptions {
             progress: false,
             log_dir: None,
             error_after_s: 30.0,
+            replicas: 1,
+            redis: None,
         }
     }
 }
@@ -249,6 +280,12 @@ pub enum DrillError {
     /// The `--config` given for a real upstream does not fit the scenario.
     #[error("--config: {0}")]
     Config(String),
+    /// `--replicas` out of range, or a cluster run without replicas.
+    #[error("--replicas must be between 2 and {MAX_REPLICAS} for a cluster run (and a cluster run needs --replicas), got {0}")]
+    Replicas(usize),
+    /// The cluster run's Redis.
+    #[error(transparent)]
+    Redis(#[from] redis::RedisError),
 }
 
 /// What one run produced besides its requests.
@@ -321,6 +358,8 @@ pub struct Drill {
     pub external: bool,
     /// Against a real model server: what the drill used.
     pub real: Option<RealInfo>,
+    /// Gate replicas of the cluster run (1: there was none).
+    pub replicas: usize,
     /// The warm-up left out of the estimator's error (scenario seconds).
     pub error_after_s: f64,
 }
@@ -398,6 +437,25 @@ fn set_signal(pools: &mut [slackgate_core::config::PoolConfig], mode: Mode, scal
 
 /// Refuse what the drill cannot reproduce live, rather than report a different experiment.
 fn check_supported(s: &Scenario, opts: &DrillOptions) -> Result<(), DrillError> {
+    let cluster = opts.modes.contains(&Mode::Cluster);
+    if cluster && !(2..=MAX_REPLICAS).contains(&opts.replicas) {
+        return Err(DrillError::Replicas(opts.replicas));
+    }
+    if opts.replicas != 1 && !cluster {
+        return Err(DrillError::Replicas(opts.replicas));
+    }
+    if cluster && opts.target != Target::InProcess {
+        return Err(DrillError::Unsupported {
+            field: "--replicas (with --gate or --real-upstream)",
+            why: "the cluster run starts its own replicas in front of the drill's stub",
+        });
+    }
+    if cluster && s.neighbour.is_some() {
+        return Err(DrillError::Unsupported {
+            field: "[neighbour] (with --replicas)",
+            why: "the cluster run does not scrape the upstream's signal",
+        });
+    }
     if matches!(opts.target, Target::External { .. }) && opts.modes.contains(&Mode::Signal) {
         return Err(DrillError::Unsupported {
             field: "--run signal (with --gate)",
@@ -512,6 +570,11 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
         size_hint: s.size_hint,
         external,
         real,
+        replicas: if opts.modes.contains(&Mode::Cluster) {
+            opts.replicas
+        } else {
+            1
+        },
         error_after_s: opts.error_after_s,
     })
 }
@@ -581,7 +644,14 @@ fn real_gate_config(s: &Scenario, r: &RealUpstream, mode: Mode, url: &str) -> Co
 /// decision log.
 struct Started {
     stub: Option<Stub>,
+    /// The gate (in a cluster run, the replica that led when the run started).
     gate: Gateway,
+    /// A cluster run's other replicas, stopped before the leader.
+    followers: Vec<Gateway>,
+    /// A cluster run's Redis, stopped (if the drill started it) after every replica.
+    redis: Option<redis::Redis>,
+    /// A cluster run's replica URLs, in replica order (the clients' round-robin).
+    spread: Vec<String>,
     log: DecisionLog,
     log_path: PathBuf,
     /// A directory made for the log because no `--out` was given: removed after the run.
@@ -640,6 +710,9 @@ async fn start(
         }
     };
     std::fs::create_dir_all(&dir).map_err(start_err("decision log"))?;
+    if mode == Mode::Cluster {
+        return start_cluster(stub, cfg, &dir, scratch, opts, upstream).await;
+    }
     let log_path = dir.join(format!("decisions-{}.jsonl", mode.label()));
     let _ = std::fs::remove_file(&log_path);
     cfg.log.path = log_path.display().to_string();
@@ -655,6 +728,9 @@ async fn start(
         Started {
             stub,
             gate,
+            followers: Vec::new(),
+            redis: None,
+            spread: Vec::new(),
             log,
             log_path,
             scratch,
@@ -662,6 +738,135 @@ async fn start(
         target,
         upstream,
     ))
+}
+
+/// Start a cluster run's Redis (or reach the one given) and `opts.replicas` gates sharing it
+/// under a cluster name of their own, each with its own decision log
+/// (`decisions-gate-on-cluster-r<i>.jsonl`), and wait until one leads and every other
+/// forwards to it. The run's target (metrics, the decision log read back) is the leader.
+async fn start_cluster(
+    stub: Option<Stub>,
+    cfg: Config,
+    dir: &std::path::Path,
+    scratch: Option<PathBuf>,
+    opts: &DrillOptions,
+    upstream: String,
+) -> Result<(Started, String, String), DrillError> {
+    let redis = match &opts.redis {
+        Some(url) => redis::Redis::existing(url)?,
+        None => tokio::task::spawn_blocking(redis::Redis::start)
+            .await
+            .map_err(|e| DrillError::Start {
+                what: "redis-server",
+                why: e.to_string(),
+            })??,
+    };
+    // A name of its own: several drills (or a re-run) can share one Redis.
+    let name = format!(
+        "drill-{:x}-{}",
+        slackgate_gateway::telemetry::epoch_ms(),
+        std::process::id()
+    );
+    let start_err = |what: &'static str| move |why: String| DrillError::Start { what, why };
+    let mut gates = Vec::with_capacity(opts.replicas);
+    let mut logs = Vec::with_capacity(opts.replicas);
+    for i in 0..opts.replicas {
+        let mut c = cfg.clone();
+        let cluster = slackgate_gateway::config::ClusterConfig {
+            redis: redis.url(),
+            name: name.clone(),
+            replica_id: Some(format!("r{i}")),
+            ..slackgate_gateway::config::ClusterConfig::default()
+        };
+        let store =
+            slackgate_gateway::server::open_cluster_store(&cluster, c.gate.ledger.retention_ms)
+                .map_err(start_err("cluster ledger"))?;
+        c.cluster = Some(cluster);
+        let path = dir.join(format!("decisions-{}-r{i}.jsonl", Mode::Cluster.label()));
+        let _ = std::fs::remove_file(&path);
+        c.log.path = path.display().to_string();
+        let log = DecisionLog::start(LogTarget::File(path.clone()), c.log.channel_capacity)
+            .map_err(|e| DrillError::Start {
+                what: "decision log",
+                why: e.to_string(),
+            })?;
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| DrillError::Start {
+                what: "gate replica",
+                why: e.to_string(),
+            })?;
+        let gate = Gateway::spawn_with_store(listener, &c, log.clone(), store)
+            .map_err(start_err("gate replica"))?;
+        gates.push(gate);
+        logs.push((log, path));
+    }
+    let spread: Vec<String> = gates
+        .iter()
+        .map(|g| format!("http://{}", g.local_addr()))
+        .collect();
+    let leader = wait_for_leader(&gates).await;
+    let Some(leader) = leader else {
+        let why = format!(
+            "no replica led, with every other one following it, within {CLUSTER_READY:?} (redis {})",
+            redis.url()
+        );
+        for g in gates {
+            g.shutdown().await;
+        }
+        return Err(DrillError::Start {
+            what: "cluster",
+            why,
+        });
+    };
+    let gate = gates.remove(leader);
+    let (log, log_path) = logs.swap_remove(leader);
+    let target = spread.get(leader).cloned().unwrap_or_default();
+    Ok((
+        Started {
+            stub,
+            gate,
+            followers: gates,
+            redis: Some(redis),
+            spread,
+            log,
+            log_path,
+            scratch,
+        },
+        target,
+        upstream,
+    ))
+}
+
+/// The index of the replica that leads once every replica sees the same leader and all the
+/// replicas; `None` if that does not happen within [`CLUSTER_READY`].
+async fn wait_for_leader(gates: &[Gateway]) -> Option<usize> {
+    let deadline = tokio::time::Instant::now() + CLUSTER_READY;
+    loop {
+        let status: Vec<_> = gates
+            .iter()
+            .filter_map(|g| g.shared().cluster.as_ref().map(|c| c.status()))
+            .collect();
+        let leaders: Vec<usize> = (0..status.len())
+            .filter(|&i| status[i].role == "leader")
+            .collect();
+        if let ([l], true) = (leaders.as_slice(), status.len() == gates.len()) {
+            let id = &status[*l].replica_id;
+            let agreed = status.iter().all(|st| {
+                st.replicas.len() == gates.len()
+                    && (st.role == "leader"
+                        || (st.role == "follower"
+                            && st.leader.as_ref().is_some_and(|x| &x.id == id)))
+            });
+            if agreed {
+                return Some(*l);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Longest wait for the upstream to go idle after the last client, so the accounting of
@@ -686,7 +891,7 @@ async fn run_mode(
         Target::External { gate, upstream } => {
             let upstream = upstream.trim_end_matches('/').to_string();
             let target = match mode {
-                Mode::On | Mode::Signal => gate.trim_end_matches('/').to_string(),
+                Mode::On | Mode::Signal | Mode::Cluster => gate.trim_end_matches('/').to_string(),
                 Mode::Off => upstream.clone(),
             };
             (None, target, upstream)
@@ -706,6 +911,9 @@ async fn run_mode(
         scale,
         t0: tokio::time::Instant::now(),
         target: target.clone(),
+        spread: started
+            .as_ref()
+            .map_or_else(Vec::new, |st| st.spread.clone()),
         tag: mode.label(),
         key_prefix: key_prefix.to_string(),
         http: http.clone(),
@@ -781,8 +989,13 @@ async fn run_mode(
     // The gate's decision log, once the gate has stopped and every line is on disk.
     let jobs = match started {
         Some(st) => {
+            // Followers first: the leader then gives its lease up with nobody to take it.
+            for f in st.followers {
+                f.shutdown().await;
+            }
             st.gate.shutdown().await;
             st.log.flush().await;
+            drop(st.redis);
             if let Some(stub) = st.stub {
                 stub.shutdown().await;
             }

@@ -12,6 +12,38 @@ use crate::{Drill, Mode};
 
 pub(crate) use slackgate_sim::report::build;
 
+/// The cluster run against the one-gate run of the same drill (`--replicas K`): what the
+/// issue asks of it is the on-time count within 5% of a single gate and the admitted SLO
+/// unchanged.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClusterComparison {
+    /// Gate replicas in the cluster run.
+    pub replicas: usize,
+    /// On-time completions (all classes), cluster run.
+    pub on_time_cluster: u64,
+    /// On-time completions, one gate.
+    pub on_time_single: u64,
+    /// `on_time_cluster / on_time_single` (1 when both are 0).
+    pub on_time_ratio: f64,
+    /// Admitted SLO attainment, cluster run.
+    pub admitted_slo_cluster: f64,
+    /// Admitted SLO attainment, one gate.
+    pub admitted_slo_single: f64,
+    /// Requests refused or dropped, cluster run.
+    pub refused_cluster: u64,
+    /// Requests refused or dropped, one gate.
+    pub refused_single: u64,
+}
+
+impl ClusterComparison {
+    /// The issue's bar: on time within `tol` (0.05) of one gate, admitted SLO no lower than
+    /// one gate's by more than `slo_tol` (a request or two of rounding; 0.0 is strict).
+    pub fn holds(&self, tol: f64, slo_tol: f64) -> bool {
+        (self.on_time_ratio - 1.0).abs() <= tol
+            && self.admitted_slo_cluster + slo_tol >= self.admitted_slo_single
+    }
+}
+
 /// One class's counters in the seeds' own terms.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct ClassCounters {
@@ -149,6 +181,73 @@ pub fn class_counters(s: &Scenario, run: &RunResult) -> Vec<ClassCounters> {
 }
 
 impl Drill {
+    /// The cluster run against the one-gate run, when the drill made both.
+    pub fn cluster_comparison(&self) -> Option<ClusterComparison> {
+        let total = |m: Mode| {
+            self.report
+                .policies
+                .iter()
+                .find(|p| p.policy == m.label())
+                .map(|p| &p.total)
+        };
+        let (c, one) = (total(Mode::Cluster)?, total(Mode::On)?);
+        let ratio = match (c.on_time, one.on_time) {
+            (0, 0) => 1.0,
+            (_, 0) => f64::INFINITY,
+            (a, b) => a as f64 / b as f64,
+        };
+        Some(ClusterComparison {
+            replicas: self.replicas,
+            on_time_cluster: c.on_time,
+            on_time_single: one.on_time,
+            on_time_ratio: ratio,
+            admitted_slo_cluster: c.admitted_slo_attainment,
+            admitted_slo_single: one.admitted_slo_attainment,
+            refused_cluster: c.rejected + c.dropped,
+            refused_single: one.rejected + one.dropped,
+        })
+    }
+
+    fn cluster_markdown(&self) -> String {
+        let Some(c) = self.cluster_comparison() else {
+            return String::new();
+        };
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "## {} replicas against one gate\n\n`gate-on-cluster`: {} gate replicas sharing one \
+             Redis (one holds the lease and decides, the others forward to it), the clients' \
+             offers spread round-robin over them (a retry goes to the next replica); \
+             `gate-on`: one gate, same requests.\n",
+            c.replicas, c.replicas
+        );
+        let _ = writeln!(
+            out,
+            "| | {} replicas | one gate | ratio |
+|---|---:|---:|---:|",
+            c.replicas
+        );
+        let _ = writeln!(
+            out,
+            "| on time | {} | {} | {:.3} |",
+            c.on_time_cluster, c.on_time_single, c.on_time_ratio
+        );
+        let _ = writeln!(
+            out,
+            "| admitted SLO | {:.1}% | {:.1}% | {:+.1} pt |",
+            c.admitted_slo_cluster * 100.0,
+            c.admitted_slo_single * 100.0,
+            (c.admitted_slo_cluster - c.admitted_slo_single) * 100.0
+        );
+        let _ = writeln!(
+            out,
+            "| refused or dropped | {} | {} | |
+",
+            c.refused_cluster, c.refused_single
+        );
+        out
+    }
+
     /// Markdown: the side-by-side report, refusals over time, the seeds' counters and the
     /// simulator agreement.
     pub fn to_markdown(&self) -> String {
@@ -211,6 +310,7 @@ impl Drill {
                 }
             );
         }
+        out.push_str(&self.cluster_markdown());
         out.push_str(&self.neighbour_markdown());
         out.push_str(&self.report.to_markdown());
         out.push_str(&self.refusals_over_time());
@@ -449,6 +549,8 @@ impl Drill {
             healthy: bool,
             runs: &'a [crate::RunSummary],
             report: &'a report::Report,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            cluster: Option<ClusterComparison>,
         }
         let out = Out {
             time_scale: self.time_scale,
@@ -459,6 +561,7 @@ impl Drill {
             healthy: self.healthy(),
             runs: &self.summaries,
             report: &self.report,
+            cluster: self.cluster_comparison(),
         };
         serde_json::to_string_pretty(&out).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
