@@ -204,7 +204,7 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     };
     if refused {
         let key = d.idempotency_key.clone();
-        let _ = shared.settle_key(&key, false, 0);
+        let _ = shared.settle_key_because(&key, false, 0, Some(Reason::RejectDuplicate));
         let mut resp = with_status(
             StatusCode::CONFLICT,
             response::json(&json!({

@@ -412,6 +412,18 @@ impl Shared {
         commit: bool,
         tokens: u64,
     ) -> Result<slackgate_core::HoldRecord, slackgate_core::ledger::SettleError> {
+        self.settle_key_because(key, commit, tokens, None)
+    }
+
+    /// [`Shared::settle_key`], logging the cancel under `reason` (a hold the shared ledger
+    /// refused is a `reject_duplicate`, not a client's cancel).
+    pub fn settle_key_because(
+        &self,
+        key: &str,
+        commit: bool,
+        tokens: u64,
+        reason: Option<Reason>,
+    ) -> Result<slackgate_core::HoldRecord, slackgate_core::ledger::SettleError> {
         self.with_core(|st, now, lines| {
             let job = st.gate.job_for_key(key);
             let r = if commit {
@@ -437,7 +449,7 @@ impl Shared {
                 let reason = match hold.map(|h| h.state) {
                     Some(slackgate_core::HoldState::Expired) => Reason::HoldExpired,
                     _ if commit => Reason::Completed,
-                    _ => Reason::ClientCancelled,
+                    _ => reason.unwrap_or(Reason::ClientCancelled),
                 };
                 let mut line = base_line(id, &w.meta, action, reason);
                 line.tokens_held = Some(w.meta.tokens_held);

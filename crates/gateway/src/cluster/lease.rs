@@ -296,7 +296,7 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
                 now_ms,
                 flags_out.as_ref(),
             ),
-            Err(e) => beat_failed(&gate, &cluster, &mut st, &e),
+            Err(e) => beat_failed(&gate, &cluster, &mut st, &e, sent),
         }
         gate.set_share(cluster.share_parts());
         if stopping {
@@ -477,6 +477,7 @@ fn beat_ok(
     let mut view = lock(&cluster.view);
     view.redis_up = true;
     view.last_ok = Some(sent);
+    view.last_attempt = Some(sent);
     view.last_error = None;
     view.secret = Some(beat.secret.clone());
     view.leader = (!beat.holder.is_empty()).then(|| {
@@ -507,7 +508,7 @@ fn beat_ok(
         .collect();
 }
 
-fn beat_failed(gate: &Shared, cluster: &Cluster, st: &mut Lease, e: &str) {
+fn beat_failed(gate: &Shared, cluster: &Cluster, st: &mut Lease, e: &str, sent: Instant) {
     cluster
         .counters
         .redis_errors
@@ -519,6 +520,7 @@ fn beat_failed(gate: &Shared, cluster: &Cluster, st: &mut Lease, e: &str) {
     st.redis_up = Some(false);
     let mut view = lock(&cluster.view);
     view.redis_up = false;
+    view.last_attempt = Some(sent);
     view.last_error = Some(reason);
     if st.leading && view.lead_until.is_none_or(|t| t <= Instant::now()) {
         st.leading = false;

@@ -86,8 +86,10 @@ struct View {
     lead_until: Option<Instant>,
     /// Redis answered the last call in time.
     redis_up: bool,
-    /// When Redis last answered.
+    /// When Redis last answered (the heartbeat's send time).
     last_ok: Option<Instant>,
+    /// When the last heartbeat that ended (answered or failed) was sent.
+    last_attempt: Option<Instant>,
     replicas: Vec<Replica>,
     secret: Option<String>,
     /// A forward to the leader failed: decide by fail mode until then, without trying it.
@@ -288,7 +290,9 @@ impl Cluster {
         self.wake_lease();
         let limit = Duration::from_millis(self.cfg.lease_ttl_ms / 3 + self.cfg.redis_timeout_ms);
         while asked.elapsed() < limit {
-            let fresh = lock(&self.view).last_ok.is_some_and(|t| t > asked);
+            // A heartbeat sent after the ask has ended, answered or not (Redis down: within
+            // its timeout, and the request then follows its fail mode at once).
+            let fresh = lock(&self.view).last_attempt.is_some_and(|t| t > asked);
             if fresh {
                 break;
             }
@@ -297,8 +301,13 @@ impl Cluster {
         self.route(false)
     }
 
+    /// A forward to the leader failed: forget it until a heartbeat names a leader again (so a
+    /// Redis outage is one steady degraded state, not a flapping one), and do not try the
+    /// same one again for a third of the TTL (a follower cut off from it pays the connect
+    /// timeout once per window, not per request).
     fn suspect_leader(&self) {
         let mut view = lock(&self.view);
+        view.leader = None;
         view.leader_suspect_until =
             Some(Instant::now() + Duration::from_millis(self.cfg.lease_ttl_ms / 3));
         drop(view);
@@ -890,8 +899,21 @@ mod tests {
         );
         assert_eq!(c.share_parts(), 2);
         assert_eq!(c.status().role, "follower");
-        // A forward that failed: decide by fail mode for a while, without trying it.
+        // A forward that failed: the leader is forgotten until a heartbeat names one again,
+        // and not tried again for a while.
         c.suspect_leader();
+        assert_eq!(c.route(false), Route::Degraded);
+        assert_eq!(c.status().role, "degraded");
+        assert!(c.status().leader.is_none());
+        {
+            let mut v = lock(&c.view);
+            // The next heartbeat names it again; the window still holds it off.
+            v.leader = Some(Leader {
+                id: "other".into(),
+                url: "http://10.0.0.2:8080".into(),
+                epoch: 4,
+            });
+        }
         assert_eq!(c.route(false), Route::Degraded);
         {
             let mut v = lock(&c.view);
