@@ -32,6 +32,19 @@ impl Usage {
     }
 }
 
+/// A hold nobody will settle: held, proxied (a reservation-API worker may still be running),
+/// not of a `live` key of this process, and placed by no replica in `alive`.
+fn orphaned(
+    r: &HoldRecord,
+    live: &std::collections::HashSet<String>,
+    alive: &std::collections::HashSet<String>,
+) -> bool {
+    r.state == HoldState::Held
+        && !r.reservation
+        && !live.contains(&r.key)
+        && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
+}
+
 /// The reservation ledger.
 #[derive(Debug, Default)]
 pub struct Ledger {
@@ -107,12 +120,7 @@ impl Ledger {
         let proxied: Vec<String> = l
             .holds
             .values()
-            .filter(|r| {
-                r.state == HoldState::Held
-                    && !r.reservation
-                    && !live.contains(&r.key)
-                    && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
-            })
+            .filter(|r| orphaned(r, live, alive))
             .map(|r| r.key.clone())
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
@@ -184,12 +192,7 @@ impl Ledger {
         let orphans: std::collections::BTreeSet<String> = self
             .holds
             .values()
-            .filter(|r| {
-                r.state == HoldState::Held
-                    && !r.reservation
-                    && !live.contains(&r.key)
-                    && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
-            })
+            .filter(|r| orphaned(r, live, alive))
             .map(|r| r.key.clone())
             .collect();
         let mut out = Vec::new();

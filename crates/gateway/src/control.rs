@@ -323,11 +323,7 @@ impl Shared {
     }
 
     fn log_events(&self, mut lines: Vec<LogLine>) {
-        lock(&self.core).number(&mut lines);
-        for line in &lines {
-            self.metrics.observe(line);
-            self.log.log(line);
-        }
+        self.emit(&mut lines);
     }
 
     fn event_line(action: &'static str, reason: &'static str, actor: &str) -> LogLine {

@@ -555,11 +555,18 @@ impl Shared {
             cluster: Some("degraded"),
             ..LogLine::default()
         }];
+        self.emit(&mut lines);
+    }
+
+    /// Write lines about no queued job (bad input, operator and cluster events): numbered
+    /// under the core lock, like every other line, so `seq` is one total order; then logged
+    /// and counted.
+    pub(crate) fn emit(&self, lines: &mut [LogLine]) {
         self.core
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .number(&mut lines);
-        for line in &lines {
+            .number(lines);
+        for line in lines.iter() {
             self.metrics.observe(line);
             self.log.log(line);
         }
@@ -749,15 +756,7 @@ impl Shared {
             class_label: label,
             ..LogLine::default()
         }];
-        // Numbered under the core lock, like every other line, so `seq` is one total order.
-        self.core
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .number(&mut lines);
-        for line in &lines {
-            self.metrics.observe(line);
-            self.log.log(line);
-        }
+        self.emit(&mut lines);
     }
 
     fn end(&self, id: JobId, outcome: Option<Outcome>, wasted: u64, cancel_reason: Reason) {

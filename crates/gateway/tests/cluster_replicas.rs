@@ -104,6 +104,15 @@ async fn replica_ttl(
     })
 }
 
+/// A chat request of `class` to replica `r`, with an idempotency key if given.
+async fn ask(r: &Replica, class: &str, key: Option<&str>) -> Resp {
+    let mut headers = vec![("x-job-class", class)];
+    if let Some(k) = key {
+        headers.push(("idempotency-key", k));
+    }
+    post(&r.url("/v1/chat/completions"), &headers, &chat(4)).await
+}
+
 fn unique(name: &str) -> String {
     format!(
         "{name}-{}-{}",
@@ -187,12 +196,7 @@ async fn a_flag_set_on_any_replica_applies_on_every_one() {
     .await;
     // The leader decides with the flag: a batch request through the follower is refused
     // class_disabled (the follower forwarded it; the leader's core refused it).
-    let r = post(
-        &follower.url("/v1/chat/completions"),
-        &[("x-job-class", "batch")],
-        &chat(4),
-    )
-    .await;
+    let r = ask(follower, "batch", None).await;
     assert_eq!(r.status, 429, "{:?}", r.json());
     assert_eq!(r.json()["error"]["code"], "class_disabled");
     leader
@@ -212,12 +216,7 @@ async fn a_flag_set_on_any_replica_applies_on_every_one() {
         )
     })
     .await;
-    let r = post(
-        &follower.url("/v1/chat/completions"),
-        &[("x-job-class", "batch")],
-        &chat(4),
-    )
-    .await;
+    let r = ask(follower, "batch", None).await;
     assert_eq!(r.status, 200, "{:?}", r.json());
     assert!(follower.status().forwarded >= 2);
     a.gate.shutdown().await;
@@ -258,12 +257,7 @@ async fn a_leader_that_shuts_down_hands_the_lease_over_at_once() {
     assert!(took < Duration::from_millis(2_500), "took {took:?}");
     assert_eq!(follower.status().leader.unwrap().epoch, epoch + 1);
     assert_eq!(follower.status().leader.unwrap().id, follower.id);
-    let r = post(
-        &follower.url("/v1/chat/completions"),
-        &[("x-job-class", "interactive")],
-        &chat(4),
-    )
-    .await;
+    let r = ask(&follower, "interactive", None).await;
     assert_eq!(r.status, 200);
     follower.gate.shutdown().await;
 }
@@ -283,19 +277,9 @@ async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_whe
         std::future::ready(a.gate.shared().snapshot().pools[0].slots == 1)
     })
     .await;
-    let open = post(
-        &a.url("/v1/chat/completions"),
-        &[("x-job-class", "interactive")],
-        &chat(4),
-    )
-    .await;
+    let open = ask(&a, "interactive", None).await;
     assert_eq!(open.status, 200, "{:?}", open.json());
-    let closed = post(
-        &a.url("/v1/chat/completions"),
-        &[("x-job-class", "batch")],
-        &chat(4),
-    )
-    .await;
+    let closed = ask(&a, "batch", None).await;
     assert_eq!(closed.status, 503);
     assert_eq!(closed.json()["error"]["code"], "cluster_unavailable");
     assert_eq!(
@@ -308,12 +292,7 @@ async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_whe
         std::future::ready(a.leads())
     })
     .await;
-    let closed = post(
-        &a.url("/v1/chat/completions"),
-        &[("x-job-class", "batch")],
-        &chat(4),
-    )
-    .await;
+    let closed = ask(&a, "batch", None).await;
     assert_eq!(closed.status, 200, "{:?}", closed.json());
     assert_eq!(a.gate.shared().snapshot().pools[0].slots, 2);
     // The decision log says which decisions were made alone and which as leader, and when
@@ -384,12 +363,7 @@ async fn a_class_failing_closed_sends_nothing_upstream_when_redis_goes() {
     // ledger_unavailable) or has stepped down (cluster_unavailable), the request is refused
     // with 503 before any upstream work.
     for _ in 0..3 {
-        let r = post(
-            &a.url("/v1/chat/completions"),
-            &[("x-job-class", "batch")],
-            &chat(4),
-        )
-        .await;
+        let r = ask(&a, "batch", None).await;
         assert_eq!(r.status, 503, "{:?}", r.json());
         let code = r.json()["error"]["code"].as_str().unwrap().to_string();
         assert!(
@@ -404,12 +378,7 @@ async fn a_class_failing_closed_sends_nothing_upstream_when_redis_goes() {
         "nothing reached the upstream"
     );
     // The open class is still served.
-    let r = post(
-        &a.url("/v1/chat/completions"),
-        &[("x-job-class", "interactive")],
-        &chat(4),
-    )
-    .await;
+    let r = ask(&a, "interactive", None).await;
     assert_eq!(r.status, 200, "{:?}", r.json());
     let _ = redis.restart();
     a.gate.shutdown().await;
@@ -428,15 +397,7 @@ async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
         .unwrap();
     let first = leader_of(&[&a, &b]).await;
     // A key settled before Redis loses its data.
-    let r = post(
-        &a.url("/v1/chat/completions"),
-        &[
-            ("x-job-class", "interactive"),
-            ("idempotency-key", "settled-before"),
-        ],
-        &chat(4),
-    )
-    .await;
+    let r = ask(&a, "interactive", Some("settled-before")).await;
     assert_eq!(r.status, 200, "{:?}", r.json());
     // Redis comes back empty: the lease key is gone while the leader still counts its lease
     // as held. Whoever takes the new lease (epoch 1 again) must wait that out.
@@ -467,15 +428,7 @@ async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
     // after the lease changes hands (the replicas wrote back what they knew).
     let before = stub.stats().requests;
     for r in [&a, &b] {
-        let resp = post(
-            &r.url("/v1/chat/completions"),
-            &[
-                ("x-job-class", "interactive"),
-                ("idempotency-key", "settled-before"),
-            ],
-            &chat(4),
-        )
-        .await;
+        let resp = ask(r, "interactive", Some("settled-before")).await;
         assert_eq!(resp.status, 409, "{:?}", resp.json());
     }
     let (leader, other) = if l == 0 { (a, b) } else { (b, a) };
@@ -484,15 +437,7 @@ async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
         std::future::ready(other.leads())
     })
     .await;
-    let resp = post(
-        &other.url("/v1/chat/completions"),
-        &[
-            ("x-job-class", "interactive"),
-            ("idempotency-key", "settled-before"),
-        ],
-        &chat(4),
-    )
-    .await;
+    let resp = ask(&other, "interactive", Some("settled-before")).await;
     assert_eq!(resp.status, 409, "{:?}", resp.json());
     assert_eq!(stub.stats().requests, before, "no replay went upstream");
     other.gate.shutdown().await;
@@ -541,23 +486,13 @@ async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstr
     }]);
     other.flush().unwrap();
     let before = stub.stats().requests;
-    let r = post(
-        &a.url("/v1/chat/completions"),
-        &[("x-job-class", "interactive"), ("idempotency-key", "K")],
-        &chat(4),
-    )
-    .await;
+    let r = ask(&a, "interactive", Some("K")).await;
     assert_eq!(r.status, 409, "{:?}", r.json());
     assert_eq!(r.json()["error"]["code"], "reject_duplicate");
     assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
     assert_eq!(stub.stats().requests, before, "nothing went upstream");
     // The slot came back and another key goes through.
-    let r = post(
-        &a.url("/v1/chat/completions"),
-        &[("x-job-class", "interactive"), ("idempotency-key", "K2")],
-        &chat(4),
-    )
-    .await;
+    let r = ask(&a, "interactive", Some("K2")).await;
     assert_eq!(r.status, 200, "{:?}", r.json());
     assert_eq!(a.gate.shared().snapshot().pools[0].in_flight, 0);
     a.gate.shutdown().await;

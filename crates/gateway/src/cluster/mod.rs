@@ -514,13 +514,9 @@ pub async fn serve(
         Route::NotLeader => not_leader(),
         Route::Forward(url) => {
             let arrived = Instant::now();
-            let (parts, body) = req.into_parts();
-            let path = parts.uri.path().to_string();
-            let bytes = match crate::proxy::read_body(&shared, body, &parts.headers).await {
-                Ok(b) => b,
-                Err(e) => {
-                    return crate::proxy::body_failure(&shared, &path, label(&parts.headers), e)
-                }
+            let (parts, bytes) = match read_whole(&shared, req).await {
+                Ok(r) => r,
+                Err(resp) => return resp,
             };
             let bound = Duration::from_millis(shared.server.upstream_timeout_ms);
             let mut url = url;
@@ -554,16 +550,31 @@ pub async fn serve(
             cluster.suspect_leader();
             degraded(shared, cluster, Request::from_parts(parts, bytes), target).await
         }
-        Route::Degraded => {
-            let (parts, body) = req.into_parts();
+        Route::Degraded => match read_whole(&shared, req).await {
+            Ok((parts, bytes)) => {
+                degraded(shared, cluster, Request::from_parts(parts, bytes), target).await
+            }
+            Err(resp) => resp,
+        },
+    }
+}
+
+/// Read a request's whole body (within the gate's limits), or answer why not.
+async fn read_whole(
+    shared: &Shared,
+    req: Request<hyper::body::Incoming>,
+) -> Result<(http::request::Parts, Bytes), Response<ResBody>> {
+    let (parts, body) = req.into_parts();
+    match crate::proxy::read_body(shared, body, &parts.headers).await {
+        Ok(b) => Ok((parts, b)),
+        Err(e) => {
             let path = parts.uri.path().to_string();
-            let bytes = match crate::proxy::read_body(&shared, body, &parts.headers).await {
-                Ok(b) => b,
-                Err(e) => {
-                    return crate::proxy::body_failure(&shared, &path, label(&parts.headers), e)
-                }
-            };
-            degraded(shared, cluster, Request::from_parts(parts, bytes), target).await
+            Err(crate::proxy::body_failure(
+                shared,
+                &path,
+                label(&parts.headers),
+                e,
+            ))
         }
     }
 }
