@@ -507,6 +507,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
     };
     let store =
         slackgate_gateway::server::open_configured_store(&cfg).map_err(anyhow::Error::msg)?;
+    let sigs = Signals::install();
     let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
     if let Some(at) = gw.admin_addr() {
         let auth = if gw.shared().control.has_token() {
@@ -521,7 +522,7 @@ async fn serve(a: ServeArgs) -> Result<()> {
             "slackgate: try\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -H 'x-job-class: interactive' -H 'x-deadline-ms: 5000' \\\n    -d '{{\"model\":\"demo\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":16}}'\n  curl -s http://{addr}/metrics | grep slackgate_decisions"
         );
     }
-    signals(&gw).await;
+    signals(&gw, sigs).await;
     eprintln!(
         "slackgate: shutting down (grace {} ms)",
         cfg.server.shutdown_grace_ms
@@ -531,13 +532,56 @@ async fn serve(a: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// The signals `serve` answers, registered before the gate starts serving: a SIGTERM or
+/// SIGHUP that arrives while the process is still starting (a test, or Kubernetes, may send one
+/// as soon as the gate answers) is then held for the loop below instead of taking the default
+/// action (ending the process, every request with it).
+struct Signals {
+    #[cfg(unix)]
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    hup: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn install() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Signals {
+                term: signal(SignalKind::terminate()).ok(),
+                hup: signal(SignalKind::hangup()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            Signals {}
+        }
+    }
+
+    /// SIGINT or SIGTERM.
+    #[cfg(unix)]
+    async fn stop(term: &mut Option<tokio::signal::unix::Signal>) {
+        match term.as_mut() {
+            Some(t) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = t.recv() => {}
+                }
+            }
+            None => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+}
+
 /// Serve until SIGINT or SIGTERM; reload the config on each SIGHUP.
-async fn signals(gw: &Gateway) {
+async fn signals(gw: &Gateway, mut sigs: Signals) {
     #[cfg(unix)]
     {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let Ok(mut hup) = signal(SignalKind::hangup()) {
-            let stop = shutdown_signal();
+        if let Some(hup) = sigs.hup.as_mut() {
+            let stop = Signals::stop(&mut sigs.term);
             tokio::pin!(stop);
             loop {
                 tokio::select! {
@@ -555,8 +599,13 @@ async fn signals(gw: &Gateway) {
                 }
             }
         }
+        Signals::stop(&mut sigs.term).await;
     }
-    shutdown_signal().await;
+    #[cfg(not(unix))]
+    {
+        let _ = sigs;
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 async fn stub(a: StubArgs) -> Result<()> {
