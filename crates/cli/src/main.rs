@@ -394,6 +394,8 @@ fn warn_deprecated(path: &std::path::Path) {
 }
 
 async fn serve(a: ServeArgs) -> Result<()> {
+    // First of all: a SIGTERM from now on is held for the drain below.
+    let sigs = Signals::install();
     if let Some(p) = &a.config {
         warn_deprecated(p);
     }
@@ -507,7 +509,6 @@ async fn serve(a: ServeArgs) -> Result<()> {
     };
     let store =
         slackgate_gateway::server::open_configured_store(&cfg).map_err(anyhow::Error::msg)?;
-    let sigs = Signals::install();
     let gw = Gateway::start(listener, &cfg, log, store, opts).map_err(anyhow::Error::msg)?;
     if let Some(at) = gw.admin_addr() {
         let auth = if gw.shared().control.has_token() {

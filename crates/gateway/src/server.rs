@@ -161,7 +161,7 @@ impl Gateway {
                 st.gate.set_key_run_tag(&tag);
                 // Holds name their replica: a new leader keeps those of replicas still
                 // running and expires those of replicas gone.
-                st.gate.set_hold_owner(&c.replica_id);
+                st.gate.set_hold_owner(&c.owner);
             });
         }
         shared.cluster = cluster.clone();
@@ -239,6 +239,10 @@ impl Gateway {
         }
         // Give the lease up (another replica takes over at once rather than after a TTL).
         if let (Some(c), Some(h)) = (&self.shared.cluster, self.lease) {
+            // The last settlements reach Redis first: the next leader loads them.
+            if let Err(e) = self.shared.durable().await {
+                eprintln!("slackgate: ledger flush before giving the lease up failed: {e}");
+            }
             c.stop();
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }

@@ -353,7 +353,7 @@ impl Shared {
             // view, and must not overwrite the leader's truth.
             if let Some(c) = &self.cluster {
                 if !c.leads() {
-                    records.retain(|r| r.owner.as_deref() == Some(c.replica_id.as_str()));
+                    records.retain(|r| r.owner.as_deref() == Some(c.owner.as_str()));
                 }
             }
             // Queued to the store's single writer while still under the lock, so records reach
@@ -603,7 +603,7 @@ impl Shared {
         let Some(c) = &self.cluster else {
             return 0;
         };
-        let me = c.replica_id.as_str();
+        let me = c.owner.as_str();
         let records: Vec<slackgate_core::HoldRecord> = self.with_core(|st, _, _| {
             st.gate
                 .ledger()
@@ -622,12 +622,17 @@ impl Shared {
     /// After a flush: whether the shared ledger refused the hold of `job` (its client's
     /// idempotency key is held or done there by another hold). Returns the key if so.
     pub fn hold_refused(&self, job: JobId) -> Option<String> {
+        // Only a shared store refuses; a gate alone skips the lookups.
+        self.cluster.as_ref()?;
         let key = self.with_core(|st, _, _| st.waiting.get(&job)?.meta.idempotency_key.clone())?;
         self.hold_refused_key(&key).then_some(key)
     }
 
     /// [`Shared::hold_refused`] by key (the reservation API's holds).
     pub fn hold_refused_key(&self, key: &str) -> bool {
+        if self.cluster.is_none() {
+            return false;
+        }
         let created = self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.created_at_ms));
         created.is_some_and(|c| self.store.hold_refused(key, c))
     }

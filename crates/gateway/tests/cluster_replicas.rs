@@ -497,3 +497,47 @@ async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstr
     assert_eq!(a.gate.shared().snapshot().pools[0].in_flight, 0);
     a.gate.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_went_back_in_time_is_waited_out_and_two_replicas_never_lead_at_once() {
+    let redis = redis();
+    let stub = stub(2, "fixed:20ms").await;
+    let name = unique("rollback");
+    let a = replica(&redis.url(), &name, "a", stub.local_addr())
+        .await
+        .unwrap();
+    let b = replica(&redis.url(), &name, "b", stub.local_addr())
+        .await
+        .unwrap();
+    let first = leader_of(&[&a, &b]).await;
+    // Redis restored from an older snapshot: the lease key is gone (expired in the snapshot)
+    // and the lease sequence is back where it was; the deadline it kept is long past.
+    let client = redis::Client::open(redis.url().as_str()).unwrap();
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .unwrap();
+    let prefix = format!("slackgate:{name}");
+    let _: () = redis::pipe()
+        .cmd("DEL")
+        .arg(format!("{prefix}:lease"))
+        .cmd("SET")
+        .arg(format!("{prefix}:lease_seq"))
+        .arg(1)
+        .cmd("SET")
+        .arg(format!("{prefix}:lease_deadline"))
+        .arg(1)
+        .query(&mut conn)
+        .unwrap();
+    let start = Instant::now();
+    let mut both = 0;
+    while start.elapsed() < Duration::from_secs(5) {
+        if a.leads() && b.leads() {
+            both += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(both, 0, "two replicas led at once (first leader {first})");
+    leader_of(&[&a, &b]).await;
+    a.gate.shutdown().await;
+    b.gate.shutdown().await;
+}

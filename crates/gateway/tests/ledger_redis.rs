@@ -124,6 +124,26 @@ fn a_key_is_held_once_across_replicas() {
 }
 
 #[test]
+fn a_hold_past_its_expiry_no_longer_locks_its_key() {
+    // A replica placed a hold and died; no leader knew it, so nobody wrote its expiry. Once
+    // its TTL has passed, a new hold of the key is accepted; before, it is refused.
+    let server = RedisServer::start().unwrap();
+    let a = RedisStore::open(opts(&server, "expiry")).unwrap();
+    let b = RedisStore::open(opts(&server, "expiry")).unwrap();
+    a.write(vec![rec("k", 0, 1_000, HoldState::Held, 1_000)]); // expires at 901_000
+    a.flush().unwrap();
+    b.write(vec![rec("k", 0, 900_000, HoldState::Held, 900_000)]);
+    b.flush().unwrap();
+    assert_eq!(state_of(&a, "k").unwrap().created_at_ms, 1_000);
+    assert!(b.hold_refused("k", 900_000));
+    b.write(vec![rec("k", 1, 901_000, HoldState::Held, 901_000)]);
+    b.flush().unwrap();
+    let k = state_of(&a, "k").unwrap();
+    assert_eq!((k.state, k.created_at_ms), (HoldState::Held, 901_000));
+    assert!(!b.hold_refused("k", 901_000));
+}
+
+#[test]
 fn the_first_terminal_state_wins() {
     let server = RedisServer::start().unwrap();
     let deposed = RedisStore::open(opts(&server, "term")).unwrap();

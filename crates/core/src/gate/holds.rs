@@ -101,24 +101,26 @@ impl Gate {
     ) {
         let now = self.clock(now);
         let live = self.live_keys();
-        let shared: std::collections::HashMap<&str, u64> = records
+        let shared: std::collections::HashMap<&str, (u64, u32, Millis)> = records
             .iter()
-            .map(|r| (r.key.as_str(), r.version))
+            .map(|r| (r.key.as_str(), (r.version, r.attempt, r.created_at_ms)))
             .collect();
         let me = self.hold_owner.as_deref();
         let mine: Vec<HoldRecord> = self
             .ledger
             .records()
             .filter(|r| match shared.get(r.key.as_str()) {
-                Some(v) => {
-                    *v < r.version
+                // Only a newer version of the same hold (versions of different holds come
+                // from different replicas' clocks): this gate's live job's, or one it placed.
+                Some((version, attempt, created)) => {
+                    *version < r.version
+                        && *attempt == r.attempt
+                        && *created == r.created_at_ms
                         && (live.contains(&r.key) || (me.is_some() && r.owner.as_deref() == me))
                 }
-                None => {
-                    store_lost_data
-                        || live.contains(&r.key)
-                        || (me.is_some() && r.owner.as_deref() == me)
-                }
+                // A key the store lacks was pruned there (its writes were flushed before the
+                // load), unless the store lost its data.
+                None => store_lost_data || live.contains(&r.key),
             })
             .cloned()
             .collect();

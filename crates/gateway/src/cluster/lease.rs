@@ -37,8 +37,8 @@ pub enum LeaseError {
 }
 
 /// One heartbeat. KEYS: lease, epoch, registry, secret, flags, flags version, lease
-/// deadline, incarnation. ARGV: me (`id|url|token`), ttl ms, now ms (this replica's clock, for
-/// the registry), how long a replica stays in the registry without checking in (ms), a
+/// deadline, incarnation, lease sequence. ARGV: me (`id|url|token`), ttl ms, this replica's clock (ms; informational:
+/// the registry is kept on Redis's clock), how long a replica stays in the registry without checking in (ms), a
 /// secret candidate, `take` | `yield` (give the lease up, stay registered) | `release` (give
 /// it up and leave), flags to publish (JSON; empty: none), an incarnation candidate.
 /// Returns the holder, the epoch, the secret, the registry, the flags and their version, the
@@ -53,13 +53,12 @@ redis.call('SET', KEYS[4], ARGV[5], 'NX')
 local secret = redis.call('GET', KEYS[4])
 redis.call('SET', KEYS[8], ARGV[8], 'NX')
 local incarnation = redis.call('GET', KEYS[8])
-local now = tonumber(ARGV[3])
 local stale = tonumber(ARGV[4])
 local ttl = tonumber(ARGV[2])
 local t = redis.call('TIME')
 local rnow = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[3], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - stale)
+redis.call('ZADD', KEYS[3], rnow, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', rnow - stale)
 local cur = redis.call('GET', KEYS[1])
 local wait = 0
 if ARGV[6] == 'release' or ARGV[6] == 'yield' then
@@ -81,16 +80,20 @@ elseif not cur then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
   redis.call('INCR', KEYS[2])
   redis.call('SET', KEYS[7], rnow + ttl)
+  redis.call('INCR', KEYS[9])
   cur = ARGV[1]
 elseif cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ttl)
   redis.call('SET', KEYS[7], rnow + ttl)
+  redis.call('INCR', KEYS[9])
 end
+local seq = redis.call('GET', KEYS[9]) or '0'
 local epoch = redis.call('GET', KEYS[2]) or '0'
-local members = redis.call('ZRANGEBYSCORE', KEYS[3], now - stale, '+inf', 'WITHSCORES')
+local members = redis.call('ZRANGEBYSCORE', KEYS[3], rnow - stale, '+inf', 'WITHSCORES')
 local flags = redis.call('GET', KEYS[5]) or ''
 local flags_version = redis.call('GET', KEYS[6]) or '0'
-return {cur or '', epoch, secret, members, flags, flags_version, incarnation, tostring(wait)}
+return {cur or '', epoch, secret, members, flags, flags_version, incarnation, tostring(wait),
+  seq, tostring(rnow)}
 ";
 
 /// What one heartbeat read back.
@@ -104,6 +107,17 @@ struct Beat {
     flags_version: u64,
     incarnation: String,
     wait_ms: u64,
+    /// Renewals and takes of the lease so far: it only goes up unless Redis went back in time.
+    seq: u64,
+    /// Redis's clock (the registry's scores are on it).
+    redis_now_ms: u64,
+}
+
+/// The owner a member's holds carry: `id|token` (see `Cluster::owner`).
+fn member_owner(m: &str) -> String {
+    let id = m.split('|').next().unwrap_or_default();
+    let token = m.rsplit('|').next().unwrap_or_default();
+    format!("{id}|{token}")
 }
 
 /// A registry member or lease value, `id|url|token`: (id, url).
@@ -158,10 +172,23 @@ impl Conn {
                 String,
                 String,
                 String,
+                String,
+                String,
             )>(&v)
         });
         match reply {
-            Ok((holder, epoch, secret, flat, flags, flags_version, incarnation, wait)) => {
+            Ok((
+                holder,
+                epoch,
+                secret,
+                flat,
+                flags,
+                flags_version,
+                incarnation,
+                wait,
+                seq,
+                rnow,
+            )) => {
                 let members = flat
                     .chunks(2)
                     .filter_map(|c| match c {
@@ -178,6 +205,8 @@ impl Conn {
                     flags_version: flags_version.parse().unwrap_or(0),
                     incarnation,
                     wait_ms: wait.parse().unwrap_or(0),
+                    seq: seq.parse().unwrap_or(0),
+                    redis_now_ms: rnow.parse().unwrap_or(0),
                 })
             }
             Err(e) => {
@@ -220,8 +249,13 @@ struct Lease {
     yield_next: bool,
     /// The incarnation of Redis's data last seen (a new one: Redis lost its data).
     incarnation: Option<String>,
-    /// Redis lost its data since this replica last adopted the ledger.
+    /// Redis lost its data (came back empty, or went back in time: restored from a
+    /// snapshot) since this replica last adopted the ledger, and when that was seen.
     lost_data: bool,
+    lost_at: Option<Instant>,
+    /// The highest lease sequence seen (renewals and takes): one below it means Redis went
+    /// back in time.
+    max_seq: u64,
     /// Whether Redis answered the last heartbeat (events on a change only).
     redis_up: Option<bool>,
     /// A duplicate replica id was reported.
@@ -237,12 +271,14 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
         conn: None,
         timeout,
     };
-    let me = format!(
-        "{}|{}|{}",
-        cluster.replica_id,
-        cluster.advertise,
-        &random_hex()[..16]
-    );
+    // `id|url|token`: the token is the one in this process's holds' owner (`id|token`).
+    let token = cluster
+        .owner
+        .rsplit('|')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let me = format!("{}|{}|{token}", cluster.replica_id, cluster.advertise);
     let keys: Vec<String> = [
         "lease",
         "lease_epoch",
@@ -252,6 +288,7 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
         "flags_version",
         "lease_deadline",
         "incarnation",
+        "lease_seq",
     ]
     .iter()
     .map(|k| format!("{}:{k}", cluster.prefix))
@@ -293,7 +330,6 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
                 &me,
                 beat,
                 sent,
-                now_ms,
                 flags_out.as_ref(),
             ),
             Err(e) => beat_failed(&gate, &cluster, &mut st, &e, sent),
@@ -339,7 +375,6 @@ fn beat_ok(
     me: &str,
     beat: Beat,
     sent: Instant,
-    now_ms: u64,
     flags_out: Option<&String>,
 ) {
     let ttl = cluster.cfg.lease_ttl_ms;
@@ -363,38 +398,62 @@ fn beat_ok(
         gate.cluster_event("redis_up", None);
     }
     st.redis_up = Some(true);
-    match &st.incarnation {
-        Some(seen) if *seen != beat.incarnation => {
-            st.lost_data = true;
-            // Every replica writes back the holds it placed (a leader, below, everything it
-            // knows), so that settled keys still answer duplicates whoever leads next.
-            let n = gate.republish_own_records();
-            gate.cluster_event(
-                "redis_data_lost",
-                Some(format!(
-                    "Redis came back without its data: {n} records this replica placed written back"
-                )),
-            );
-        }
-        _ => {}
+    let emptied = st
+        .incarnation
+        .as_ref()
+        .is_some_and(|seen| *seen != beat.incarnation);
+    let rolled_back = beat.seq < st.max_seq;
+    if emptied || rolled_back {
+        st.lost_data = true;
+        st.lost_at = Some(Instant::now());
+        // Every replica writes back the holds it placed (a leader, below, everything it
+        // knows), so that settled keys still answer duplicates whoever leads next.
+        let n = gate.republish_own_records();
+        let what = if emptied {
+            "came back without its data"
+        } else {
+            "went back in time (restored from a snapshot)"
+        };
+        gate.cluster_event(
+            "redis_data_lost",
+            Some(format!(
+                "Redis {what}: {n} records this replica placed written back"
+            )),
+        );
     }
     st.incarnation = Some(beat.incarnation.clone());
+    st.max_seq = if rolled_back {
+        beat.seq
+    } else {
+        st.max_seq.max(beat.seq)
+    };
+    // A replica that does not lead forgets the loss once the next leader had time to write
+    // back what it knows: a much later takeover must not write back a stale copy.
+    if !st.leading
+        && st
+            .lost_at
+            .is_some_and(|t| t.elapsed() > Duration::from_millis(ttl.saturating_mul(3)))
+    {
+        st.lost_data = false;
+        st.lost_at = None;
+    }
     st.yield_next = false;
     // The other replicas that checked in within a TTL: still running, so their proxied holds
     // are theirs to settle. A dead leader has not: its lease had to lapse (a TTL without a
     // renewal) before this one could be taken.
-    let alive: std::collections::HashSet<String> = beat
+    // Processes, not replica ids: a restarted pod keeps its name, and its dead predecessor's
+    // holds must expire. Ages on Redis's clock (the registry's scores are on it).
+    let recent: Vec<&String> = beat
         .members
         .iter()
-        .filter(|(m, seen)| m != me && now_ms.saturating_sub(*seen) < ttl)
-        .map(|(m, _)| split_member(m).0)
-        .filter(|id| *id != cluster.replica_id)
+        .filter(|(m, seen)| m != me && beat.redis_now_ms.saturating_sub(*seen) < ttl)
+        .map(|(m, _)| m)
         .collect();
+    let alive: std::collections::HashSet<String> = recent.iter().map(|m| member_owner(m)).collect();
     if !st.duplicate_reported
-        && beat
-            .members
+        && recent
             .iter()
-            .any(|(m, _)| m != me && split_member(m).0 == cluster.replica_id)
+            .any(|m| split_member(m).0 == cluster.replica_id)
     {
         st.duplicate_reported = true;
         gate.cluster_event(
@@ -409,7 +468,14 @@ fn beat_ok(
     if !mine {
         st.standby_until = None;
     } else if !st.leading && st.standby_until.is_none() {
-        st.standby_until = Some(sent + Duration::from_millis(beat.wait_ms));
+        // Counted from the answer (Redis measured the wait when it ran the script, at most
+        // this long ago); a Redis that lost its data may have lost the deadline too: a TTL.
+        let wait = if st.lost_data {
+            beat.wait_ms.max(ttl)
+        } else {
+            beat.wait_ms
+        };
+        st.standby_until = Some(Instant::now() + Duration::from_millis(wait));
     }
     let waited = st.standby_until.is_some_and(|t| t <= Instant::now());
     if mine && !st.leading && waited {
@@ -502,7 +568,7 @@ fn beat_ok(
             Replica {
                 id,
                 url,
-                seen_ms_ago: now_ms.saturating_sub(*seen),
+                seen_ms_ago: beat.redis_now_ms.saturating_sub(*seen),
             }
         })
         .collect();

@@ -94,6 +94,8 @@ struct View {
     secret: Option<String>,
     /// A forward to the leader failed: decide by fail mode until then, without trying it.
     leader_suspect_until: Option<Instant>,
+    /// The leader (id, epoch) that failed: only it is held off.
+    suspected: Option<(String, u64)>,
     /// Last error talking to Redis (for `/stats`).
     last_error: Option<String>,
     /// Flags set on this replica, not yet written to Redis (JSON of the overrides).
@@ -141,6 +143,10 @@ pub struct Cluster {
     pub advertise: String,
     /// Every Redis key of this cluster starts with this (`slackgate:<name>`).
     pub prefix: String,
+    /// This process among the cluster's: `replica_id|token`, the token random per process
+    /// (a restarted pod keeps its name, not its token). Written into every hold it places:
+    /// the holds of a dead process are told apart from those of its successor.
+    pub owner: String,
     view: Mutex<View>,
     /// Wakes the lease thread early (a forward failed; shutdown).
     wake: (Mutex<bool>, Condvar),
@@ -190,8 +196,11 @@ impl Cluster {
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
                 .build(connector);
+        let replica_id = cfg.replica_id.clone().unwrap_or_else(default_replica_id);
+        let token = crate::tenant::key_hex(&crate::tenant::random_key());
         Ok(Cluster {
-            replica_id: cfg.replica_id.clone().unwrap_or_else(default_replica_id),
+            owner: format!("{replica_id}|{}", &token[..16]),
+            replica_id,
             advertise: cfg.advertise_url(listen),
             prefix: format!("slackgate:{}", cfg.name),
             cfg: cfg.clone(),
@@ -241,11 +250,21 @@ impl Cluster {
         // checks its own lease (a replica that no longer leads answers `NotLeader`, and the
         // request then follows its fail mode), so a follower cut off from Redis but not from
         // the leader keeps the cluster one gate.
-        let suspect = view.leader_suspect_until.is_some_and(|t| t > now);
         match &view.leader {
-            Some(l) if !suspect && l.id != self.replica_id => Route::Forward(l.url.clone()),
+            Some(l) if !self.held_off(&view, l, now) && l.id != self.replica_id => {
+                Route::Forward(l.url.clone())
+            }
             _ => Route::Degraded,
         }
+    }
+
+    /// The leader `l` failed a forward a moment ago (the same one: id and epoch).
+    fn held_off(&self, view: &View, l: &Leader, now: Instant) -> bool {
+        view.leader_suspect_until.is_some_and(|t| t > now)
+            && view
+                .suspected
+                .as_ref()
+                .is_some_and(|(id, epoch)| *id == l.id && *epoch == l.epoch)
     }
 
     /// The number of parts this replica's gate splits each pool into: 1 while it leads, the
@@ -307,7 +326,7 @@ impl Cluster {
     /// timeout once per window, not per request).
     fn suspect_leader(&self) {
         let mut view = lock(&self.view);
-        view.leader = None;
+        view.suspected = view.leader.take().map(|l| (l.id, l.epoch));
         view.leader_suspect_until =
             Some(Instant::now() + Duration::from_millis(self.cfg.lease_ttl_ms / 3));
         drop(view);
@@ -340,8 +359,7 @@ impl Cluster {
             } else if view
                 .leader
                 .as_ref()
-                .is_some_and(|l| l.id != self.replica_id)
-                && view.leader_suspect_until.is_none_or(|t| t <= now)
+                .is_some_and(|l| l.id != self.replica_id && !self.held_off(&view, l, now))
             {
                 // Forwarding (see `route`).
                 "follower"

@@ -17,8 +17,10 @@
 ///   and N's state differs, refuse: a conflict, the first terminal state wins (a deposed
 ///   leader's late `done` after the new leader's `expired`, whatever their versions).
 ///   Otherwise write N if its version is higher, else skip it (stale or replayed).
-/// - a new hold of the key: if S is held or done, refuse: a conflict (a key is held or done
-///   once across all replicas). Otherwise write N if its version is higher, else skip.
+/// - a new hold of the key: if S is done, or held and not yet expired when N was placed
+///   (`expires_at_ms` at or before N's `created_at_ms`: a hold whose replica died, which no
+///   leader knew, must not lock its key out for ever), refuse: a conflict (a key is held or
+///   done once across all replicas). Otherwise write N if its version is higher, else skip.
 ///
 /// Written settled records
 /// go into the sorted set (score: `updated_at_ms`, or -1 for generated keys, prunable at
@@ -62,7 +64,9 @@ for i = 3, #ARGV - 1, 2 do
         elseif n.version <= s.version then
           verdict = 'stale'
         end
-      elseif s.state == 'held' or s.state == 'done' then
+      elseif s.state == 'done' or (s.state == 'held' and not (
+          type(s.expires_at_ms) == 'number' and type(n.created_at_ms) == 'number'
+          and s.expires_at_ms <= n.created_at_ms)) then
         verdict = 'held'
       elseif n.version <= s.version then
         verdict = 'stale'
