@@ -117,21 +117,7 @@ impl Ledger {
         // A proxied request's hold is settled by its connection, which died with the process:
         // expire those at once (tokens wasted) rather than lock the key out for a TTL. A
         // reservation-API worker may still be running: its hold keeps its TTL.
-        let proxied: Vec<String> = l
-            .holds
-            .values()
-            .filter(|r| orphaned(r, live, alive))
-            .map(|r| r.key.clone())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        let mut changed = Vec::new();
-        for key in proxied {
-            let held = l.holds.get(&key).map_or(0, |r| r.tokens_held);
-            if let Some(r) = l.end(now, &key, HoldState::Expired, 0, held) {
-                changed.push(r);
-            }
-        }
+        let mut changed = l.expire_orphans(now, live, alive);
         changed.extend(l.expire_due(now));
         (l, changed)
     }

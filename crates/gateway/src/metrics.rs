@@ -757,7 +757,7 @@ fn endpoint_counter(o: &mut String, name: &str, help: &str, label: &str, counts:
 }
 
 /// One metric family: its HELP and TYPE lines, then one sample per (labels, value).
-fn family(
+pub(crate) fn family(
     o: &mut String,
     name: &str,
     kind: &str,

@@ -314,8 +314,7 @@ where
 
     // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
     // this future is dropped (client gone) the guard takes the job out of the queue.
-    let closed = shared.fail_mode_of(decision.class) == slackgate_core::FailMode::Closed;
-    let go = match wait_for_slot(&shared, signal, closed, decision.job_id).await {
+    let go = match wait_for_slot(&shared, signal, decision.class, decision.job_id).await {
         Ok(go) => go,
         Err(SlotRefused::Answer(resp)) => return resp,
         Err(SlotRefused::LedgerDown(e)) => return ledger_unavailable(guard, &e),
@@ -405,7 +404,8 @@ where
                         continue;
                     }
                     if let Some(signal) = shared.requeue(decision.job_id) {
-                        match wait_for_slot(&shared, signal, closed, decision.job_id).await {
+                        match wait_for_slot(&shared, signal, decision.class, decision.job_id).await
+                        {
                             Ok(go) => {
                                 (endpoint, base, abort) =
                                     (go.endpoint, go.upstream, Some(go.abort));
@@ -527,49 +527,59 @@ enum SlotRefused {
     Duplicate(String),
 }
 
-/// Refuse a dispatched request whose hold the shared ledger refused (another replica holds
-/// or has settled its idempotency key): 409 `reject_duplicate`, nothing sent upstream, the
-/// slot released and nothing spent.
+/// Refuse a dispatched request before anything goes upstream: its slot and hold released,
+/// nothing spent (the job is cancelled under `reason`), the client told `message`.
+fn refuse_dispatched(
+    guard: JobGuard,
+    status: StatusCode,
+    reason: Reason,
+    message: &str,
+    advice: RetryAdvice,
+) -> Response<ResBody> {
+    guard.cancel_with(reason, 0);
+    response::error(status, reason, message, None, Some(advice))
+}
+
+/// The shared ledger refused the hold (another replica holds or has settled its key): 409
+/// `reject_duplicate`.
 fn duplicate_in_store(guard: JobGuard, key: &str) -> Response<ResBody> {
-    guard.cancel_with(Reason::RejectDuplicate, 0);
-    response::error(
+    refuse_dispatched(
+        guard,
         StatusCode::CONFLICT,
         Reason::RejectDuplicate,
         &format!(
             "idempotency key {key:?} is already held or done in the shared ledger: a replay \
              never reserves or spends twice"
         ),
-        None,
-        Some(RetryAdvice {
+        RetryAdvice {
             after_ms: 60_000,
             should_retry: false,
-        }),
+        },
     )
 }
 
-/// Refuse a dispatched request whose hold the ledger store could not record (its class fails
-/// closed): 503 `ledger_unavailable`, the slot and the hold released, nothing sent upstream.
+/// The ledger store could not record the hold and the class fails closed: 503
+/// `ledger_unavailable`.
 fn ledger_unavailable(guard: JobGuard, why: &str) -> Response<ResBody> {
-    guard.cancel_with(Reason::LedgerUnavailable, 0);
-    response::error(
+    refuse_dispatched(
+        guard,
         StatusCode::SERVICE_UNAVAILABLE,
         Reason::LedgerUnavailable,
         &format!(
             "the ledger store could not record this request's hold ({why}), and its class \
              fails closed: nothing was sent upstream; retry shortly"
         ),
-        None,
-        Some(RetryAdvice {
+        RetryAdvice {
             after_ms: 1_000,
             should_retry: true,
-        }),
+        },
     )
 }
 
 async fn wait_for_slot(
     shared: &Shared,
     signal: tokio::sync::oneshot::Receiver<Signal>,
-    fail_closed: bool,
+    class: Option<slackgate_core::LaneId>,
     job: slackgate_core::JobId,
 ) -> Result<Go, SlotRefused> {
     match signal.await {
@@ -581,7 +591,8 @@ async fn wait_for_slot(
             // hold reaches the store when it returns), one failing closed is refused.
             if let Err(e) = shared.durable().await {
                 shared.note_store_error(&e);
-                if fail_closed {
+                // Looked up only here, off the path of every request that the store took.
+                if shared.fail_mode_of(class) == slackgate_core::FailMode::Closed {
                     return Err(SlotRefused::LedgerDown(e));
                 }
             } else if let Some(key) = shared.hold_refused(job) {

@@ -507,33 +507,17 @@ impl Shared {
     /// The fail mode of the class a request labelled `label` belongs to (the default class's
     /// for no label; `open` when nothing matches: the core then refuses it itself).
     pub fn fail_mode(&self, label: Option<&str>) -> slackgate_core::FailMode {
-        self.with_core(|st, _, _| {
-            let lane = st.gate.classify(label);
-            fail_mode_in(st, lane)
-        })
+        self.with_core(|st, _, _| st.gate.fail_mode(st.gate.classify(label)))
     }
 
     /// The fail mode of a decided request's class.
     pub fn fail_mode_of(&self, lane: Option<slackgate_core::LaneId>) -> slackgate_core::FailMode {
-        self.with_core(|st, _, _| fail_mode_in(st, lane))
+        self.with_core(|st, _, _| st.gate.fail_mode(lane))
     }
 
-    /// `closed` if any class fails closed (for requests whose class is not known before the
-    /// body is parsed: the reservation API).
+    /// `closed` if any class fails closed (the reservation API's requests).
     pub fn strictest_fail_mode(&self) -> slackgate_core::FailMode {
-        self.with_core(|st, _, _| {
-            if st
-                .gate
-                .config()
-                .classes
-                .iter()
-                .any(|c| c.fail_mode == slackgate_core::FailMode::Closed)
-            {
-                slackgate_core::FailMode::Closed
-            } else {
-                slackgate_core::FailMode::Open
-            }
-        })
+        self.with_core(|st, _, _| st.gate.strictest_fail_mode())
     }
 
     /// Log and count a request refused because the cluster's shared state is out of reach
@@ -786,19 +770,6 @@ impl Shared {
             }
         });
     }
-}
-
-fn fail_mode_in(st: &CoreState, lane: Option<slackgate_core::LaneId>) -> slackgate_core::FailMode {
-    let Some(lane) = lane else {
-        return slackgate_core::FailMode::Open;
-    };
-    let name = st.gate.class_name(lane);
-    st.gate
-        .config()
-        .classes
-        .iter()
-        .find(|c| c.name == name)
-        .map_or(slackgate_core::FailMode::Open, |c| c.fail_mode)
 }
 
 /// Releases a job exactly once: on completion, on error, or (by `Drop`) when the request or

@@ -104,6 +104,30 @@ async fn replica_ttl(
     })
 }
 
+/// Wait (10 s at most) until `r` leads.
+async fn wait_leads(r: &Replica, what: &str) {
+    wait_until(Duration::from_secs(10), what, || {
+        std::future::ready(r.leads())
+    })
+    .await;
+}
+
+/// Poll `a` and `b` every 5 ms for `period`: how many times both led at once, and whether
+/// each led at some point.
+async fn watch_leadership(a: &Replica, b: &Replica, period: Duration) -> (usize, [bool; 2]) {
+    let start = Instant::now();
+    let mut both = 0;
+    let mut led = [false; 2];
+    while start.elapsed() < period {
+        let (la, lb) = (a.leads(), b.leads());
+        both += usize::from(la && lb);
+        led[0] |= la;
+        led[1] |= lb;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (both, led)
+}
+
 /// A chat request of `class` to replica `r`, with an idempotency key if given.
 async fn ask(r: &Replica, class: &str, key: Option<&str>) -> Resp {
     let mut headers = vec![("x-job-class", class)];
@@ -247,10 +271,7 @@ async fn a_leader_that_shuts_down_hands_the_lease_over_at_once() {
     let epoch = follower.status().leader.unwrap().epoch;
     let stopped = Instant::now();
     leader.gate.shutdown().await;
-    wait_until(Duration::from_secs(5), "the follower leads", || {
-        std::future::ready(follower.leads())
-    })
-    .await;
+    wait_leads(&follower, "the follower leads").await;
     // Released, not lapsed: the follower's next heartbeat (a third of the TTL) takes it,
     // well before the 3 s TTL would have run out.
     let took = stopped.elapsed();
@@ -288,10 +309,7 @@ async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_whe
     );
     assert!(closed.header("retry-after").is_some());
     redis.restart().unwrap();
-    wait_until(Duration::from_secs(10), "the lone replica leads", || {
-        std::future::ready(a.leads())
-    })
-    .await;
+    wait_leads(&a, "the lone replica leads").await;
     let closed = ask(&a, "batch", None).await;
     assert_eq!(closed.status, 200, "{:?}", closed.json());
     assert_eq!(a.gate.shared().snapshot().pools[0].slots, 2);
@@ -353,10 +371,7 @@ async fn a_class_failing_closed_sends_nothing_upstream_when_redis_goes() {
     let a = replica(&redis.url(), &name, "a", stub.local_addr())
         .await
         .unwrap();
-    wait_until(Duration::from_secs(10), "a leads", || {
-        std::future::ready(a.leads())
-    })
-    .await;
+    wait_leads(&a, "a leads").await;
     let before = stub.stats().requests;
     redis.stop();
     // Whether the leader still holds its lease (the hold cannot be made durable:
@@ -402,19 +417,8 @@ async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
     // Redis comes back empty: the lease key is gone while the leader still counts its lease
     // as held. Whoever takes the new lease (epoch 1 again) must wait that out.
     redis.restart().unwrap();
-    let start = Instant::now();
-    let mut both = 0;
-    let mut changed_hands = false;
-    while start.elapsed() < Duration::from_secs(6) {
-        let (la, lb) = (a.leads(), b.leads());
-        if la && lb {
-            both += 1;
-        }
-        if (la && first == 1) || (lb && first == 0) {
-            changed_hands = true;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (both, second) = watch_leadership(&a, &b, Duration::from_secs(6)).await;
+    let changed_hands = if first == 0 { second[1] } else { second[0] };
     assert_eq!(both, 0, "two replicas led at once");
     // Someone leads again, at an epoch counted afresh (a take whose ledger load failed just
     // after the restart yields the lease and takes it again: not necessarily 1).
@@ -433,10 +437,7 @@ async fn after_redis_restarts_empty_two_replicas_never_lead_at_once() {
     }
     let (leader, other) = if l == 0 { (a, b) } else { (b, a) };
     leader.gate.shutdown().await;
-    wait_until(Duration::from_secs(10), "the other leads", || {
-        std::future::ready(other.leads())
-    })
-    .await;
+    wait_leads(&other, "the other leads").await;
     let resp = ask(&other, "interactive", Some("settled-before")).await;
     assert_eq!(resp.status, 409, "{:?}", resp.json());
     assert_eq!(stub.stats().requests, before, "no replay went upstream");
@@ -453,10 +454,7 @@ async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstr
     let a = replica(&redis.url(), &name, "a", stub.local_addr())
         .await
         .unwrap();
-    wait_until(Duration::from_secs(10), "a leads", || {
-        std::future::ready(a.leads())
-    })
-    .await;
+    wait_leads(&a, "a leads").await;
     // Another replica (deciding alone while it could not reach the leader) holds key K in the
     // shared ledger; the leader never saw it.
     let other = RedisStore::open(RedisOptions {
@@ -528,14 +526,7 @@ async fn a_redis_that_went_back_in_time_is_waited_out_and_two_replicas_never_lea
         .arg(1)
         .query(&mut conn)
         .unwrap();
-    let start = Instant::now();
-    let mut both = 0;
-    while start.elapsed() < Duration::from_secs(5) {
-        if a.leads() && b.leads() {
-            both += 1;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (both, _) = watch_leadership(&a, &b, Duration::from_secs(5)).await;
     assert_eq!(both, 0, "two replicas led at once (first leader {first})");
     leader_of(&[&a, &b]).await;
     a.gate.shutdown().await;

@@ -63,6 +63,35 @@ impl Gate {
             .map(LaneId)
     }
 
+    /// What a class does when the state it shares is out of reach (its `fail_mode`); `open`
+    /// for no class (the gate refuses such work itself).
+    pub fn fail_mode(&self, class: Option<LaneId>) -> crate::config::FailMode {
+        let Some(class) = class else {
+            return crate::config::FailMode::Open;
+        };
+        let name = self.class_name(class);
+        self.cfg
+            .classes
+            .iter()
+            .find(|c| c.name == name)
+            .map_or(crate::config::FailMode::Open, |c| c.fail_mode)
+    }
+
+    /// `closed` if any class fails closed: for work whose class is not known before its body
+    /// is read (the reservation API).
+    pub fn strictest_fail_mode(&self) -> crate::config::FailMode {
+        if self
+            .cfg
+            .classes
+            .iter()
+            .any(|c| c.fail_mode == crate::config::FailMode::Closed)
+        {
+            crate::config::FailMode::Closed
+        } else {
+            crate::config::FailMode::Open
+        }
+    }
+
     /// Names of the live classes, in configuration order.
     pub fn class_names(&self) -> Vec<String> {
         self.classes

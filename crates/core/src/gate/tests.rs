@@ -692,6 +692,36 @@ fn requests_without_a_size_must_fit_an_upper_quantile_of_their_class() {
     assert_eq!(g.offer(t, r).action, Action::Admit);
 }
 
+/// A proxied hold of 100 tokens placed at 500 by another process (`owner`), as a shared
+/// store would hold it (90 spent when done).
+fn shared_hold(
+    key: &str,
+    state: crate::ledger::HoldState,
+    owner: Option<&str>,
+) -> crate::ledger::HoldRecord {
+    crate::ledger::HoldRecord {
+        key: key.into(),
+        tenant: Some("t".into()),
+        state,
+        attempt: 0,
+        tokens_held: 100,
+        tokens_spent: if state == crate::ledger::HoldState::Done {
+            90
+        } else {
+            0
+        },
+        tokens_wasted: 0,
+        created_at_ms: 500,
+        expires_at_ms: 900_000,
+        updated_at_ms: 500,
+        version: 500,
+        prior_spent: 0,
+        prior_wasted: 0,
+        reservation: false,
+        owner: owner.map(str::to_string),
+    }
+}
+
 #[test]
 fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_processes() {
     use crate::ledger::{HoldRecord, HoldState};
@@ -701,21 +731,8 @@ fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_p
     assert!(g.offer(1_000, r).admitted());
     drain(&mut g, 1_000);
     let other = |key: &str, state: HoldState, reservation: bool| HoldRecord {
-        key: key.into(),
-        tenant: None,
-        state,
-        attempt: 0,
-        tokens_held: 100,
-        tokens_spent: if state == HoldState::Done { 90 } else { 0 },
-        tokens_wasted: 0,
-        created_at_ms: 500,
-        expires_at_ms: 900_000,
-        updated_at_ms: 500,
-        version: 500,
-        prior_spent: 0,
-        prior_wasted: 0,
         reservation,
-        owner: None,
+        ..shared_hold(key, state, None)
     };
     // What the shared store holds: the dead leader's proxied hold, a worker's reservation, a
     // settled key; it does not have this gate's own hold yet.
@@ -772,26 +789,10 @@ fn a_gate_adopting_an_emptied_shared_ledger_keeps_what_it_knew_and_writes_it_bac
 
 #[test]
 fn adopting_without_data_loss_brings_back_no_pruned_key_and_keeps_live_replicas_holds() {
-    use crate::ledger::{HoldRecord, HoldState};
+    use crate::ledger::HoldState;
     let mut g = Gate::new(cfg(2, 800.0)).unwrap();
     g.set_hold_owner("b");
-    let rec = |key: &str, state: HoldState, owner: &str| HoldRecord {
-        key: key.into(),
-        tenant: Some("t".into()),
-        state,
-        attempt: 0,
-        tokens_held: 100,
-        tokens_spent: if state == HoldState::Done { 90 } else { 0 },
-        tokens_wasted: 0,
-        created_at_ms: 500,
-        expires_at_ms: 900_000,
-        updated_at_ms: 500,
-        version: 500,
-        prior_spent: 0,
-        prior_wasted: 0,
-        reservation: false,
-        owner: Some(owner.into()),
-    };
+    let rec = |key: &str, state: HoldState, owner: &str| shared_hold(key, state, Some(owner));
     // This gate learned "old" at start (settled by replica a); the store has since pruned it
     // (its 90 tokens folded into a carry record).
     g.restore_ledger(vec![rec("old", HoldState::Done, "a")], 1_000);

@@ -23,19 +23,6 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-/// What went wrong talking to Redis (kept for `/stats`; the password never appears).
-#[derive(Debug, thiserror::Error)]
-pub enum LeaseError {
-    /// Redis refused, timed out or answered something unexpected.
-    #[error("redis {url}: {reason}")]
-    Redis {
-        /// The URL without its password.
-        url: String,
-        /// What happened.
-        reason: String,
-    },
-}
-
 /// One heartbeat. KEYS: lease, epoch, registry, secret, flags, flags version, lease
 /// deadline, incarnation, lease sequence. ARGV: me (`id|url|token`), ttl ms, this replica's clock (ms; informational:
 /// the registry is kept on Redis's clock), how long a replica stays in the registry without checking in (ms), a

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-pub use lease::{start as start_lease, LeaseError};
+pub use lease::start as start_lease;
 
 /// Header a follower adds to a request it forwards: the cluster's secret.
 pub const FORWARDED_HEADER: &str = "x-slackgate-forwarded";
@@ -231,7 +231,7 @@ impl Cluster {
         };
         let view = lock(&self.view);
         match &view.secret {
-            Some(s) => constant_time_eq(v.as_bytes(), s.as_bytes()),
+            Some(s) => crate::control::constant_time_eq(v.as_bytes(), s.as_bytes()),
             None => false,
         }
     }
@@ -389,75 +389,63 @@ impl Cluster {
 
     /// Append the cluster's metrics (one replica's; see docs/reference.md for aggregation).
     pub fn render_metrics(&self, out: &mut String) {
-        use std::fmt::Write;
+        use crate::metrics::family;
         let s = self.status();
         let id = &s.replica_id;
-        let gauge = |out: &mut String, name: &str, help: &str, v: u64| {
-            let _ = writeln!(out, "# HELP {name} {help}");
-            let _ = writeln!(out, "# TYPE {name} gauge");
-            let _ = writeln!(out, "{name}{{replica=\"{id}\"}} {v}");
-        };
-        gauge(
-            out,
-            "slackgate_cluster_leader",
-            "1 while this replica holds the gate's lease and decides for the cluster.",
-            u64::from(s.role == "leader"),
-        );
-        gauge(
-            out,
-            "slackgate_cluster_redis_up",
-            "1 while Redis answers this replica within cluster.redis_timeout_ms.",
-            u64::from(s.redis_up),
-        );
-        gauge(
-            out,
-            "slackgate_cluster_degraded",
-            "1 while this replica can reach no leader: requests follow their class's fail_mode.",
-            u64::from(s.role == "degraded"),
-        );
-        gauge(
-            out,
-            "slackgate_cluster_replicas",
-            "Replicas this one saw check in to Redis recently (itself included).",
-            s.replicas.len() as u64,
-        );
-        gauge(
-            out,
-            "slackgate_cluster_share_parts",
-            "Each pool's slots are split this many ways on this replica (1 on the leader).",
-            u64::from(s.share_parts),
-        );
-        let _ = writeln!(
-            out,
-            "# HELP slackgate_cluster_lease_epoch The epoch of the lease this replica last saw."
-        );
-        let _ = writeln!(out, "# TYPE slackgate_cluster_lease_epoch gauge");
-        let _ = writeln!(
-            out,
-            "slackgate_cluster_lease_epoch{{replica=\"{id}\"}} {}",
-            s.leader.as_ref().map_or(0, |l| l.epoch)
-        );
-        let _ = writeln!(
-            out,
-            "# HELP slackgate_cluster_events_total Cluster events on this replica: requests \
-             forwarded to the leader, forwards that failed, requests decided by fail mode \
-             (fail_open, fail_closed), leases acquired and lost, failed Redis calls."
-        );
-        let _ = writeln!(out, "# TYPE slackgate_cluster_events_total counter");
-        for (event, v) in [
-            ("forwarded", s.forwarded),
-            ("forward_failed", s.forward_failed),
-            ("fail_open", s.fail_open),
-            ("fail_closed", s.fail_closed),
-            ("leader_acquired", s.leader_acquired),
-            ("leader_lost", s.leader_lost),
-            ("redis_error", s.redis_errors),
+        let one = |v: u64| std::iter::once((format!("replica=\"{id}\""), v as f64));
+        for (name, help, v) in [
+            (
+                "slackgate_cluster_leader",
+                "1 while this replica holds the gate's lease and decides for the cluster.",
+                u64::from(s.role == "leader"),
+            ),
+            (
+                "slackgate_cluster_redis_up",
+                "1 while Redis answers this replica within cluster.redis_timeout_ms.",
+                u64::from(s.redis_up),
+            ),
+            (
+                "slackgate_cluster_degraded",
+                "1 while this replica can reach no leader: requests follow their class's fail_mode.",
+                u64::from(s.role == "degraded"),
+            ),
+            (
+                "slackgate_cluster_replicas",
+                "Replicas this one saw check in to Redis recently (itself included).",
+                s.replicas.len() as u64,
+            ),
+            (
+                "slackgate_cluster_share_parts",
+                "Each pool's slots are split this many ways on this replica (1 on the leader).",
+                u64::from(s.share_parts),
+            ),
+            (
+                "slackgate_cluster_lease_epoch",
+                "The epoch of the lease this replica last saw.",
+                s.leader.as_ref().map_or(0, |l| l.epoch),
+            ),
         ] {
-            let _ = writeln!(
-                out,
-                "slackgate_cluster_events_total{{replica=\"{id}\",event=\"{event}\"}} {v}"
-            );
+            family(out, name, "gauge", help, one(v));
         }
+        family(
+            out,
+            "slackgate_cluster_events_total",
+            "counter",
+            "Cluster events on this replica: requests forwarded to the leader, forwards that \
+             failed, requests decided by fail mode (fail_open, fail_closed), leases acquired \
+             and lost, failed Redis calls.",
+            [
+                ("forwarded", s.forwarded),
+                ("forward_failed", s.forward_failed),
+                ("fail_open", s.fail_open),
+                ("fail_closed", s.fail_closed),
+                ("leader_acquired", s.leader_acquired),
+                ("leader_lost", s.leader_lost),
+                ("redis_error", s.redis_errors),
+            ]
+            .into_iter()
+            .map(|(event, v)| (format!("replica=\"{id}\",event=\"{event}\""), v as f64)),
+        );
     }
 }
 
@@ -500,13 +488,6 @@ pub struct ClusterStatus {
     pub leader_lost: u64,
     /// Redis calls that failed or timed out.
     pub redis_errors: u64,
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// What kind of request the cluster routes.

@@ -164,6 +164,28 @@ pub enum StoreError {
     WriterStopped,
 }
 
+/// Where a flush's answer goes (both stores' writers): a blocked thread, or an async task (no
+/// thread parked).
+pub(super) enum Ack {
+    Sync(std::sync::mpsc::SyncSender<Result<(), StoreError>>),
+    Async(tokio::sync::oneshot::Sender<Result<(), StoreError>>),
+}
+
+impl Ack {
+    /// Answer; a waiter that gave up (timed out, or went away) is no error.
+    pub(super) fn send(self, answer: Result<(), StoreError>) {
+        match self {
+            // The answer channels hold one answer: `try_send` never blocks the writer.
+            Ack::Sync(tx) => {
+                let _ = tx.try_send(answer);
+            }
+            Ack::Async(tx) => {
+                let _ = tx.send(answer);
+            }
+        }
+    }
+}
+
 /// Shared counters behind [`StoreStats`], updated without locks from any thread.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {

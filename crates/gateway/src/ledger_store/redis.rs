@@ -34,7 +34,7 @@
 //! pruners never fold a key twice.
 
 use super::redis_lua;
-use super::{Counters, LedgerStore, StoreError, StoreStats};
+use super::{Ack, Counters, LedgerStore, StoreError, StoreStats};
 use slackgate_core::ledger::{HoldRecord, GENERATED_KEY_PREFIX};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -229,26 +229,6 @@ impl Link {
                 Err(e)
             }
             ok => ok,
-        }
-    }
-}
-
-/// Where a flush's answer goes: a blocked thread, or an async task.
-enum Ack {
-    Sync(mpsc::SyncSender<Result<(), StoreError>>),
-    Async(tokio::sync::oneshot::Sender<Result<(), StoreError>>),
-}
-
-impl Ack {
-    fn send(self, answer: Result<(), StoreError>) {
-        // The waiter may have given up (timed out) already: nothing to do then.
-        match self {
-            Ack::Sync(tx) => {
-                let _ = tx.try_send(answer);
-            }
-            Ack::Async(tx) => {
-                let _ = tx.send(answer);
-            }
         }
     }
 }

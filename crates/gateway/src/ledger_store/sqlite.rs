@@ -262,13 +262,13 @@ impl LedgerStore for SqliteStore {
 
     fn flush(&self) -> Result<(), StoreError> {
         let (ack, acked) = mpsc::sync_channel(1);
-        self.send(Msg::Flush(super::writer::Ack::Sync(ack)))?;
+        self.send(Msg::Flush(super::Ack::Sync(ack)))?;
         acked.recv().map_err(|_| StoreError::WriterStopped)?
     }
 
     fn flush_async(self: std::sync::Arc<Self>) -> super::FlushFuture {
         let (ack, acked) = tokio::sync::oneshot::channel();
-        let sent = self.send(Msg::Flush(super::writer::Ack::Async(ack)));
+        let sent = self.send(Msg::Flush(super::Ack::Async(ack)));
         Box::pin(async move {
             sent?;
             acked.await.map_err(|_| StoreError::WriterStopped)?

@@ -7,7 +7,7 @@
 //! logged once per kind, retried once, then counted as lost; the thread never panics.
 
 use super::sqlite::classify;
-use super::{keep_newest, Counters, StoreError};
+use super::{keep_newest, Ack, Counters, StoreError};
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, Row, TransactionBehavior};
 use slackgate_core::ledger::{HoldRecord, HoldState};
@@ -39,25 +39,6 @@ SELECT key, tenant, state, attempt, tokens_held, tokens_spent, tokens_wasted,
        reservation
 FROM holds ORDER BY key
 ";
-
-/// Where a flush's answer goes: a blocked thread, or an async task (no thread parked).
-pub(super) enum Ack {
-    Sync(mpsc::SyncSender<Result<(), StoreError>>),
-    Async(tokio::sync::oneshot::Sender<Result<(), StoreError>>),
-}
-
-impl Ack {
-    fn send(self, answer: Result<(), StoreError>) {
-        match self {
-            Ack::Sync(tx) => {
-                let _ = tx.send(answer);
-            }
-            Ack::Async(tx) => {
-                let _ = tx.send(answer);
-            }
-        }
-    }
-}
 
 /// What the writer thread is asked to do, in order.
 pub(super) enum Msg {
