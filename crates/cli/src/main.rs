@@ -393,6 +393,9 @@ fn warn_deprecated(path: &std::path::Path) {
     }
 }
 
+/// The context window the demo's fake model claims.
+const DEMO_CONTEXT_TOKENS: u32 = 8192;
+
 async fn serve(a: ServeArgs) -> Result<()> {
     // First of all: a SIGTERM from now on is held for the drain below.
     let sigs = Signals::install();
@@ -441,8 +444,13 @@ async fn serve(a: ServeArgs) -> Result<()> {
             },
         )
         .context("cannot start the demo upstream")?;
+        // The fake model names its context window as llama.cpp does (`/props`), so the demo
+        // shows the gate reading it: a request past it is refused at arrival.
+        stub.set_context_tokens(Some(DEMO_CONTEXT_TOKENS));
         let url = format!("http://{}", stub.local_addr());
-        eprintln!("slackgate: demo upstream (fake model, 20 ms/token) on {url}");
+        eprintln!(
+            "slackgate: demo upstream (fake model, 20 ms/token, {DEMO_CONTEXT_TOKENS}-token context) on {url}"
+        );
         // Pools without an upstream use the demo model (before --upstream, as before).
         if over.upstream.is_none() {
             over.upstream = Some(url);

@@ -107,6 +107,46 @@ pub struct PoolConfig {
     /// Read the server's own queue from its metrics endpoint (off when absent): work the gate
     /// did not send counts in the projected wait.
     pub server_metrics: Option<ServerMetricsConfig>,
+    /// What one request may ask of the pool's servers: their context window and output
+    /// limit. A declared size is client input; these bound it (see [`LimitsConfig`]).
+    pub limits: LimitsConfig,
+}
+
+/// The largest request the servers of a pool can take. A request whose prompt plus
+/// `max_tokens` cannot fit is refused at arrival (400 `context_length_exceeded`, as the
+/// servers themselves would answer), and every estimate, hold and projection of a request's
+/// output is capped by what fits, so no declared size can inflate the projected wait (or a
+/// tenant's spend) past what a server could really do.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// The servers' context window in tokens (prompt and output together, per request:
+    /// llama.cpp's per-slot `n_ctx`, vLLM's `max_model_len`). Unset: what the servers report
+    /// (`discover`), else [`DEFAULT_CONTEXT_TOKENS`]. When both are known the smaller holds.
+    pub context_tokens: Option<u32>,
+    /// The longest output one request may ask for (`max_tokens`), beside the context window
+    /// (hosted APIs often cap output below the context). Unset: the context window only.
+    pub max_output_tokens: Option<u32>,
+    /// Ask each endpoint its context window (llama.cpp `GET /props`, vLLM `GET /v1/models`
+    /// `max_model_len`) when the gateway starts and every `discover_interval_ms`.
+    pub discover: bool,
+    /// How often the servers are asked again (a server restarted with another context).
+    pub discover_interval_ms: u64,
+}
+
+/// The context window assumed when neither the configuration nor a server names one: the
+/// largest that common open models serve (128k tokens).
+pub const DEFAULT_CONTEXT_TOKENS: u32 = 131_072;
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            context_tokens: None,
+            max_output_tokens: None,
+            discover: true,
+            discover_interval_ms: 60_000,
+        }
+    }
 }
 
 /// One server of a pool.
@@ -282,6 +322,40 @@ impl ServerMetricsConfig {
     }
 }
 
+impl LimitsConfig {
+    fn validate(&self, at: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
+        if self
+            .context_tokens
+            .is_some_and(|c| c == 0 || c > MAX_LIMIT_TOKENS)
+        {
+            return Err(ConfigError::new(
+                at("limits.context_tokens"),
+                format!("must be between 1 and {MAX_LIMIT_TOKENS}"),
+            ));
+        }
+        if self
+            .max_output_tokens
+            .is_some_and(|c| c == 0 || c > MAX_LIMIT_TOKENS)
+        {
+            return Err(ConfigError::new(
+                at("limits.max_output_tokens"),
+                format!("must be between 1 and {MAX_LIMIT_TOKENS}"),
+            ));
+        }
+        if !(1_000..=MAX_CONFIG_MS).contains(&self.discover_interval_ms) {
+            return Err(ConfigError::new(
+                at("limits.discover_interval_ms"),
+                "must be between 1000 (1 s) and 86400000 (a day)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The largest context window or output limit a pool may be configured with (or a server
+/// may report): 16M tokens, far past any model served today.
+pub const MAX_LIMIT_TOKENS: u32 = 1 << 24;
+
 impl PoolConfig {
     /// The endpoints in force: the configured ones (unnamed ones named by position), or the
     /// pool's `upstream` and `slots` as a single endpoint `e0` (none without an upstream).
@@ -444,6 +518,7 @@ impl Default for PoolConfig {
             tls: TlsConfig::default(),
             health: HealthConfig::default(),
             server_metrics: None,
+            limits: LimitsConfig::default(),
         }
     }
 }
@@ -623,6 +698,10 @@ pub struct RetryConfig {
     /// Up to this many percent are added to each Retry-After (deterministically per job) so
     /// clients rejected together do not all come back at the same instant.
     pub jitter_percent: u32,
+    /// The ceiling of every Retry-After the gate sends (its own, jitter included, and an
+    /// upstream provider's it passes on): past a few minutes a projection says more about
+    /// the requests ahead than about when this client can be served.
+    pub max_retry_after_ms: u64,
 }
 
 impl Default for RetryConfig {
@@ -632,6 +711,7 @@ impl Default for RetryConfig {
             max_useful_retry_after_ms: 30_000,
             hopeless_retry_after_ms: 60_000,
             jitter_percent: 20,
+            max_retry_after_ms: 300_000,
         }
     }
 }
@@ -692,6 +772,7 @@ impl GateConfig {
                 return Err(ConfigError::new(at("max_queued"), "must be at least 1"));
             }
             p.validate_endpoints(&at)?;
+            p.limits.validate(&at)?;
             if !(1_000..=86_400_000).contains(&p.forecast_window_ms) {
                 return Err(ConfigError::new(
                     at("forecast_window_ms"),
@@ -847,6 +928,16 @@ impl GateConfig {
             return Err(ConfigError::new(
                 "retry.min_retry_after_ms",
                 "must not exceed retry.max_useful_retry_after_ms",
+            ));
+        }
+        if !(1_000..=MAX_CONFIG_MS).contains(&r.max_retry_after_ms)
+            || r.max_retry_after_ms < r.max_useful_retry_after_ms
+            || r.max_retry_after_ms < r.hopeless_retry_after_ms
+        {
+            return Err(ConfigError::new(
+                "retry.max_retry_after_ms",
+                "must be between 1000 and 86400000 and at least max_useful_retry_after_ms and \
+                 hopeless_retry_after_ms",
             ));
         }
         Ok(())

@@ -85,6 +85,10 @@ pub enum Reason {
     /// and the class fails closed: the request is refused with 503 before any upstream work,
     /// its hold released.
     LedgerUnavailable,
+    /// The request cannot fit the pool's servers: its prompt plus its `max_tokens` is past
+    /// their context window (or its `max_tokens` past their output limit). Refused at
+    /// arrival with 400, as the servers would; a retry of the same request cannot help.
+    ContextLengthExceeded,
 }
 
 impl Reason {
@@ -135,11 +139,12 @@ impl Reason {
             Reason::Probe => "probe",
             Reason::ClusterUnavailable => "cluster_unavailable",
             Reason::LedgerUnavailable => "ledger_unavailable",
+            Reason::ContextLengthExceeded => "context_length_exceeded",
         }
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 31] = [
+    pub const ALL: [Reason; 32] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -171,6 +176,7 @@ impl Reason {
         Reason::Probe,
         Reason::ClusterUnavailable,
         Reason::LedgerUnavailable,
+        Reason::ContextLengthExceeded,
     ];
 }
 

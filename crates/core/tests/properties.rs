@@ -549,8 +549,20 @@ impl Harness {
             }
             Action::Reject => {
                 let after = d.retry_after_ms;
-                prop_assert!(after.is_some(), "rejections carry a Retry-After: {:?}", d);
-                prop_assert!(after >= Some(self.gate.config().retry.min_retry_after_ms));
+                let retry = &self.gate.config().retry;
+                if d.reason == Reason::ContextLengthExceeded {
+                    // Too big for the servers: no retry of it can succeed, so no date.
+                    prop_assert_eq!((after, d.should_retry), (None, false), "{:?}", d);
+                } else {
+                    prop_assert!(after.is_some(), "rejections carry a Retry-After: {:?}", d);
+                    prop_assert!(after >= Some(retry.min_retry_after_ms));
+                }
+                // Never past the ceiling, whatever the sizes and times offered.
+                prop_assert!(
+                    after.is_none_or(|a| a <= retry.max_retry_after_ms),
+                    "{:?}",
+                    d
+                );
                 // Slack alone never fails best-effort work.
                 if d.reason == Reason::ProjectedWaitExceedsSlack {
                     prop_assert!(d.deadline_slack_ms.is_some(), "{:?}", d);

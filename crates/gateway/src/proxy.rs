@@ -776,14 +776,21 @@ fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
         Reason::BudgetExhausted => {
             "the tenant's token grant cannot cover this request's hold".to_string()
         }
+        Reason::ContextLengthExceeded => {
+            "the prompt plus max_tokens is past the context window (or max_tokens past the \
+             output limit) of this pool's servers; /stats shows pools[].context_tokens"
+                .to_string()
+        }
         other => format!("rejected: {other}"),
     };
     // A duplicate is a conflict with the key's existing hold (409, as seed 001 answers it);
     // a gate shutting down is unavailable, not overloaded (503: another replica can serve
     // it now); every other refusal is "not now" (429).
+    // A request too big for the servers is bad input (400, as the servers answer it).
     let status = match d.reason {
         Reason::RejectDuplicate => StatusCode::CONFLICT,
         Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        Reason::ContextLengthExceeded => StatusCode::BAD_REQUEST,
         _ => StatusCode::TOO_MANY_REQUESTS,
     };
     response::error(status, d.reason, &msg, Some(body), advice)

@@ -77,6 +77,7 @@ fn error_type(reason: Reason) -> &'static str {
         Reason::InvalidJson
         | Reason::BodyTooLarge
         | Reason::InvalidDeadline
+        | Reason::ContextLengthExceeded
         | Reason::ClientCancelled => "invalid_request_error",
         Reason::UpstreamUnavailable
         | Reason::UpstreamTimeout

@@ -344,6 +344,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     let ticker = tokio::spawn(tick_loop(Arc::clone(&shared)));
     let prober = tokio::spawn(crate::health::probe_loop(Arc::clone(&shared)));
     let scraper = tokio::spawn(crate::server_signal::run(Arc::clone(&shared)));
+    let limits = tokio::spawn(crate::server_limits::run(Arc::clone(&shared)));
     // Header and idle timeouts, off the request path (see `crate::connlimit`).
     let reaper = tokio::spawn(Arc::clone(&shared.conns).reaper());
     let mut conns = JoinSet::new();
@@ -394,6 +395,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     ticker.abort();
     prober.abort();
     scraper.abort();
+    limits.abort();
     reaper.abort();
 }
 

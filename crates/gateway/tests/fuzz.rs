@@ -670,6 +670,22 @@ fn api_call(
 type WireRequest = (String, Vec<(&'static str, Vec<u8>)>, Vec<u8>);
 
 /// [`WireRequest`]s.
+/// Declared sizes a hostile or careless client sends (issue 31): none may get a 5xx, leak a
+/// hold, or a Retry-After past the ceiling. 131073 is one past the default context window.
+const ABSURD_SIZES: [&str; 8] = [
+    "0",
+    "-1",
+    "131073",
+    "1e18",
+    "1000000000000000000",
+    "18446744073709551615",
+    "1e300",
+    "4294967296",
+];
+
+/// The default `retry.max_retry_after_ms`.
+const RETRY_AFTER_CEILING_MS: u64 = 300_000;
+
 fn wire_request() -> impl Strategy<Value = WireRequest> {
     let path = prop::sample::select(vec![
         "/v1/chat/completions",
@@ -681,12 +697,14 @@ fn wire_request() -> impl Strategy<Value = WireRequest> {
         "/admission/v1/cancel",
     ]);
     let body = prop_oneof![
-        3 => body_like().prop_map(|mut v| {
-            // Small outputs only: the stub really generates what is asked.
+        3 => (body_like(), 0usize..ABSURD_SIZES.len() * 2).prop_map(|(mut v, pick)| {
+            // Small outputs, or sizes past the context window (refused at arrival): the stub
+            // really generates what is asked, so nothing in between.
             if let Some(o) = v.as_object_mut() {
                 for f in ["max_tokens", "max_completion_tokens", "max_output_tokens"] {
                     if o.get(f).is_some_and(Value::is_u64) {
-                        o.insert(f.into(), json!(4));
+                        let size = ABSURD_SIZES.get(pick).copied().unwrap_or("4");
+                        o.insert(f.into(), serde_json::from_str(size).unwrap_or(json!(4)));
                     }
                 }
             }
@@ -757,20 +775,29 @@ fn fuzz_whole_requests_over_sockets() {
             let Ok(req) = b.body(Full::new(Bytes::from(body.clone()))) else {
                 return Ok(());
             };
-            let (status, answer) = rt.block_on(async {
+            let (status, answer, retry_ms) = rt.block_on(async {
                 let resp = tokio::time::timeout(Duration::from_secs(20), client.request(req))
                     .await
                     .expect("answered in time")
                     .expect("a response");
                 let status = resp.status();
+                let retry_ms = resp
+                    .headers()
+                    .get("retry-after-ms")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok());
                 let body =
                     tokio::time::timeout(Duration::from_secs(20), resp.into_body().collect())
                         .await
                         .expect("body in time")
                         .map(|b| b.to_bytes())
                         .unwrap_or_default();
-                (status, body)
+                (status, body, retry_ms)
             });
+            prop_assert!(
+                retry_ms.is_none_or(|ms| ms <= RETRY_AFTER_CEILING_MS),
+                "retry-after-ms {retry_ms:?} for {path}"
+            );
             prop_assert!(
                 !status.is_server_error(),
                 "{status} for {path} {headers:?} {:?}",

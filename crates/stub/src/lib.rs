@@ -144,6 +144,16 @@ impl Stub {
         })
     }
 
+    /// Claim a context window of `tokens` (`None`: claim none, the default): `GET /props`
+    /// answers as llama.cpp does (`default_generation_settings.n_ctx`) and `/v1/models` names
+    /// it as vLLM does (`max_model_len`), so a gate can discover it. The stub itself still
+    /// serves any size.
+    pub fn set_context_tokens(&self, tokens: Option<u32>) {
+        self.shared
+            .context_tokens
+            .store(tokens.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The address the stub listens on.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr

@@ -128,7 +128,7 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
         "/v1/chat/completions" => model(Endpoint::Chat),
         "/v1/completions" => model(Endpoint::Text),
         "/v1/embeddings" => model(Endpoint::Embeddings),
-        "/v1/models" | "/health" | "/metrics" | "/stub/stats" => (&GET[..], None),
+        "/v1/models" | "/props" | "/health" | "/metrics" | "/stub/stats" => (&GET[..], None),
         "/stub/requests" => (&GET_OR_DELETE[..], None),
         "/stub/release" | "/stub/occupy" | "/stub/requests/clear" => (&POST[..], None),
         _ => {
@@ -148,10 +148,28 @@ async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Reply {
     if let Some(endpoint) = endpoint {
         return model_request(shared, endpoint, req).await;
     }
+    let context = shared
+        .context_tokens
+        .load(std::sync::atomic::Ordering::Relaxed);
     Ok(match path.as_str() {
+        "/v1/models" if context > 0 => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [{"id": MODEL_NAME, "object": "model",
+                    "owned_by": "slackgate", "max_model_len": context}]}),
+        ),
         "/v1/models" => json_response(
             StatusCode::OK,
             &json!({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "slackgate"}]}),
+        ),
+        "/props" if context > 0 => json_response(
+            StatusCode::OK,
+            &json!({"default_generation_settings": {"n_ctx": context},
+                    "total_slots": shared.cfg.slots}),
+        ),
+        "/props" => error(
+            StatusCode::NOT_FOUND,
+            "no route for GET /props (this stub claims no context window)",
+            "not_found",
         ),
         "/health" => plain(StatusCode::OK, "ok"),
         "/metrics" => with_body(

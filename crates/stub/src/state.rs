@@ -36,6 +36,9 @@ pub(crate) struct Shared {
     rng: Mutex<Prng>,
     waiters: Mutex<Waiters>,
     response_ids: AtomicU64,
+    /// The context window it claims (0: none), served as llama.cpp's `/props` and vLLM's
+    /// `max_model_len`; see [`crate::Stub::set_context_tokens`].
+    pub context_tokens: std::sync::atomic::AtomicU32,
 }
 
 /// Requests waiting on `/stub/release`, and occupations that a release-all ends early.
@@ -99,6 +102,7 @@ impl Shared {
             records: Mutex::new(Records::with_cap(cap)),
             waiters: Mutex::new(Waiters::default()),
             response_ids: AtomicU64::new(0),
+            context_tokens: std::sync::atomic::AtomicU32::new(0),
             cfg,
         }))
     }

@@ -36,6 +36,8 @@ struct Offer {
     bypass_ledger: bool,
     /// The verdict so far: `Ok(admit reason)` or `Err(refusal reason)`.
     verdict: Result<Reason, Reason>,
+    /// The request cannot fit the servers' context window (see [`Gate::bound_request`]).
+    exceeds_context: bool,
     /// A queued job it takes the place of, removed once it is queued.
     victim: Option<JobId>,
     /// Its wait, the wait's forecast part and its count ahead before a displacement made
@@ -68,8 +70,19 @@ impl Gate {
             ControlFlow::Break(refused) => return refused,
         };
         // admit_always, class_disabled, then the lane's own thresholds (queue age, depth,
-        // projected wait against slack; warm-up and probe exceptions), from `evaluate`.
+        // projected wait against slack; warm-up and probe exceptions), from `evaluate`;
+        // before the thresholds, a request the servers could not take at all.
         o.verdict = self.class_verdict(&o);
+        // context_length_exceeded: the servers would refuse it too. Enforced in shadow mode
+        // (it is not a threshold of the gate's), not under the rollback flag (which leaves
+        // every judgement to the servers), after an operator's switch.
+        let switched = matches!(
+            o.verdict,
+            Ok(Reason::AdmitAlways) | Err(Reason::ClassDisabled)
+        );
+        if o.exceeds_context && !switched {
+            return self.refuse_context(o);
+        }
         // A capacity refusal may run on the class's overflow pool instead ...
         self.route_overflow(&mut o);
         // ... or take the place of a longer job of its class admitted moments ago.
@@ -93,17 +106,18 @@ impl Gate {
     }
 
     /// Evaluate the request on its class's lane and draft the answer from what it sees.
-    fn open_offer(&self, now: Millis, job_id: JobId, class: LaneId, req: Request) -> Offer {
+    fn open_offer(&self, now: Millis, job_id: JobId, class: LaneId, mut req: Request) -> Offer {
+        let bounds = self.bound_request(class, &mut req);
         let expected_output = match (req.expected_output_tokens, req.max_tokens) {
             (Some(hint), Some(cap)) => hint.min(cap),
             (Some(hint), None) => hint,
-            (None, cap) => self.expected_output(class, cap),
+            (None, cap) => self.expected_output(class, cap, bounds.output_cap),
         };
         let e = self.evaluate(now, class, &req, expected_output);
         // A caller's size hint may raise the hold but never lower it below what the class's
         // own estimate would hold: a hint of 0 must not slip past the tenant's grant.
         let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
-            let own = self.expected_output(class, req.max_tokens);
+            let own = self.expected_output(class, req.max_tokens, bounds.output_cap);
             u64::from(e.prompt_tokens).saturating_add(u64::from(expected_output.max(own)))
         });
         let d = Decision {
@@ -145,9 +159,20 @@ impl Gate {
             shadowed: None,
             bypass_ledger: self.cfg.admit_always,
             verdict: Ok(Reason::WithinSlack),
+            exceeds_context: bounds.exceeds,
             victim: None,
             req,
         }
+    }
+
+    /// Too big for the servers: no retry of the same request can succeed, so no Retry-After
+    /// (the gateway answers 400, as the servers themselves would).
+    fn refuse_context(&self, o: Offer) -> Decision {
+        let mut d = o.d;
+        d.reason = Reason::ContextLengthExceeded;
+        d.retry_after_ms = None;
+        d.should_retry = false;
+        d
     }
 
     /// Shutting down: another replica (or this one restarted) can serve it, so a retry is

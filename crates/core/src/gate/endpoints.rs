@@ -401,7 +401,9 @@ impl Gate {
     /// it nothing for that long, at least `retry.min_retry_after_ms`, and halve its slots in
     /// force (at least one), to grow back one per completion after the pause. Returns the
     /// Retry-After to give the client (the pause, never less than the provider's) and whether
-    /// a retry is useful (`retry.max_useful_retry_after_ms`).
+    /// a retry is useful (`retry.max_useful_retry_after_ms`). Both the pause and the answer
+    /// stop at `retry.max_retry_after_ms`: a provider's Retry-After of years would otherwise
+    /// take the endpoint out for good.
     pub fn throttled(
         &mut self,
         now: Millis,
@@ -411,8 +413,9 @@ impl Gate {
     ) -> (u64, bool) {
         let now = self.clock(now);
         let r = &self.cfg.retry;
-        let after = provider_ms.unwrap_or(0).max(r.min_retry_after_ms);
-        let useful = after <= r.max_useful_retry_after_ms;
+        let asked = provider_ms.unwrap_or(0).max(r.min_retry_after_ms);
+        let useful = asked <= r.max_useful_retry_after_ms;
+        let after = asked.min(r.max_retry_after_ms);
         self.change_endpoint(now, pool, endpoint, |e| {
             e.paused_until = e.paused_until.max(now.saturating_add(after));
             e.limit = (e.limit / 2).max(1).min(e.ceiling);

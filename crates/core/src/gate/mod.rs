@@ -14,7 +14,9 @@
 //! estimated work, so the wait for priority `p` is the in-flight remainder plus the queued work
 //! of classes at priority `>= p`, spread over the pool's slots.
 
-use crate::config::{ConfigError, GateConfig, OverflowMode, PriorConfig};
+use crate::config::{
+    ConfigError, GateConfig, LimitsConfig, OverflowMode, PriorConfig, DEFAULT_CONTEXT_TOKENS,
+};
 use crate::estimator::{
     ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing,
 };
@@ -156,18 +158,22 @@ impl Gate {
             .unwrap_or(lane)
     }
 
-    pub(super) fn expected_output(&self, class: LaneId, max_tokens: Option<u32>) -> u32 {
+    /// The output a request of `class` is expected to produce: the class's learned mean,
+    /// else its `max_tokens`, else the prior's default; never more than `cap`, what the
+    /// servers can produce for it (see [`Gate::bound_request`]).
+    pub(super) fn expected_output(&self, class: LaneId, max_tokens: Option<u32>, cap: u32) -> u32 {
         let c = &self.classes[self.home(class).0];
         let pool = &self.pools[c.pool.0];
         let learned = c
             .expected_output
             .map(|v| v.round().clamp(0.0, f64::from(u32::MAX)) as u32);
-        match (learned, max_tokens) {
+        let expected = match (learned, max_tokens) {
             (Some(l), Some(m)) => l.min(m),
             (Some(l), None) => l,
             (None, Some(m)) => m,
             (None, None) => pool.default_output_tokens,
-        }
+        };
+        expected.min(cap)
     }
 }
 
@@ -187,6 +193,9 @@ mod holds;
 mod learning;
 #[cfg(test)]
 mod learning_tests;
+mod limits;
+#[cfg(test)]
+mod limits_tests;
 pub mod ops;
 #[cfg(test)]
 mod ops_tests;

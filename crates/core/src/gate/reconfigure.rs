@@ -92,6 +92,7 @@ impl Gate {
                     p.forecast_bucket_ms = forecast_bucket_ms(pc);
                     p.forecast_refused_weight = pc.forecast_refused_weight;
                     p.default_output_tokens = pc.prior.default_output_tokens;
+                    p.limits = pc.limits.clone();
                     PoolId(i)
                 }
                 None => {
@@ -106,6 +107,8 @@ impl Gate {
                         forecast_bucket_ms: forecast_bucket_ms(pc),
                         forecast_refused_weight: pc.forecast_refused_weight,
                         default_output_tokens: pc.prior.default_output_tokens,
+                        limits: pc.limits.clone(),
+                        discovered_context: None,
                         estimator: Estimator::new(&pc.prior),
                         tokens: TokenCounter::new(pc.prior.chars_per_token),
                         busy: 0,

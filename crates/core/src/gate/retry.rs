@@ -53,7 +53,10 @@ impl Gate {
         };
         let after = need.max(r.min_retry_after_ms);
         let useful = after <= r.max_useful_retry_after_ms;
-        (jitter(after, job_id, r.jitter_percent), useful)
+        // The ceiling: a projection of hours says more about the work ahead than about when
+        // this client will be served; the client learns it may not retry soon, not a date.
+        let after = jitter(after, job_id, r.jitter_percent).min(r.max_retry_after_ms);
+        (after, useful)
     }
 
     pub(super) fn rejection(

@@ -72,6 +72,11 @@ pub struct PoolSnapshot {
     pub template_tokens: f64,
     /// Mean number of requests in flight while recent completions ran.
     pub mean_concurrency: f64,
+    /// The context window in force (prompt and output of one request), in tokens.
+    pub context_tokens: u32,
+    /// A server reported it (llama.cpp `/props`, vLLM `/v1/models`); else configured or the
+    /// default.
+    pub context_reported: bool,
     /// Its servers: slots, health, drain, provider pause and neighbours' load.
     pub endpoints: Vec<super::EndpointView>,
 }
@@ -131,7 +136,7 @@ impl Gate {
                         .map_or(0, |t| now.saturating_sub(t)),
                     queued_work_ms: c.queue.work_ms(),
                     projected_wait_ms: self.projected_wait(c.pool, now, work, count),
-                    expected_output_tokens: self.expected_output(LaneId(i), None),
+                    expected_output_tokens: self.expected_output(LaneId(i), None, u32::MAX),
                     in_flight: lane_in_flight[i],
                     draining: home.draining,
                     overflow: c.overflow_of.is_some(),
@@ -169,6 +174,8 @@ impl Gate {
                 chars_per_token: p.tokens.chars_per_token(),
                 template_tokens: p.tokens.template_tokens(),
                 mean_concurrency: p.recent_concurrency,
+                context_tokens: p.context_tokens(),
+                context_reported: p.discovered_context.is_some(),
                 endpoints: self.endpoints(now, PoolId(i)),
             })
             .collect();

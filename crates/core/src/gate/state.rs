@@ -299,6 +299,10 @@ pub(super) struct PoolState {
     /// Configured `forecast_refused_weight`.
     pub(super) forecast_refused_weight: f64,
     pub(super) default_output_tokens: u32,
+    /// The configured limits (`[pools.limits]`) and the smallest context window its
+    /// servers reported (see [`Gate::set_discovered_context`]).
+    pub(super) limits: LimitsConfig,
+    pub(super) discovered_context: Option<u32>,
     pub(super) estimator: Estimator,
     /// Prompt characters to tokens, learned from the upstream's usage.
     pub(super) tokens: TokenCounter,

@@ -12,6 +12,7 @@
 //! is the running set; dropping or [`Scrapers::stop`]ping it ends every task, which is how a
 //! config reload replaces the set and how shutdown ends it.
 
+pub mod limits;
 pub mod prom;
 
 use std::fmt;

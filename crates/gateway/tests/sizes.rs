@@ -1,0 +1,185 @@
+//! Declared sizes are client input (issue 31): over real sockets, a client that declares
+//! absurd sizes gets a clear 400 and locks nobody else out, a server that names its context
+//! window bounds every request, and no response carries a Retry-After above the ceiling.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{post, spawn_upstream, stub, wait_until, Resp, TestGate};
+use slackgate_gateway::Config;
+use std::time::Duration;
+
+/// The Retry-After ceiling's default (`retry.max_retry_after_ms`).
+const CEILING_MS: u64 = 300_000;
+
+/// No response may tell a client to wait past the ceiling, in either header.
+fn assert_under_ceiling(r: &Resp) {
+    if let Some(s) = r.header("retry-after") {
+        let secs: u64 = s.parse().unwrap();
+        assert!(secs * 1000 <= CEILING_MS, "Retry-After {secs} s");
+    }
+    if let Some(ms) = r.header("retry-after-ms") {
+        let ms: u64 = ms.parse().unwrap();
+        assert!(ms <= CEILING_MS, "retry-after-ms {ms}");
+    }
+}
+
+/// The embedded defaults (`slackgate serve --demo`'s configuration) in front of a fake model
+/// at 20 ms per token, as the demo runs it.
+async fn demo_gate(name: &str) -> (TestGate, slackgate_stub::Stub) {
+    demo_gate_claiming(name, None).await
+}
+
+/// The same, with the fake model claiming a context window of `context` tokens.
+async fn demo_gate_claiming(name: &str, context: Option<u32>) -> (TestGate, slackgate_stub::Stub) {
+    let s = stub(4, "tokens:prefill_us=200,decode_us=20000").await;
+    s.set_context_tokens(context);
+    let mut cfg = Config::default();
+    cfg.gate.pools[0].upstream = Some(format!("http://{}", s.local_addr()));
+    (TestGate::start_cfg(cfg, name).await, s)
+}
+
+fn chat(max_tokens: &str) -> String {
+    format!(
+        r#"{{"model":"demo","messages":[{{"role":"user","content":"hi"}}],"max_tokens":{max_tokens}}}"#
+    )
+}
+
+/// The lockout as reported: four unlabeled requests (the batch class, no deadline) declaring
+/// `max_tokens: 1e18` each held 4,294,967,296 tokens and made every interactive request after
+/// them wait "2.8 years". Now each is refused at arrival with 400 `context_length_exceeded`
+/// (no Retry-After: no retry of it can succeed), and the interactive request is served.
+#[tokio::test]
+async fn four_absurd_requests_lock_nobody_out() {
+    let (g, _stub) = demo_gate("sizes-lockout").await;
+    let url = g.url("/v1/chat/completions");
+    for _ in 0..4 {
+        let r = post(&url, &[], &chat("1000000000000000000")).await;
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+        assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+        assert_eq!(r.header("retry-after"), None);
+    }
+    let r = post(
+        &url,
+        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
+        &chat("16"),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let stats = g.stats().await;
+    assert_eq!(stats["ledger"]["held"], 0, "{stats}");
+    let lines = g.log_lines().await;
+    let refused = lines
+        .iter()
+        .filter(|l| l["reason"] == "context_length_exceeded")
+        .count();
+    assert_eq!(refused, 4, "{lines:#?}");
+}
+
+/// A server that names its window (llama.cpp `/props`, vLLM `max_model_len`): the gate reads
+/// it, shows it in `/stats`, and refuses what the server would refuse.
+#[tokio::test]
+async fn a_server_that_names_its_window_bounds_requests() {
+    let (g, _stub) = demo_gate_claiming("sizes-discover", Some(2048)).await;
+    let stats_ok = || async {
+        let st = g.stats().await;
+        st["gate"]["pools"][0]["context_tokens"] == 2048
+            && st["gate"]["pools"][0]["context_reported"] == true
+    };
+    wait_until(
+        Duration::from_secs(10),
+        "the window read from /props",
+        stats_ok,
+    )
+    .await;
+    let url = g.url("/v1/chat/completions");
+    let r = post(&url, &[("x-job-class", "batch")], &chat("3000")).await;
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    let r = post(&url, &[("x-job-class", "batch")], &chat("1000")).await;
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+/// Every absurd size gets a clear 4xx or is served: never a 5xx, no hold left behind, no
+/// Retry-After above the ceiling.
+#[tokio::test]
+async fn absurd_sizes_get_a_clear_answer_and_leave_no_hold() {
+    let (g, _stub) = demo_gate("sizes-absurd").await;
+    let url = g.url("/v1/chat/completions");
+    let long_prompt = "x".repeat(600_000);
+    let cases: Vec<(String, &[u16])> = vec![
+        (chat("0"), &[200]),
+        (chat("-1"), &[200, 400]),
+        (chat("-1000000000000000000"), &[200, 400]),
+        (chat("1e18"), &[400]),
+        (chat("1e400"), &[400]),
+        (chat("18446744073709551616"), &[400]),
+        (chat("131073"), &[400]),
+        (chat("3.5"), &[200, 400]),
+        (chat("\"lots\""), &[200, 400]),
+        (chat("null"), &[200]),
+        // Prompt (600k characters, about 150k tokens) past the window on its own.
+        (
+            format!(
+                r#"{{"model":"demo","messages":[{{"role":"user","content":"{long_prompt}"}}],"max_tokens":16}}"#
+            ),
+            &[400, 413],
+        ),
+    ];
+    for (body, allowed) in &cases {
+        let r = post(&url, &[("x-job-class", "batch")], body).await;
+        assert!(
+            allowed.contains(&r.status.as_u16()),
+            "{} for {}: {}",
+            r.status,
+            &body[..body.len().min(120)],
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_under_ceiling(&r);
+    }
+    let stats = g.stats().await;
+    assert_eq!(stats["ledger"]["held"], 0, "{stats}");
+}
+
+/// Legal but long work in every slot (four requests at almost the whole default window, held
+/// by the stub): an interactive request's honest wait is hours. It is refused, told not to
+/// retry soon, and its Retry-After stops at the ceiling.
+#[tokio::test]
+async fn retry_after_stops_at_the_ceiling() {
+    let (g, s) = demo_gate("sizes-ceiling").await;
+    let url = g.url("/v1/chat/completions");
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let hold = format!("long{i}");
+        let h: &[(&str, &str)] = &[("x-job-class", "batch"), ("x-stub-hold", &hold)];
+        held.push(spawn_upstream(&url, &s, h, chat("131000")).await);
+    }
+    let r = post(
+        &url,
+        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
+        &chat("16"),
+    )
+    .await;
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    let body = r.json();
+    assert!(
+        body["admission"]["projected_wait_ms"].as_u64().unwrap() > CEILING_MS,
+        "{body}"
+    );
+    assert_under_ceiling(&r);
+    assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+    // The held requests would generate 131,000 tokens each: their clients go away instead,
+    // and the gate releases their slots and holds.
+    for h in held {
+        h.abort();
+    }
+    wait_until(
+        Duration::from_secs(10),
+        "the held requests cancelled",
+        || async {
+            let st = g.stats().await;
+            st["gate"]["pools"][0]["in_flight"] == 0 && st["ledger"]["held"] == 0
+        },
+    )
+    .await;
+}
