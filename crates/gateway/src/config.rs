@@ -281,6 +281,9 @@ pub struct ServerConfig {
     pub tenant_hash_key: Option<String>,
     /// How often the SQLite ledger prunes settled keys past `ledger.retention_ms` (ms).
     pub ledger_prune_interval_ms: u64,
+    /// How long a request waits for the SQLite ledger to store its hold before dispatch (ms);
+    /// past it the hold counts as not durable (the class's `fail_mode` decides).
+    pub ledger_flush_timeout_ms: u64,
     /// Take the tenant from an `X-Tenant` header instead of the bearer key. Only behind a
     /// proxy that sets it: otherwise any client could choose a fresh tenant and escape its
     /// grant.
@@ -332,6 +335,7 @@ impl Default for ServerConfig {
             ledger: "slackgate-ledger.db".into(),
             ledger_synchronous: crate::ledger_store::Synchronous::default(),
             ledger_prune_interval_ms: 60_000,
+            ledger_flush_timeout_ms: crate::ledger_store::DEFAULT_FLUSH_TIMEOUT_MS,
             tenant_hash_key: None,
             trust_tenant_header: false,
             trust_size_hint: false,
@@ -579,6 +583,12 @@ impl Config {
             return Err(err(
                 "server.ledger_prune_interval_ms",
                 "must be between 1 and 86400000",
+            ));
+        }
+        if !(1..=600_000).contains(&self.server.ledger_flush_timeout_ms) {
+            return Err(err(
+                "server.ledger_flush_timeout_ms",
+                "must be between 1 and 600000",
             ));
         }
         if let Some(k) = &self.server.tenant_hash_key {

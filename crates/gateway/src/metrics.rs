@@ -690,7 +690,7 @@ fn render_store(o: &mut String, st: &crate::ledger_store::StoreStats) {
         o,
         "slackgate_ledger_store_records_lost_total",
         "counter",
-        "Ledger records given up on after a failed retry.",
+        "Ledger records given up on after every retry failed.",
         one(st.records_lost as f64),
     );
     family(

@@ -303,18 +303,19 @@ where
     };
     let label = hinfo.class_label.clone();
     let admission = shared.admit_labeled(label.as_deref(), core_req, meta);
-    let (decision, signal, guard) = match admission {
+    let (decision, signal, guard, hold_write) = match admission {
         Admission::Rejected(d, body) => return rejection(&d, &body),
         Admission::Queued {
             decision,
             signal,
             guard,
-        } => (decision, signal, guard),
+            hold_write,
+        } => (decision, signal, guard, hold_write),
     };
 
     // Wait for a slot. The core drops a job whose deadline became unmeetable and tells us; if
     // this future is dropped (client gone) the guard takes the job out of the queue.
-    let go = match wait_for_slot(&shared, signal, decision.class, decision.job_id).await {
+    let go = match wait_for_slot(&shared, signal, &decision, hold_write).await {
         Ok(go) => go,
         Err(SlotRefused::Answer(resp)) => return resp,
         Err(SlotRefused::LedgerDown(e)) => return ledger_unavailable(guard, &e),
@@ -404,8 +405,8 @@ where
                         continue;
                     }
                     if let Some(signal) = shared.requeue(decision.job_id) {
-                        match wait_for_slot(&shared, signal, decision.class, decision.job_id).await
-                        {
+                        // The same hold: its flush answers for the same write.
+                        match wait_for_slot(&shared, signal, &decision, hold_write).await {
                             Ok(go) => {
                                 (endpoint, base, abort) =
                                     (go.endpoint, go.upstream, Some(go.abort));
@@ -579,17 +580,25 @@ fn ledger_unavailable(guard: JobGuard, why: &str) -> Response<ResBody> {
 async fn wait_for_slot(
     shared: &Shared,
     signal: tokio::sync::oneshot::Receiver<Signal>,
-    class: Option<slackgate_core::LaneId>,
-    job: slackgate_core::JobId,
+    decision: &Decision,
+    hold_write: Option<crate::ledger_store::WriteSeq>,
 ) -> Result<Go, SlotRefused> {
+    let (class, job) = (decision.class, decision.job_id);
     match signal.await {
         Ok(Signal::Go(go)) => {
-            // The hold must be on disk before upstream tokens are spent on it: a crash after
-            // this point leaves a hold that expires (wasted), never a spend nobody recorded.
-            // Group commit: every request dispatched meanwhile shares the same sync. When the
-            // store cannot (disk, Redis down or slow), a class failing open goes ahead (the
-            // hold reaches the store when it returns), one failing closed is refused.
-            if let Err(e) = shared.durable().await {
+            // The hold must be stored before upstream tokens are spent on it, so that a crash
+            // after this point leaves a hold that expires (wasted), never a spend nobody
+            // recorded. "Stored" is what the store promises: SQLite with the default
+            // `server.ledger_synchronous = "normal"`, committed to the WAL (survives the
+            // process dying, not a power loss or OS crash); with "full", synced to disk;
+            // Redis, accepted by the server (its own persistence decides the rest). Group
+            // commit: every request dispatched meanwhile shares the same commit. The answer
+            // is for this request's own hold (the write that carried it), not for whatever
+            // else was queued. When the store cannot (its batch failed every retry, no answer
+            // within the flush timeout, Redis down or slow), a class failing open goes ahead
+            // (the hold reaches the store when it returns, or expires), one failing closed is
+            // refused.
+            if let Err(e) = shared.durable_for(hold_write).await {
                 shared.note_store_error(&e);
                 // Looked up only here, off the path of every request that the store took.
                 if shared.fail_mode_of(class) == slackgate_core::FailMode::Closed {

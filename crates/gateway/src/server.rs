@@ -289,6 +289,7 @@ pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, Strin
             cfg.server.ledger_synchronous,
             Some(cfg.gate.ledger.retention_ms),
             cfg.server.ledger_prune_interval_ms,
+            cfg.server.ledger_flush_timeout_ms,
         ),
     }
 }
@@ -313,16 +314,24 @@ pub fn open_store(
     spec: &str,
     synchronous: crate::ledger_store::Synchronous,
 ) -> Result<Arc<dyn LedgerStore>, String> {
-    open_store_pruned(spec, synchronous, None, 60_000)
+    open_store_pruned(
+        spec,
+        synchronous,
+        None,
+        60_000,
+        crate::ledger_store::DEFAULT_FLUSH_TIMEOUT_MS,
+    )
 }
 
 /// [`open_store`], pruning a SQLite ledger's settled keys past `retention_ms` every
-/// `prune_interval_ms` (see [`crate::ledger_store::prune`]).
+/// `prune_interval_ms` (see [`crate::ledger_store::prune`]), its flushes waiting at most
+/// `flush_timeout_ms`.
 pub fn open_store_pruned(
     spec: &str,
     synchronous: crate::ledger_store::Synchronous,
     retention_ms: Option<u64>,
     prune_interval_ms: u64,
+    flush_timeout_ms: u64,
 ) -> Result<Arc<dyn LedgerStore>, String> {
     if spec == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
@@ -331,6 +340,7 @@ pub fn open_store_pruned(
         synchronous,
         retention_ms,
         prune_interval_ms,
+        flush_timeout_ms,
         ..SqliteOptions::default()
     };
     let store = SqliteStore::open(std::path::Path::new(spec), opts)

@@ -203,6 +203,9 @@ pub enum Admission {
         signal: oneshot::Receiver<Signal>,
         /// Ends the job exactly once.
         guard: JobGuard,
+        /// The ledger write that carried the job's hold, when the store numbers writes: the
+        /// flush before dispatch answers for it ([`Shared::durable_for`]).
+        hold_write: Option<crate::ledger_store::WriteSeq>,
     },
 }
 
@@ -326,7 +329,18 @@ impl Shared {
         &self,
         f: impl FnOnce(&mut CoreState, Millis, &mut Vec<LogLine>) -> R,
     ) -> R {
+        self.with_core_written(f).0
+    }
+
+    /// [`Shared::with_core`], also returning the number of the ledger write it made (the
+    /// records the core produced in this call, a new hold among them), if the store numbers
+    /// writes and there were records.
+    pub fn with_core_written<R>(
+        &self,
+        f: impl FnOnce(&mut CoreState, Millis, &mut Vec<LogLine>) -> R,
+    ) -> (R, Option<crate::ledger_store::WriteSeq>) {
         let mut lines = Vec::new();
+        let mut written = None;
         let r = {
             // The core never panics on input; a poisoned lock would only follow a bug in this
             // file, and the state is still consistent between calls, so keep going.
@@ -359,7 +373,7 @@ impl Shared {
             // Queued to the store's single writer while still under the lock, so records reach
             // it in the order the core produced them (the store also keeps the highest version).
             if !records.is_empty() {
-                self.store.write(records);
+                written = self.store.write_numbered(records);
             }
             r
         };
@@ -367,7 +381,7 @@ impl Shared {
             self.metrics.observe(line);
             self.log.log(line);
         }
-        r
+        (r, written)
     }
 
     /// Wait until every ledger record written so far is durable (group commit: concurrent
@@ -375,6 +389,20 @@ impl Shared {
     pub async fn durable(&self) -> Result<(), String> {
         Arc::clone(&self.store)
             .flush_async()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Wait, as [`Shared::durable`] does, for everything written so far, but answer for the
+    /// ledger write numbered `write` (a request's hold): an error if that write's batch was
+    /// given up or the wait timed out, whatever other writes met. `None` (a store that does
+    /// not number writes, or no write): as `durable`.
+    pub async fn durable_for(
+        &self,
+        write: Option<crate::ledger_store::WriteSeq>,
+    ) -> Result<(), String> {
+        Arc::clone(&self.store)
+            .flush_write_async(write)
             .await
             .map_err(|e| e.to_string())
     }
@@ -646,7 +674,7 @@ impl Shared {
         mut req: Request,
         mut meta: JobMeta,
     ) -> Admission {
-        self.with_core(|st, now, lines| {
+        let (mut admission, written) = self.with_core_written(|st, now, lines| {
             let d = decide(st, now, label, &mut req, &mut meta);
             // Only a capacity rejection names somewhere else to go: another pool would refuse
             // a switched-off class, a duplicate key or a spent grant just the same.
@@ -678,8 +706,14 @@ impl Shared {
                 },
                 decision: d,
                 signal: rx,
+                hold_write: None,
             }
-        })
+        });
+        // The hold was placed in this call, so the write this call made carries it.
+        if let Admission::Queued { hold_write, .. } = &mut admission {
+            *hold_write = written;
+        }
+        admission
     }
 
     /// The first generated token of a job's (streamed) response arrived.

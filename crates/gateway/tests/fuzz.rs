@@ -366,6 +366,7 @@ fn config_text() -> impl Strategy<Value = String> {
             "max_connections",
             "max_connections_per_addr",
             "ledger_prune_interval_ms",
+            "ledger_flush_timeout_ms",
             "tenant_hash_key",
         ],
     );

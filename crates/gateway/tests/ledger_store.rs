@@ -6,7 +6,7 @@
 use rusqlite::Connection;
 use slackgate_core::ledger::{HoldRecord, HoldState};
 use slackgate_gateway::ledger_store::{
-    LedgerStore, MemoryStore, SqliteOptions, SqliteStore, StoreError, Synchronous,
+    LedgerStore, MemoryStore, SqliteOptions, SqliteStore, StoreError, Synchronous, RETRY_BACKOFF,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -401,7 +401,7 @@ fn load_skips_and_counts_unreadable_rows() {
 }
 
 #[test]
-fn write_failures_are_counted_retried_once_then_reported_by_flush() {
+fn write_failures_are_counted_retried_with_backoff_then_reported_by_flush() {
     let dir = TempDir::new("locked");
     let opts = SqliteOptions {
         busy_timeout_ms: 20,
@@ -416,12 +416,14 @@ fn write_failures_are_counted_retried_once_then_reported_by_flush() {
         rec("lost-2", HoldState::Held, 1),
     ]);
     let err = store.flush().unwrap_err();
-    assert!(
-        matches!(err, StoreError::Lost { records: 2, .. }),
-        "{err:?}"
-    );
+    assert!(matches!(err, StoreError::NotStored { .. }), "{err:?}");
+    assert!(err.to_string().contains("database is locked"), "{err}");
     let stats = store.stats();
-    assert_eq!(stats.write_errors, 2, "first try and one retry");
+    assert_eq!(
+        stats.write_errors,
+        1 + RETRY_BACKOFF.len() as u64,
+        "the first attempt and every retry"
+    );
     assert_eq!(stats.records_lost, 2);
     assert_eq!(stats.pending, 0);
     // The lock goes away: the writer carries on, and the loss is reported only once.
@@ -446,9 +448,131 @@ fn unstorable_numbers_are_lost_not_panicked_on() {
             // Memory keeps anything; SQLite integers are i64, so the record is refused.
             "memory" => assert!(flushed.is_ok() && keys.len() == 2),
             _ => {
-                assert!(matches!(flushed, Err(StoreError::Lost { records: 1, .. })));
+                assert!(matches!(flushed, Err(StoreError::NotStored { .. })));
                 assert_eq!(keys, ["fine"]);
             }
         }
     });
+}
+
+/// A second connection holds the file's write lock, as another process (a `sqlite3` shell, a
+/// backup) would; SQLite's answer to the store's writer is then `database is locked`.
+fn lock(db: &Path) -> Connection {
+    let other = Connection::open(db).unwrap();
+    other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    other
+}
+
+#[test]
+fn a_failed_batch_is_reported_to_the_flushes_of_its_own_writes_only() {
+    let dir = TempDir::new("own");
+    let opts = SqliteOptions {
+        busy_timeout_ms: 20,
+        ..SqliteOptions::default()
+    };
+    let store = SqliteStore::open(&dir.db(), opts).unwrap();
+    let before = store
+        .write_numbered(vec![rec("before", HoldState::Held, 1)])
+        .unwrap();
+    store.flush_write(before).unwrap();
+
+    let other = lock(&dir.db());
+    let locked = store
+        .write_numbered(vec![
+            rec("locked-1", HoldState::Held, 1),
+            rec("locked-2", HoldState::Held, 1),
+        ])
+        .unwrap();
+    // The flush for the locked write learns why its records are not in the file.
+    let err = store.flush_write(locked).unwrap_err();
+    assert!(matches!(err, StoreError::NotStored { .. }), "{err:?}");
+    assert!(err.to_string().contains("database is locked"), "{err}");
+    let stats = store.stats();
+    assert_eq!(
+        (stats.write_errors, stats.records_lost, stats.pending),
+        (1 + RETRY_BACKOFF.len() as u64, 2, 0),
+        "every attempt failed, then both records were given up"
+    );
+    // A flush for the earlier write, answered after the failure, is not charged with it
+    // (a global loss counter would charge it to whichever flush came next).
+    store.flush_write(before).unwrap();
+
+    other.execute_batch("ROLLBACK").unwrap();
+    let after = store
+        .write_numbered(vec![rec("after", HoldState::Held, 1)])
+        .unwrap();
+    store.flush_write(after).unwrap();
+    // The lost write stays lost for its own flush, however many flushes succeeded since.
+    assert!(store.flush_write(locked).is_err());
+    // A plain flush answers for everything since the previous plain flush: the first one
+    // since the failure reports it, the next does not report it again.
+    assert!(matches!(store.flush(), Err(StoreError::NotStored { .. })));
+    store.flush().unwrap();
+    let keys: Vec<String> = store.load().unwrap().into_iter().map(|r| r.key).collect();
+    assert_eq!(keys, ["after", "before"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_not_answered_within_its_timeout_fails_and_the_write_stays_queued() {
+    let dir = TempDir::new("timeout");
+    // Each commit attempt waits up to 2 s for the lock: far longer than a flush may.
+    let opts = SqliteOptions {
+        busy_timeout_ms: 2_000,
+        flush_timeout_ms: 100,
+        ..SqliteOptions::default()
+    };
+    let store = std::sync::Arc::new(SqliteStore::open(&dir.db(), opts).unwrap());
+    let other = lock(&dir.db());
+    let seq = store
+        .write_numbered(vec![rec("slow", HoldState::Held, 1)])
+        .unwrap();
+
+    let started = std::time::Instant::now();
+    let err = store.flush_write(seq).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::FlushTimeout {
+                timeout_ms: 100,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("ledger_flush_timeout_ms"), "{err}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(100)
+            && waited < std::time::Duration::from_millis(1_500),
+        "{waited:?}"
+    );
+    // The async flush (the proxy's) times out the same way, without parking a thread.
+    let err = store
+        .clone()
+        .flush_write_async(Some(seq))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::FlushTimeout { .. }), "{err:?}");
+
+    // The lock goes away while the writer is still on its attempt: the record is stored.
+    other.execute_batch("ROLLBACK").unwrap();
+    let stored = tokio::task::spawn_blocking({
+        let store = store.clone();
+        move || {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                match store.flush_write(seq) {
+                    Ok(()) => return true,
+                    Err(StoreError::FlushTimeout { .. })
+                        if std::time::Instant::now() < deadline => {}
+                    Err(_) => return false,
+                }
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert!(stored, "the write was stored once the lock went away");
+    let keys: Vec<String> = store.load().unwrap().into_iter().map(|r| r.key).collect();
+    assert_eq!(keys, ["slow"]);
 }

@@ -14,6 +14,11 @@
 //! it is durable (at shutdown, in tests, in benchmarks). `flush` and `load` block the calling
 //! thread: from async code, call them inside `tokio::task::spawn_blocking`.
 //!
+//! A request that must know whether *its own* records were stored (the proxy, before it
+//! sends a request upstream on a hold) keeps the number [`LedgerStore::write_numbered`] gave
+//! its write and flushes for that write ([`LedgerStore::flush_write_async`]): the answer is
+//! the fate of the batch that carried it, whatever other flushes were told meanwhile.
+//!
 //! Three stores: [`MemoryStore`] (tests and `--ledger memory`; dies with the process),
 //! [`SqliteStore`] (the default: one file an operator can open with `sqlite3`) and
 //! [`RedisStore`] (cluster mode: one ledger shared by every replica).
@@ -27,13 +32,21 @@ mod writer;
 
 pub use self::redis::{redact, RedisOptions, RedisStore};
 pub use memory::MemoryStore;
-pub use sqlite::{SqliteOptions, SqliteStore, Synchronous, SCHEMA_VERSION};
+pub use sqlite::{
+    SqliteOptions, SqliteStore, Synchronous, DEFAULT_FLUSH_TIMEOUT_MS, SCHEMA_VERSION,
+};
+pub use writer::RETRY_BACKOFF;
 
 use serde::Serialize;
 use slackgate_core::ledger::HoldRecord;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The number a store gave one write ([`LedgerStore::write_numbered`]), in the order writes
+/// were queued: a flush for it answers for that write's records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct WriteSeq(pub u64);
 
 /// Where ledger records are kept. Writes are fire-and-forget from the request path (they are
 /// queued to one writer); `flush` waits until everything queued so far is durable.
@@ -43,7 +56,23 @@ pub trait LedgerStore: Send + Sync + 'static {
     /// Queue records to persist (upsert by key, keeping the highest version). Never blocks on disk.
     fn write(&self, records: Vec<HoldRecord>);
     /// Wait until everything written so far is durable (used at shutdown and by tests/benches).
+    /// An error says that something written since the previous `flush` was not stored (or
+    /// that the wait timed out); to learn the fate of one's own records, number the write and
+    /// use [`LedgerStore::flush_write`].
     fn flush(&self) -> Result<(), StoreError>;
+    /// [`LedgerStore::write`], returning the write's number when the store numbers writes
+    /// ([`SqliteStore`]; `None` otherwise, and for an empty or refused write).
+    fn write_numbered(&self, records: Vec<HoldRecord>) -> Option<WriteSeq> {
+        self.write(records);
+        None
+    }
+    /// Wait, as `flush` does, until everything written so far is durable, but answer for the
+    /// write numbered `seq` only: an error if its batch was given up (or the wait timed out),
+    /// whatever happened to other writes. Stores that do not number writes answer as `flush`.
+    fn flush_write(&self, seq: WriteSeq) -> Result<(), StoreError> {
+        let _ = seq;
+        self.flush()
+    }
     /// Writes queued and not yet durable, records written, batches committed, write errors (for metrics).
     fn stats(&self) -> StoreStats;
     /// The secret tenant ids are hashed under when the config sets none: generated the first
@@ -68,6 +97,12 @@ pub trait LedgerStore: Send + Sync + 'static {
             }
         })
     }
+    /// [`LedgerStore::flush_write`] for async callers, or [`LedgerStore::flush_async`] when
+    /// there is no number (`None`). The default answers as `flush_async`.
+    fn flush_write_async(self: std::sync::Arc<Self>, seq: Option<WriteSeq>) -> FlushFuture {
+        let _ = seq;
+        self.flush_async()
+    }
 }
 
 /// What [`LedgerStore::flush_async`] returns.
@@ -86,7 +121,8 @@ pub struct StoreStats {
     pub batches_committed: u64,
     /// Failed attempts to commit a batch (disk full, database locked, ...).
     pub write_errors: u64,
-    /// Records given up on after their batch failed twice (or that could not be stored at all).
+    /// Records given up on after every attempt at their batch failed (SQLite: see
+    /// [`RETRY_BACKOFF`]), or that could not be stored at all.
     pub records_lost: u64,
     /// Rows skipped by `load` because they were unreadable (unknown state, negative numbers).
     pub rows_skipped: u64,
@@ -142,7 +178,31 @@ pub enum StoreError {
         #[source]
         source: rusqlite::Error,
     },
-    /// Records written before a flush were given up on (their batch failed twice).
+    /// The records a SQLite flush answers for were not stored: their batch failed every
+    /// attempt (the file locked by another process past `busy_timeout`, disk full, I/O
+    /// error) or a record could not be stored at all. They are given up on: not in the file.
+    #[error("ledger store {path}: records not stored: {cause}")]
+    NotStored {
+        /// The database path as configured.
+        path: PathBuf,
+        /// SQLite's last error (e.g. `database is locked`) and how many attempts were made.
+        cause: String,
+    },
+    /// A SQLite flush had no answer within `server.ledger_flush_timeout_ms` (a stuck disk, a
+    /// lock held by another process while the writer retries): what it waited for is still
+    /// queued and may yet be stored, but is not durable now.
+    #[error(
+        "ledger store {path}: no answer within {timeout_ms} ms (server.ledger_flush_timeout_ms): \
+         the disk is slow or the file is locked"
+    )]
+    FlushTimeout {
+        /// The database path as configured.
+        path: PathBuf,
+        /// How long the flush waited.
+        timeout_ms: u64,
+    },
+    /// Records written before a Redis flush were given up on (their queue overflowed, or a
+    /// record could not be encoded).
     #[error("ledger store: {records} records could not be made durable: {error}")]
     Lost {
         /// How many records were lost since the previous flush.

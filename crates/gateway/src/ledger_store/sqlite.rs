@@ -10,25 +10,37 @@
 //! own within a fraction of a millisecond.
 //!
 //! **Durability.** The file is in WAL mode with `synchronous=NORMAL` by default. In WAL mode,
-//! NORMAL does not sync the log at each commit, only at checkpoints: a committed transaction
-//! is in the operating system's page cache, so it survives the process dying at any moment
-//! (`kill -9`, a panic, the OOM killer), and only a power loss or kernel crash can lose the
-//! last group commits, never corrupt the file. That is the trade seed 001 asks for (a crash
-//! must not leak or double-spend budget) without a disk sync per batch. Operators who need
-//! every commit to survive power loss set `synchronous = "full"` ([`Synchronous::Full`]).
+//! NORMAL does not sync the log at each commit, only at checkpoints: a "durable" (flushed)
+//! record is committed to the WAL file, that is written to the operating system's page
+//! cache. It survives the process dying at any moment (`kill -9`, a panic, the OOM killer);
+//! a power loss, kernel crash or VM reset can lose the group commits since the last
+//! checkpoint's sync (the checkpointer runs every 200 ms), never corrupt the file: the
+//! ledger then comes back a little older, and a hold lost that way was already sent
+//! upstream. That is the trade seed 001 asks for (a crash must not leak or double-spend
+//! budget) without a disk sync per batch. With `synchronous = "full"` ([`Synchronous::Full`])
+//! every commit syncs the WAL (`fsync`) before a flush is answered: a flushed record also
+//! survives power loss and OS crashes, at the price of one disk sync per group commit (what
+//! that costs end to end is measured by `scripts/bench-proxy.sh`; see BENCHMARKS.md).
 //!
 //! **Errors.** A failed commit (disk full, database locked by another process past
-//! `busy_timeout`) is counted, logged to stderr once per kind, and the batch retried once;
-//! if it fails again its records are counted as lost and the next `flush` reports them. The
-//! writer never panics and never stops before the store is dropped.
+//! `busy_timeout`) is counted, logged to stderr once per kind, and the batch retried after
+//! each delay of [`super::RETRY_BACKOFF`]; if every attempt fails its records are counted
+//! as lost, and the flushes that cover them, and only those, get
+//! [`StoreError::NotStored`] naming SQLite's error (e.g. `database is locked`): the writer
+//! module (`writer.rs`) says which flush covers what. A flush with no answer within
+//! [`SqliteOptions::flush_timeout_ms`] (a stuck disk, a long-held lock: each attempt may wait
+//! `busy_timeout`) gets [`StoreError::FlushTimeout`]; what it waited for stays queued. The
+//! proxy treats both like any durable hold it could not get: a class failing closed is
+//! refused 503 `ledger_unavailable`, one failing open goes ahead. The writer never panics
+//! and never stops before the store is dropped.
 
-use super::writer::{Msg, Writer};
-use super::{Counters, LedgerStore, StoreError, StoreStats};
+use super::writer::{Covers, Msg, Writer};
+use super::{Counters, LedgerStore, StoreError, StoreStats, WriteSeq};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 use serde::Deserialize;
 use slackgate_core::ledger::HoldRecord;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -67,10 +79,12 @@ COMMIT;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Synchronous {
-    /// Survives a process crash; a power loss may lose the last commits (WAL + NORMAL).
+    /// A flushed record is committed to the WAL (in the OS page cache): it survives a process
+    /// crash; a power loss or OS crash may lose the last commits (never corrupts the file).
     #[default]
     Normal,
-    /// Syncs the log at every commit: survives power loss too, at one disk sync per batch.
+    /// Syncs the WAL at every commit before the flush is answered: survives power loss and
+    /// OS crashes too, at one disk sync per group commit.
     Full,
 }
 
@@ -98,6 +112,9 @@ pub struct SqliteOptions {
     pub retention_ms: Option<u64>,
     /// How often the pruner runs (ms).
     pub prune_interval_ms: u64,
+    /// How long a flush waits for the writer's answer before it gives up with
+    /// [`StoreError::FlushTimeout`] (ms; `server.ledger_flush_timeout_ms`).
+    pub flush_timeout_ms: u64,
 }
 
 impl Default for SqliteOptions {
@@ -108,15 +125,30 @@ impl Default for SqliteOptions {
             batch_max: 4_096,
             retention_ms: None,
             prune_interval_ms: 60_000,
+            flush_timeout_ms: DEFAULT_FLUSH_TIMEOUT_MS,
         }
     }
+}
+
+/// The default of [`SqliteOptions::flush_timeout_ms`] (`server.ledger_flush_timeout_ms`): well
+/// above a group commit (under a millisecond to a few with `full`), below the default
+/// `busy_timeout` (5 s), so a file locked by another process is refused by fail-closed
+/// classes within 2 s instead of holding their requests for the writer's retries.
+pub const DEFAULT_FLUSH_TIMEOUT_MS: u64 = 2_000;
+
+/// The writer's queue and the number of the last write put on it, under one lock so the
+/// numbers follow the queue's order.
+struct Queue {
+    tx: mpsc::Sender<Msg>,
+    last_seq: u64,
 }
 
 /// Ledger records in a SQLite file, written by one group-commit writer thread.
 pub struct SqliteStore {
     path: PathBuf,
     /// `None` only while dropping: closing the channel tells the writer to finish.
-    tx: Option<mpsc::Sender<Msg>>,
+    queue: Mutex<Option<Queue>>,
+    flush_timeout: Duration,
     writer: Option<JoinHandle<()>>,
     counters: Arc<Counters>,
     /// Stops the checkpointer thread (dropping it wakes the thread at once).
@@ -205,6 +237,7 @@ impl SqliteStore {
                 path: path.to_owned(),
                 reason: format!("cannot start the checkpoint thread: {e}"),
             })?;
+        let flush_timeout = Duration::from_millis(opts.flush_timeout_ms.max(1));
         let (tx, rx) = mpsc::channel();
         let writer = Writer::new(conn, path.to_owned(), Arc::clone(&counters), opts.batch_max);
         let handle = std::thread::Builder::new()
@@ -216,7 +249,8 @@ impl SqliteStore {
             })?;
         Ok(SqliteStore {
             path: path.to_owned(),
-            tx: Some(tx),
+            queue: Mutex::new(Some(Queue { tx, last_seq: 0 })),
+            flush_timeout,
             writer: Some(handle),
             counters,
             checkpoint_stop: Some(checkpoint_stop),
@@ -230,11 +264,49 @@ impl SqliteStore {
         &self.path
     }
 
+    /// The queue, even if a thread panicked holding its lock (it holds nothing that a
+    /// panic could leave half-changed).
+    fn queue(&self) -> std::sync::MutexGuard<'_, Option<Queue>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn send(&self, msg: Msg) -> Result<(), StoreError> {
-        match &self.tx {
-            Some(tx) => tx.send(msg).map_err(|_| StoreError::WriterStopped),
+        match self.queue().as_ref() {
+            Some(q) => q.tx.send(msg).map_err(|_| StoreError::WriterStopped),
             None => Err(StoreError::WriterStopped),
         }
+    }
+
+    fn timed_out(&self) -> StoreError {
+        StoreError::FlushTimeout {
+            path: self.path.clone(),
+            timeout_ms: u64::try_from(self.flush_timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Ask the writer for a flush and wait for its answer, at most the flush timeout.
+    fn flush_covering(&self, covers: Covers) -> Result<(), StoreError> {
+        let (ack, acked) = mpsc::sync_channel(1);
+        self.send(Msg::Flush(covers, super::Ack::Sync(ack)))?;
+        match acked.recv_timeout(self.flush_timeout) {
+            Ok(answer) => answer,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(self.timed_out()),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(StoreError::WriterStopped),
+        }
+    }
+
+    /// [`SqliteStore::flush_covering`] without parking a thread.
+    fn flush_covering_async(self: Arc<Self>, covers: Covers) -> super::FlushFuture {
+        let (ack, acked) = tokio::sync::oneshot::channel();
+        let sent = self.send(Msg::Flush(covers, super::Ack::Async(ack)));
+        Box::pin(async move {
+            sent?;
+            match tokio::time::timeout(self.flush_timeout, acked).await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(_)) => Err(StoreError::WriterStopped),
+                Err(_) => Err(self.timed_out()),
+            }
+        })
     }
 }
 
@@ -248,31 +320,48 @@ impl LedgerStore for SqliteStore {
     }
 
     fn write(&self, records: Vec<HoldRecord>) {
+        let _ = self.write_numbered(records);
+    }
+
+    fn write_numbered(&self, records: Vec<HoldRecord>) -> Option<WriteSeq> {
         if records.is_empty() {
-            return;
+            return None;
         }
         let n = records.len() as u64;
         // Counted before sending, so the writer's decrement can never come first.
         Counters::add(&self.counters.pending, n);
-        if self.send(Msg::Write(records)).is_err() {
-            Counters::sub(&self.counters.pending, n);
-            Counters::add(&self.counters.records_lost, n);
+        {
+            let mut queue = self.queue();
+            if let Some(q) = queue.as_mut() {
+                let seq = q.last_seq + 1;
+                if q.tx.send(Msg::Write(seq, records)).is_ok() {
+                    q.last_seq = seq;
+                    return Some(WriteSeq(seq));
+                }
+            }
         }
+        Counters::sub(&self.counters.pending, n);
+        Counters::add(&self.counters.records_lost, n);
+        None
     }
 
     fn flush(&self) -> Result<(), StoreError> {
-        let (ack, acked) = mpsc::sync_channel(1);
-        self.send(Msg::Flush(super::Ack::Sync(ack)))?;
-        acked.recv().map_err(|_| StoreError::WriterStopped)?
+        self.flush_covering(Covers::SincePrevious)
+    }
+
+    fn flush_write(&self, seq: WriteSeq) -> Result<(), StoreError> {
+        self.flush_covering(Covers::Write(seq.0))
     }
 
     fn flush_async(self: std::sync::Arc<Self>) -> super::FlushFuture {
-        let (ack, acked) = tokio::sync::oneshot::channel();
-        let sent = self.send(Msg::Flush(super::Ack::Async(ack)));
-        Box::pin(async move {
-            sent?;
-            acked.await.map_err(|_| StoreError::WriterStopped)?
-        })
+        self.flush_covering_async(Covers::SincePrevious)
+    }
+
+    fn flush_write_async(self: std::sync::Arc<Self>, seq: Option<WriteSeq>) -> super::FlushFuture {
+        match seq {
+            Some(WriteSeq(seq)) => self.flush_covering_async(Covers::Write(seq)),
+            None => self.flush_covering_async(Covers::SincePrevious),
+        }
     }
 
     fn stats(&self) -> StoreStats {
@@ -313,7 +402,7 @@ impl Drop for SqliteStore {
     /// Closing the channel lets the writer drain and commit everything still queued, then
     /// exit; joining it means a dropped store has made all its writes durable.
     fn drop(&mut self) {
-        drop(self.tx.take());
+        drop(self.queue().take());
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
         }

@@ -3,15 +3,31 @@
 //! It blocks for the first queued message, then takes whatever else is already queued (up
 //! to the batch cap) without waiting, coalesces it to the newest version per key, upserts it
 //! in one transaction and commits. A flush or load message ends a batch: everything queued
-//! before it is committed first, which is what makes `flush` a barrier. Failures are counted,
-//! logged once per kind, retried once, then counted as lost; the thread never panics.
+//! before it is committed first, which is what makes `flush` a barrier. Failures are counted
+//! and logged once per kind; a failed batch is retried after each delay of [`RETRY_BACKOFF`]
+//! and, when the last attempt fails too, given up on. The thread never panics.
+//!
+//! **Who is told of a failure.** Every write is numbered by the store as it is queued (the
+//! channel keeps that order), so a batch is a run of consecutive numbers. A batch given up
+//! on is remembered as a failed range with its error (the last [`FAILURES_KEPT`] ranges;
+//! consecutive failures merge into one). A flush answers from these ranges, never from a
+//! running count, so a failure is charged neither to a flush whose records were stored nor
+//! to whichever flush happens to come next:
+//! - a flush for one write (`Covers::Write(n)`, what the proxy uses before it sends a request
+//!   upstream on its hold) fails exactly when write `n`'s batch was given up;
+//! - a plain flush (`Covers::SincePrevious`) fails when a write after the previous plain
+//!   flush's cut, up to its own, was given up (shutdown, tests, and callers that do not say
+//!   which write is theirs).
+//!
+//! A flush for a write older than every remembered range, after more ranges than that were
+//! dropped, cannot know and answers with an error (the refusal is the safe side).
 
 use super::sqlite::classify;
-use super::{keep_newest, Ack, Counters, StoreError};
+use super::{Ack, Counters, StoreError};
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, Row, TransactionBehavior};
 use slackgate_core::ledger::{HoldRecord, HoldState};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
@@ -40,13 +56,45 @@ SELECT key, tenant, state, attempt, tokens_held, tokens_spent, tokens_wasted,
 FROM holds ORDER BY key
 ";
 
+/// How long the SQLite writer waits before each retry of a failed batch (a transient lock or
+/// checkpoint gets a moment to clear): 3 retries after the first attempt, 210 ms of waiting
+/// in all, on top of each attempt's own wait for a lock (`busy_timeout`). Then the batch is
+/// given up and its flushes told.
+pub const RETRY_BACKOFF: [Duration; 3] = [
+    Duration::from_millis(10),
+    Duration::from_millis(40),
+    Duration::from_millis(160),
+];
+
+/// Failed ranges of writes the writer remembers for flushes still to come (a few KiB).
+const FAILURES_KEPT: usize = 1024;
+
 /// What the writer thread is asked to do, in order.
 pub(super) enum Msg {
-    Write(Vec<HoldRecord>),
-    /// Commit everything before this, then answer (with the records lost since last time).
-    Flush(Ack),
+    /// Records to store, with the number the store gave this write (1, 2, 3, ... in queue
+    /// order).
+    Write(u64, Vec<HoldRecord>),
+    /// Commit everything before this, then answer for what it covers.
+    Flush(Covers, Ack),
     /// Commit everything before this, then read every row.
     Load(mpsc::SyncSender<Result<Vec<HoldRecord>, StoreError>>),
+}
+
+/// Which writes a flush answers for (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Covers {
+    /// The writes since the previous plain flush's cut, up to its own.
+    SincePrevious,
+    /// The one write with this number.
+    Write(u64),
+}
+
+/// Writes `first..=last` were given up on, the last time because of `cause`.
+#[derive(Clone, Debug)]
+struct Failure {
+    first: u64,
+    last: u64,
+    cause: String,
 }
 
 /// The writer thread's state: the only connection that writes.
@@ -57,9 +105,15 @@ pub(super) struct Writer {
     batch_max: usize,
     /// Error kinds already reported on stderr (each is logged once, then only counted).
     logged: HashSet<String>,
-    /// Records given up on since the last flush answered, and the last error seen.
-    lost_since_flush: u64,
-    last_error: String,
+    /// The number of the last write received: the cut of a flush received now.
+    received: u64,
+    /// The cut of the last plain flush answered.
+    plain_cut: u64,
+    /// Ranges of writes given up on, oldest first (at most [`FAILURES_KEPT`]).
+    failures: VecDeque<Failure>,
+    /// Everything dropped from `failures` to bound it, as one range: a flush for a write in
+    /// it cannot tell whether that write was stored.
+    forgotten: Option<Failure>,
 }
 
 impl Writer {
@@ -76,8 +130,10 @@ impl Writer {
             counters,
             batch_max: batch_max.max(1),
             logged: HashSet::new(),
-            lost_since_flush: 0,
-            last_error: String::new(),
+            received: 0,
+            plain_cut: 0,
+            failures: VecDeque::new(),
+            forgotten: None,
         }
     }
 
@@ -86,39 +142,32 @@ impl Writer {
         // `recv` fails only once the store is dropped *and* every queued message has been
         // received, so leaving the loop means everything was committed (or counted as lost).
         while let Ok(first) = rx.recv() {
-            let mut batch: Vec<HoldRecord> = Vec::new();
+            let mut batch = Batch::default();
             let mut acks = Vec::new();
             let mut load = None;
             let mut next = Some(first);
             while let Some(msg) = next.take() {
                 match msg {
-                    Msg::Write(records) if batch.is_empty() => batch = records,
-                    Msg::Write(records) => batch.extend(records),
-                    // A flush only needs what came before it committed: committing more is fine.
-                    Msg::Flush(ack) => acks.push(ack),
+                    Msg::Write(seq, records) => {
+                        self.received = self.received.max(seq);
+                        batch.add(seq, records);
+                    }
+                    // A flush only needs what came before it committed: committing more is
+                    // fine. Its cut is what had been received when it was.
+                    Msg::Flush(covers, ack) => acks.push((covers, self.received, ack)),
                     other => {
                         load = Some(other);
                         break;
                     }
                 }
-                if batch.len() >= self.batch_max {
+                if batch.records.len() >= self.batch_max {
                     break;
                 }
                 next = rx.try_recv().ok();
             }
             self.commit(batch);
-            if !acks.is_empty() {
-                let lost = std::mem::take(&mut self.lost_since_flush);
-                for ack in acks {
-                    let answer = match lost {
-                        0 => Ok(()),
-                        records => Err(StoreError::Lost {
-                            records,
-                            error: self.last_error.clone(),
-                        }),
-                    };
-                    ack.send(answer);
-                }
+            for (covers, cut, ack) in acks {
+                ack.send(self.answer(covers, cut));
             }
             if let Some(Msg::Load(reply)) = load {
                 let _ = reply.send(self.load());
@@ -126,52 +175,131 @@ impl Writer {
         }
     }
 
-    /// Upsert one batch in one transaction; retry once on failure, then give up on it.
-    fn commit(&mut self, batch: Vec<HoldRecord>) {
-        if batch.is_empty() {
+    /// The answer to a flush received when writes up to `cut` had been: an error naming
+    /// SQLite's cause when a write it covers was given up on.
+    fn answer(&mut self, covers: Covers, cut: u64) -> Result<(), StoreError> {
+        let failed = match covers {
+            Covers::SincePrevious => {
+                let from = self.plain_cut + 1;
+                self.plain_cut = self.plain_cut.max(cut);
+                self.failure_in(from, cut)
+            }
+            // A number not yet queued when the flush was is none of this store's writes.
+            Covers::Write(seq) if seq > cut => Some(format!(
+                "write {seq} was not queued before its flush (the last was {cut})"
+            )),
+            Covers::Write(seq) => self.failure_in(seq, seq),
+        };
+        match failed {
+            None => Ok(()),
+            Some(cause) => Err(StoreError::NotStored {
+                path: self.path.clone(),
+                cause,
+            }),
+        }
+    }
+
+    /// The cause of the latest failure of a write in `from..=to`, if any.
+    fn failure_in(&self, from: u64, to: u64) -> Option<String> {
+        if from > to {
+            return None;
+        }
+        let hit = |f: &Failure| f.first <= to && from <= f.last;
+        if let Some(f) = self.failures.iter().rev().find(|f| hit(f)) {
+            return Some(f.cause.clone());
+        }
+        match &self.forgotten {
+            Some(f) if from <= f.last => Some(format!(
+                "unknown: more than {FAILURES_KEPT} batches failed since this write (the \
+                 last of those: {})",
+                f.cause
+            )),
+            _ => None,
+        }
+    }
+
+    /// Remember that writes `first..=last` were given up on.
+    fn note_failure(&mut self, first: u64, last: u64, cause: String) {
+        if let Some(back) = self.failures.back_mut() {
+            // Overlapping ranges (a lost record's write, then its whole batch) merge, and so
+            // do consecutive ones with the same cause: a long outage is one range.
+            let overlaps = first <= back.last && last >= back.first;
+            let follows = first == back.last.saturating_add(1) && cause == back.cause;
+            if overlaps || follows {
+                back.first = back.first.min(first);
+                back.last = back.last.max(last);
+                back.cause = cause;
+                return;
+            }
+        }
+        self.failures.push_back(Failure { first, last, cause });
+        while self.failures.len() > FAILURES_KEPT {
+            if let Some(old) = self.failures.pop_front() {
+                let f = self.forgotten.get_or_insert_with(|| old.clone());
+                f.first = f.first.min(old.first);
+                f.last = f.last.max(old.last);
+                f.cause = old.cause;
+            }
+        }
+    }
+
+    /// Upsert one batch in one transaction, with retries; give it up when every attempt
+    /// fails, remembering which writes it held for their flushes.
+    fn commit(&mut self, batch: Batch) {
+        let Some((first, last)) = batch.seqs else {
             return;
-        }
-        let received = batch.len() as u64;
-        // Within one batch only the newest version of each key can matter (a `held` and its
-        // `done` queued together become one row write).
-        let mut newest = HashMap::with_capacity(batch.len());
-        for record in batch {
-            keep_newest(&mut newest, record);
-        }
-        let mut rows = Vec::with_capacity(newest.len());
+        };
+        let received = batch.records.len() as u64;
+        // A record whose numbers do not fit SQLite's integers can never be stored: its write
+        // is failed on its own, the rest of the batch goes ahead.
+        let mut storable = Vec::with_capacity(batch.records.len());
         let mut unstorable = 0;
-        for record in newest.into_values() {
+        for (seq, record) in batch.records {
             match numbers(&record) {
-                Some(ints) => rows.push((record, ints)),
-                None => unstorable += 1,
+                Some(ints) => storable.push((record, ints)),
+                None => {
+                    unstorable += 1;
+                    self.note_failure(seq, seq, OUT_OF_RANGE.to_owned());
+                }
             }
         }
         if unstorable > 0 {
-            self.lose(
-                unstorable,
-                "out_of_range",
-                "a count or time does not fit in i64",
-            );
+            self.lose(unstorable, "out_of_range", OUT_OF_RANGE);
         }
-        let outcome = match self.try_commit(&rows) {
-            Ok(()) => Ok(()),
-            Err(first) => {
-                self.failed(&first);
-                // Give a transient condition (a lock, a checkpoint) a moment to clear.
-                std::thread::sleep(Duration::from_millis(50));
-                self.try_commit(&rows)
+        // Within one batch only the newest version of each key can matter (a `held` and its
+        // `done` queued together become one row write).
+        let mut newest: HashMap<String, (HoldRecord, [i64; 10])> =
+            HashMap::with_capacity(storable.len());
+        for (record, ints) in storable {
+            match newest.get(&record.key) {
+                Some((kept, _)) if kept.version >= record.version => {}
+                _ => {
+                    newest.insert(record.key.clone(), (record, ints));
+                }
             }
-        };
+        }
+        let rows: Vec<(HoldRecord, [i64; 10])> = newest.into_values().collect();
+        let mut outcome = self.try_commit(&rows);
+        let mut attempts = 1;
+        for delay in RETRY_BACKOFF {
+            let Err(e) = &outcome else { break };
+            self.failed(e);
+            std::thread::sleep(delay);
+            outcome = self.try_commit(&rows);
+            attempts += 1;
+        }
         let c = &self.counters;
         match outcome {
             Ok(()) => {
                 Counters::add(&c.records_written, received - unstorable);
                 Counters::add(&c.batches_committed, 1);
             }
-            Err(second) => {
-                self.failed(&second);
-                let kind = format!("lost:{}", kind(&second));
-                self.lose(received - unstorable, &kind, &second.to_string());
+            Err(last_error) => {
+                self.failed(&last_error);
+                let kind = format!("lost:{}", kind(&last_error));
+                let cause = format!("{last_error} ({attempts} attempts)");
+                self.lose(received - unstorable, &kind, &cause);
+                self.note_failure(first, last, cause);
             }
         }
         Counters::sub(&self.counters.pending, received);
@@ -212,14 +340,11 @@ impl Writer {
 
     fn failed(&mut self, e: &rusqlite::Error) {
         Counters::add(&self.counters.write_errors, 1);
-        self.last_error = e.to_string();
         self.log_once(&kind(e), &format!("write failed: {e}"));
     }
 
     fn lose(&mut self, records: u64, kind: &str, why: &str) {
         Counters::add(&self.counters.records_lost, records);
-        self.lost_since_flush += records;
-        self.last_error = why.to_owned();
         self.log_once(kind, &format!("{records} records lost: {why}"));
     }
 
@@ -259,6 +384,27 @@ impl Writer {
             );
         }
         Ok(out)
+    }
+}
+
+/// Why a record with a number past `i64::MAX` is not stored.
+const OUT_OF_RANGE: &str = "a count or time does not fit in i64";
+
+/// The records of one group commit, each with the number of the write that brought it.
+#[derive(Default)]
+struct Batch {
+    records: Vec<(u64, HoldRecord)>,
+    /// The first and last write numbers in it (writes arrive in order: a batch is a run).
+    seqs: Option<(u64, u64)>,
+}
+
+impl Batch {
+    fn add(&mut self, seq: u64, records: Vec<HoldRecord>) {
+        self.seqs = Some(match self.seqs {
+            None => (seq, seq),
+            Some((first, last)) => (first.min(seq), last.max(seq)),
+        });
+        self.records.extend(records.into_iter().map(|r| (seq, r)));
     }
 }
 
@@ -327,4 +473,49 @@ fn parse_row(row: &Row<'_>) -> Result<HoldRecord, String> {
         state,
         owner: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn writer() -> Writer {
+        let conn = Connection::open_in_memory().unwrap_or_else(|e| panic!("{e}"));
+        Writer::new(conn, PathBuf::from(":memory:"), Arc::default(), 16)
+    }
+
+    #[test]
+    fn consecutive_failures_with_one_cause_are_one_range() {
+        let mut w = writer();
+        w.note_failure(3, 5, "locked".into());
+        w.note_failure(6, 9, "locked".into());
+        w.note_failure(10, 10, "disk full".into());
+        assert_eq!(w.failures.len(), 2);
+        assert_eq!(w.failure_in(4, 4).as_deref(), Some("locked"));
+        assert_eq!(w.failure_in(10, 10).as_deref(), Some("disk full"));
+        assert_eq!(w.failure_in(1, 2), None);
+        assert_eq!(w.failure_in(11, 20), None);
+        // A lost record's write, then its whole batch: one range, the batch's cause.
+        w.note_failure(14, 14, "out of range".into());
+        w.note_failure(12, 16, "locked".into());
+        assert_eq!(w.failures.len(), 3);
+        assert_eq!(w.failure_in(14, 14).as_deref(), Some("locked"));
+    }
+
+    #[test]
+    fn failures_past_the_bound_answer_unknown_never_stored() {
+        let mut w = writer();
+        // Every even write fails, every odd one is stored.
+        let n = FAILURES_KEPT as u64 + 10;
+        for i in 1..=n {
+            w.note_failure(2 * i, 2 * i, "locked".into());
+        }
+        assert_eq!(w.failures.len(), FAILURES_KEPT);
+        // Kept: exact answers.
+        assert_eq!(w.failure_in(2 * n, 2 * n).as_deref(), Some("locked"));
+        assert_eq!(w.failure_in(2 * n - 1, 2 * n - 1), None);
+        // Dropped: no longer known, so not claimed stored.
+        let old = w.failure_in(3, 3).unwrap_or_default();
+        assert!(old.starts_with("unknown"), "{old}");
+    }
 }

@@ -8,7 +8,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use slackgate_gateway::control::ConfigSource;
-use slackgate_gateway::ledger_store::MemoryStore;
+use slackgate_gateway::ledger_store::{LedgerStore, MemoryStore};
 use slackgate_gateway::{Config, DecisionLog, Gateway, GatewayOptions};
 use slackgate_stub::{LatencySpec, Stub, StubConfig};
 use std::net::SocketAddr;
@@ -85,6 +85,17 @@ impl TestGate {
         admin: Option<(tokio::net::TcpListener, Option<String>)>,
         source: Option<ConfigSource>,
     ) -> TestGate {
+        Self::start_on_store(cfg, name, admin, source, Arc::new(MemoryStore::new())).await
+    }
+
+    /// [`TestGate::start_with`] on a ledger store the test opened (a SQLite file it can lock).
+    pub async fn start_on_store(
+        cfg: Config,
+        name: &str,
+        admin: Option<(tokio::net::TcpListener, Option<String>)>,
+        source: Option<ConfigSource>,
+        store: Arc<dyn LedgerStore>,
+    ) -> TestGate {
         let log_path = temp_log(name);
         let log = DecisionLog::start(
             slackgate_gateway::config::LogTarget::File(log_path.clone()),
@@ -102,7 +113,7 @@ impl TestGate {
             source,
             env: None,
         };
-        let gate = Gateway::start(listener, &cfg, log, Arc::new(MemoryStore::new()), opts).unwrap();
+        let gate = Gateway::start(listener, &cfg, log, store, opts).unwrap();
         let addr = gate.local_addr();
         TestGate {
             gate,
