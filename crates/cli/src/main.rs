@@ -4,7 +4,7 @@
 //! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]
 //!   [--admin-listen ADDR]` (SIGHUP reloads the config; SIGTERM drains and stops)
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC [--idle-close-ms N]`
-//! - `slackgate check --config FILE`
+//! - `slackgate check --config FILE [--probe]`
 //! - `slackgate tenant-id [--config FILE] [--ledger PATH] [--header] [KEY ...]`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
 //! - `slackgate drill SCENARIO.toml [--time-scale F] [--real-upstream URL] [--json] [--out DIR]`
@@ -44,6 +44,10 @@ enum Command {
         /// The TOML file.
         #[arg(long)]
         config: PathBuf,
+        /// Then connect to every endpoint of every pool (TCP, TLS, `GET health.path` with the
+        /// pool's key) and report each; exits non-zero if any fails.
+        #[arg(long)]
+        probe: bool,
     },
     /// Simulate a scenario under several admission policies and compare them.
     Sim(sim::SimArgs),
@@ -208,7 +212,13 @@ fn main() -> Result<()> {
     match cli {
         Command::Serve(a) => rt.block_on(serve(a)),
         Command::Stub(a) => rt.block_on(stub(a)),
-        Command::Check { config } => check(&config),
+        Command::Check { config, probe } => {
+            check(&config)?;
+            if probe {
+                rt.block_on(probe_endpoints(&config))?;
+            }
+            Ok(())
+        }
         Command::TenantId {
             config,
             ledger,
@@ -277,6 +287,25 @@ fn tenant_id(
     };
     for k in keys {
         println!("{}", hasher.id(kind, k.trim().as_bytes()));
+    }
+    Ok(())
+}
+
+/// `check --probe`: one line per endpoint, ok with what it answered or the error chain.
+async fn probe_endpoints(path: &std::path::Path) -> Result<()> {
+    let cfg =
+        Config::from_file(path).with_context(|| format!("{} is not valid", path.display()))?;
+    let env = slackgate_gateway::upstream::process_env();
+    let reports = slackgate_gateway::upstream::probe::probe_pools(&cfg.gate.pools, env)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    println!("probing {} endpoints:", reports.len());
+    for r in &reports {
+        println!("  {r}");
+    }
+    let failed = reports.iter().filter(|r| r.outcome.is_err()).count();
+    if failed > 0 {
+        bail!("{failed} of {} endpoints failed the probe", reports.len());
     }
     Ok(())
 }

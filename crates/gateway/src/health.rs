@@ -34,7 +34,13 @@ const EJECTED_PROBE_MS: u64 = 1_000;
 #[derive(Debug, Default)]
 pub struct Health {
     watches: Mutex<HashMap<(usize, usize), Watch>>,
+    /// Per upstream URL: the last failure written to stderr, and when.
+    noted: Mutex<HashMap<String, (String, std::time::Instant)>>,
 }
+
+/// The same upstream failure is written to stderr at most this often: an upstream that is
+/// down fails every request sent to it, and each of them is in the decision log already.
+const NOTE_EVERY: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Watch {
@@ -150,6 +156,33 @@ impl Shared {
                     );
                 }
             }
+        }
+    }
+
+    /// Write an upstream failure (`message`, the whole error chain as the client was told it)
+    /// to stderr: the gate's own log says why requests to `upstream` fail, not only the
+    /// decision log. A repeat of the last failure of the same upstream is left out for
+    /// [`NOTE_EVERY`]; a different one is written at once.
+    pub fn note_upstream_failure(&self, pool: &str, upstream: &str, message: &str) {
+        let now = std::time::Instant::now();
+        let write = {
+            let mut noted = self.health.noted.lock().unwrap_or_else(|p| p.into_inner());
+            // Bounded by the URLs of the configs loaded: a long-lived gate forgets the rest.
+            if noted.len() > 1024 {
+                noted.clear();
+            }
+            match noted.get(upstream) {
+                Some((last, at)) if last == message && now.duration_since(*at) < NOTE_EVERY => {
+                    false
+                }
+                _ => {
+                    noted.insert(upstream.to_string(), (message.to_string(), now));
+                    true
+                }
+            }
+        };
+        if write {
+            eprintln!("slackgate: pool {pool}, upstream {upstream}: {message}");
         }
     }
 

@@ -12,6 +12,7 @@ use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, Ba
 use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use crate::state::{Admission, Go, JobGuard, JobMeta, Outcome, Shared, Signal};
 use crate::telemetry::epoch_ms;
+use crate::upstream::cause;
 use crate::upstream::retry::RetryReason;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
@@ -422,11 +423,16 @@ where
                         }
                     }
                 }
+                let msg = format!(
+                    "upstream request failed: {} (connecting to {base})",
+                    cause::chain(&e)
+                );
+                shared.note_upstream_failure(&pool_name, &base.to_string(), &msg);
                 return fail(
                     guard,
                     StatusCode::BAD_GATEWAY,
                     Reason::UpstreamUnavailable,
-                    &format!("upstream request failed: {e}"),
+                    &msg,
                 );
             }
             Ok(Err(e)) => {
@@ -440,12 +446,12 @@ where
                     }
                     None => "",
                 };
-                return fail(
-                    guard,
-                    StatusCode::BAD_GATEWAY,
-                    Reason::UpstreamError,
-                    &format!("upstream request failed{again}: {e}"),
+                let msg = format!(
+                    "upstream request failed{again}: {} (on {base})",
+                    cause::chain(&e)
                 );
+                shared.note_upstream_failure(&pool_name, &base.to_string(), &msg);
+                return fail(guard, StatusCode::BAD_GATEWAY, Reason::UpstreamError, &msg);
             }
             Err(_) => {
                 return fail(
@@ -453,7 +459,8 @@ where
                     StatusCode::GATEWAY_TIMEOUT,
                     Reason::UpstreamTimeout,
                     &format!(
-                        "upstream sent no response within {limit_ms} ms (the request's deadline)"
+                        "upstream {base} sent no response within {limit_ms} ms (the request's \
+                         deadline)"
                     ),
                 );
             }
@@ -719,12 +726,16 @@ fn throttled(
 }
 
 /// End the job with `reason` and answer the client with the matching error: the one place a
-/// dispatched request that never reached (or never heard from) the upstream is settled.
+/// dispatched request that never reached (or never heard from) the upstream is settled. The
+/// end line of the decision log carries `message` too.
 fn fail(guard: JobGuard, status: StatusCode, reason: Reason, message: &str) -> Response<ResBody> {
-    guard.finish(Outcome {
-        reason: Some(reason),
-        ..Outcome::default()
-    });
+    guard.fail(
+        Outcome {
+            reason: Some(reason),
+            ..Outcome::default()
+        },
+        message,
+    );
     response::error(status, reason, message, None, None)
 }
 
@@ -872,26 +883,34 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             )
         }
         Ok(Err(e)) => {
-            let reason = if e.is_connect() {
-                Reason::UpstreamUnavailable
+            let (reason, msg) = if e.is_connect() {
+                (
+                    Reason::UpstreamUnavailable,
+                    format!(
+                        "upstream request failed: {} (connecting to {base})",
+                        cause::chain(&e)
+                    ),
+                )
             } else {
-                Reason::UpstreamError
+                (
+                    Reason::UpstreamError,
+                    format!("upstream request failed: {} (on {base})", cause::chain(&e)),
+                )
             };
-            shared.log_error(reason, 502, &path, None);
-            response::error(
-                StatusCode::BAD_GATEWAY,
-                reason,
-                &format!("upstream request failed: {e}"),
-                None,
-                None,
-            )
+            shared.log_upstream_error(reason, 502, &path, &msg);
+            shared.note_upstream_failure(&pool, &base.to_string(), &msg);
+            response::error(StatusCode::BAD_GATEWAY, reason, &msg, None, None)
         }
         Err(_) => {
-            shared.log_error(Reason::UpstreamTimeout, 504, &path, None);
+            let msg = format!(
+                "upstream {base} sent no response within {} ms (server.upstream_timeout_ms)",
+                limit.as_millis()
+            );
+            shared.log_upstream_error(Reason::UpstreamTimeout, 504, &path, &msg);
             response::error(
                 StatusCode::GATEWAY_TIMEOUT,
                 Reason::UpstreamTimeout,
-                "upstream sent no response in time",
+                &msg,
                 None,
                 None,
             )

@@ -758,6 +758,21 @@ impl Shared {
         self.log_unqueued(Action::Error, reason.as_str(), Some(status), path, label);
     }
 
+    /// Log a pass-through request the upstream failed (`status` 502 or 504), with `message`,
+    /// the reason as the client was told it.
+    pub fn log_upstream_error(&self, reason: Reason, status: u16, path: &str, message: &str) {
+        let mut lines = vec![LogLine {
+            ts_ms: epoch_ms(),
+            action: Action::Error.as_str(),
+            reason: reason.as_str(),
+            status: Some(status),
+            path: Some(path.to_string()),
+            message: Some(message.to_string()),
+            ..LogLine::default()
+        }];
+        self.emit(&mut lines);
+    }
+
     /// Log and count a request that ended before it reached the core: `action` is `error`
     /// (bad input, with the `status` answered) or `cancel` (the client vanished mid-upload).
     /// `reason` is a reason code; the few codes that are not core reasons (such as
@@ -782,7 +797,16 @@ impl Shared {
         self.emit(&mut lines);
     }
 
-    fn end(&self, id: JobId, outcome: Option<Outcome>, wasted: u64, cancel_reason: Reason) {
+    /// End job `id` in the core and log its end line; `message` (why an upstream request
+    /// failed) goes in the line's `message` field.
+    fn end(
+        &self,
+        id: JobId,
+        outcome: Option<Outcome>,
+        wasted: u64,
+        cancel_reason: Reason,
+        message: Option<String>,
+    ) {
         self.with_core(|st, now, lines| {
             let ended = match outcome {
                 Some(o) => st.gate.on_complete(
@@ -800,7 +824,9 @@ impl Shared {
             // job (already dropped, or ended by another path) the entry is not ours to touch.
             let Some(c) = ended else { return };
             if let Some(w) = st.waiting.remove(&id) {
-                lines.push(end_line(&c, &w.meta, outcome, wasted, cancel_reason));
+                let mut line = end_line(&c, &w.meta, outcome, wasted, cancel_reason);
+                line.message = message;
+                lines.push(line);
             }
         });
     }
@@ -829,7 +855,20 @@ impl JobGuard {
     pub fn finish(mut self, outcome: Outcome) {
         self.done = true;
         self.shared
-            .end(self.id, Some(outcome), 0, Reason::ClientCancelled);
+            .end(self.id, Some(outcome), 0, Reason::ClientCancelled, None);
+    }
+
+    /// The request failed upstream (no response, or none in time): `message` says why, on
+    /// the end line as in the answer to the client.
+    pub fn fail(mut self, outcome: Outcome, message: &str) {
+        self.done = true;
+        self.shared.end(
+            self.id,
+            Some(outcome),
+            0,
+            Reason::ClientCancelled,
+            Some(message.to_string()),
+        );
     }
 
     /// The client went away after `wasted` tokens were generated for it.
@@ -841,7 +880,7 @@ impl JobGuard {
     /// generated for it.
     pub fn cancel_with(mut self, reason: Reason, wasted: u64) {
         self.done = true;
-        self.shared.end(self.id, None, wasted, reason);
+        self.shared.end(self.id, None, wasted, reason, None);
     }
 }
 
@@ -856,7 +895,7 @@ impl Drop for JobGuard {
             } else {
                 Reason::ClientCancelled
             };
-            self.shared.end(self.id, None, 0, reason);
+            self.shared.end(self.id, None, 0, reason, None);
         }
     }
 }

@@ -81,6 +81,7 @@ fn finishing_a_job_the_core_did_not_end_keeps_its_waiter() {
         Some(Outcome::default()),
         0,
         Reason::ClientCancelled,
+        None,
     );
     assert_eq!(pool(&s), (1, 1));
     // ... so its waiter must still be there to hear about its dispatch.

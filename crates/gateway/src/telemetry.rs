@@ -114,7 +114,9 @@ pub struct LogLine {
     /// HTTP; `signal` on `shutdown`; `gate` on the gate's own `drain_idle` line.
     pub actor: Option<String>,
     /// On `reload` lines: what changed, or why the new config was refused; on `shutdown`
-    /// lines: the grace period.
+    /// lines: the grace period; on `complete` and `error` lines of a request the upstream
+    /// failed (`upstream_unavailable`, `upstream_error`, `upstream_timeout`): why, the whole
+    /// error chain, as the client was told it.
     pub message: Option<String>,
     /// In cluster mode, on decision lines: `leader` (the lease holder decided, with the whole
     /// gate's state) or `degraded` (no leader in reach: this replica decided alone on its
@@ -148,7 +150,7 @@ pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
     ("drop", &DROP),
     ("complete", &COMPLETE),
     ("cancel", &CANCEL),
-    ("error", &["class_label", "path", "status"]),
+    ("error", &["class_label", "path", "status", "message"]),
     (
         "flag",
         &[
@@ -217,7 +219,7 @@ const CANCEL: [&str; 22] = concat_fields(
         "amplification",
     ],
 );
-const COMPLETE: [&str; 24] = concat_fields(CANCEL, ["status", "est_error"]);
+const COMPLETE: [&str; 25] = concat_fields(CANCEL, ["status", "est_error", "message"]);
 
 /// `a` then `b`, as one array (a `const` cannot build a slice otherwise).
 const fn concat_fields<const A: usize, const B: usize, const N: usize>(

@@ -12,7 +12,9 @@
 //! and rebuilds them on a reload.
 
 pub mod auth;
+pub mod cause;
 mod conn;
+pub mod probe;
 pub mod retry;
 pub mod throttle;
 mod tls;
@@ -27,7 +29,6 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, Uri};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, Error as ClientError};
 use hyper_util::rt::TokioExecutor;
 use retry::{Failure, FailureCause, RetryReason};
@@ -161,13 +162,12 @@ fn failure_of(err: &ClientError, elapsed: Duration) -> Failure {
     }
 }
 
+/// How long a TCP connect to an upstream may take: far beyond any live server's accept, and
+/// short enough that a dead address fails the request well before most deadlines.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 fn connector(tls: Arc<rustls::ClientConfig>) -> conn::Connector {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(Duration::from_secs(5)));
-    // `https://` URIs reach the connector too; it does the handshake after the TCP connect.
-    http.enforce_http(false);
-    conn::Connector::new(http, tls)
+    conn::Connector::new(CONNECT_TIMEOUT, tls)
 }
 
 /// A parsed upstream base URL.
@@ -224,6 +224,13 @@ fn redact_userinfo(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => format!("{}://<redacted>{}", &url[..s], &url[at..]),
         _ => "<redacted>".to_string(),
+    }
+}
+
+/// The base URL as configured (`https://api.example.com/v1`): error messages name it.
+impl std::fmt::Display for UpstreamBase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}://{}{}", self.scheme, self.authority, self.prefix)
     }
 }
 

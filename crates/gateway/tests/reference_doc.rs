@@ -42,6 +42,17 @@ const NOT_EXERCISED: &[(&str, &str, &str)] = &[
         "ttft_ms",
         "proxy.rs: a client that leaves mid-stream",
     ),
+    // Set only when the upstream fails a request.
+    (
+        "complete",
+        "message",
+        "upstream_errors.rs: every failure names its cause",
+    ),
+    (
+        "error",
+        "message",
+        "upstream_errors.rs: a pass-through route the upstream refused",
+    ),
     // Set only in cluster mode: `a_cluster_replica_writes_its_documented_fields` below.
     ("admit", "cluster", "this file's cluster test"),
     ("reject", "cluster", "this file's cluster test"),

@@ -704,7 +704,7 @@ async fn forward(
                 StatusCode::GATEWAY_TIMEOUT,
                 Reason::ClusterUnavailable,
                 &format!(
-                    "the leader replica did not answer within {} ms",
+                    "the leader replica {base} did not answer within {} ms",
                     bound.as_millis()
                 ),
                 None,
@@ -720,13 +720,18 @@ async fn forward(
         // Sent, then broken (the leader died mid-request): it may have been admitted and
         // sent upstream there, so it is not decided a second time here; the client is told.
         Err(e) => {
+            let msg = format!(
+                "the leader replica {base} broke the exchange: {}",
+                crate::upstream::cause::chain(&e)
+            );
+            eprintln!("slackgate: {msg}");
             return Ok(response::error(
                 StatusCode::BAD_GATEWAY,
                 Reason::ClusterUnavailable,
-                &format!("the leader replica broke the exchange: {e}"),
+                &msg,
                 None,
                 None,
-            ))
+            ));
         }
     };
     if resp.status() == StatusCode::SERVICE_UNAVAILABLE

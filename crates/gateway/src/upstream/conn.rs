@@ -18,14 +18,18 @@
 //! ALPN offers h2 and http/1.1; when the server picks h2 the connection info says so and
 //! hyper-util speaks HTTP/2 on it (where the counts mean nothing: see [`super::UpstreamClient`]).
 
+use super::cause::ConnectFailure;
+use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::TokioIo;
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
@@ -241,10 +245,11 @@ impl AsyncWrite for Tracked {
 }
 
 /// hyper-util's TCP connector plus a TLS handshake for `https://`, handing out [`Tracked`]
-/// connections.
+/// connections. Its errors are [`ConnectFailure`]s, which name what failed (see
+/// [`super::cause`]).
 #[derive(Clone)]
 pub(crate) struct Connector {
-    http: HttpConnector,
+    connect_timeout: Duration,
     tls: TlsConnector,
 }
 
@@ -255,56 +260,191 @@ impl std::fmt::Debug for Connector {
 }
 
 impl Connector {
-    /// Wrap a configured TCP connector (it must accept `https://` URIs: `enforce_http(false)`)
-    /// and the TLS client settings used for `https://` destinations.
-    pub(crate) fn new(http: HttpConnector, tls: Arc<rustls::ClientConfig>) -> Connector {
+    /// A connector whose TCP connects give up after `connect_timeout` and whose `https://`
+    /// connections use the TLS client settings `tls`.
+    pub(crate) fn new(connect_timeout: Duration, tls: Arc<rustls::ClientConfig>) -> Connector {
         Connector {
-            http,
+            connect_timeout,
             tls: TlsConnector::from(tls),
         }
+    }
+
+    /// hyper-util's TCP connector for one connection, resolving names through `lookup` so the
+    /// addresses tried are known when they all fail. (hyper-util's own error keeps them to
+    /// itself.) Building one costs an allocation, nothing next to a TCP handshake.
+    fn tcp(&self, lookup: Lookup) -> HttpConnector<Lookup> {
+        let mut http = HttpConnector::new_with_resolver(lookup);
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(self.connect_timeout));
+        // `https://` URIs reach the TCP connector too; the handshake follows it here.
+        http.enforce_http(false);
+        http
+    }
+}
+
+/// Resolves an upstream's host name (as hyper-util's default resolver does: `getaddrinfo` on
+/// a blocking thread), keeping the addresses for the error message and naming the host when
+/// the lookup fails.
+#[derive(Clone, Debug, Default)]
+struct Lookup {
+    resolved: Arc<Mutex<Vec<SocketAddr>>>,
+}
+
+impl Lookup {
+    fn addresses(&self) -> Vec<SocketAddr> {
+        self.resolved
+            .lock()
+            .map(|a| a.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+}
+
+impl tower_service::Service<Name> for Lookup {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = ConnectFailure;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ConnectFailure>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ConnectFailure>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let resolved = Arc::clone(&self.resolved);
+        Box::pin(async move {
+            let host = name.as_str().to_string();
+            let failed = |why: String| ConnectFailure::Dns {
+                host: host.clone(),
+                why,
+            };
+            // Port 0: hyper-util puts the URL's port on every address.
+            let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
+                .await
+                .map_err(|e| failed(e.to_string()))?
+                .collect();
+            if addrs.is_empty() {
+                return Err(failed("no address".into()));
+            }
+            *resolved.lock().unwrap_or_else(|p| p.into_inner()) = addrs.clone();
+            Ok(addrs.into_iter())
+        })
     }
 }
 
 /// The name the server's certificate must carry: the URL's host (an IP literal is checked
 /// against the certificate's IP addresses). Also sent as SNI for a DNS name.
-fn server_name(dst: &http::Uri) -> Result<rustls_pki_types::ServerName<'static>, ConnectError> {
-    let host = dst.host().ok_or("upstream URL has no host")?;
+fn server_name(dst: &http::Uri) -> Result<rustls_pki_types::ServerName<'static>, ConnectFailure> {
+    let host = dst
+        .host()
+        .ok_or_else(|| ConnectFailure::Url("upstream URL has no host".into()))?;
     // `Uri::host` keeps the brackets of an IPv6 literal.
     let host = host.trim_start_matches('[').trim_end_matches(']');
     rustls_pki_types::ServerName::try_from(host.to_string())
-        .map_err(|e| format!("{host:?} is not a valid TLS server name: {e}").into())
+        .map_err(|e| ConnectFailure::Url(format!("{host:?} is not a valid TLS server name: {e}")))
+}
+
+/// `host:port` of `dst`, the port defaulted by scheme.
+fn host_port(dst: &http::Uri) -> String {
+    let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
+    let port = dst.port_u16().unwrap_or(if https { 443 } else { 80 });
+    format!("{}:{port}", dst.host().unwrap_or(""))
+}
+
+/// What a failed TCP connect was about, from hyper-util's error: the failed lookup (our
+/// resolver's own error, passed through), a timeout, or the socket's error, with `target` and
+/// the addresses the name resolved to.
+fn tcp_failure(
+    err: &(dyn std::error::Error + 'static),
+    target: &str,
+    resolved: &[SocketAddr],
+    bound: Duration,
+) -> ConnectFailure {
+    let mut next = err.source();
+    let mut io_error = None;
+    while let Some(e) = next {
+        if let Some(f) = e.downcast_ref::<ConnectFailure>() {
+            return f.clone();
+        }
+        if io_error.is_none() {
+            io_error = e.downcast_ref::<io::Error>();
+        }
+        next = e.source();
+    }
+    let target = match resolved {
+        [] => target.to_string(),
+        addrs => {
+            let shown: Vec<String> = addrs.iter().take(4).map(|a| a.ip().to_string()).collect();
+            let more = if addrs.len() > 4 { ", ..." } else { "" };
+            format!("{target} ({}{more})", shown.join(", "))
+        }
+    };
+    match io_error {
+        Some(io) if io.kind() == io::ErrorKind::TimedOut => ConnectFailure::Timeout {
+            target,
+            bound_ms: u64::try_from(bound.as_millis()).unwrap_or(u64::MAX),
+        },
+        Some(io) => ConnectFailure::Tcp {
+            target,
+            why: io.to_string(),
+        },
+        None => ConnectFailure::Tcp {
+            target,
+            why: super::cause::chain(err),
+        },
+    }
 }
 
 /// A server that accepts the TCP connection but never finishes the handshake would otherwise
 /// hold the request until its deadline; as with the TCP connect timeout, a few seconds is
 /// far beyond any live server's handshake.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-type ConnectError = Box<dyn std::error::Error + Send + Sync>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 impl tower_service::Service<http::Uri> for Connector {
     type Response = TokioIo<Tracked>;
-    type Error = ConnectError;
-    type Future = Pin<Box<dyn Future<Output = Result<TokioIo<Tracked>, ConnectError>> + Send>>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<TokioIo<Tracked>, BoxError>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
-        tower_service::Service::<http::Uri>::poll_ready(&mut self.http, cx).map_err(Into::into)
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // Each call builds its own TCP connector, whose resolver is always ready.
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, dst: http::Uri) -> Self::Future {
         let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
         let name = if https { Some(server_name(&dst)) } else { None };
-        let connecting = tower_service::Service::<http::Uri>::call(&mut self.http, dst);
-        let tls = self.tls.clone();
+        let target = host_port(&dst);
+        let lookup = Lookup::default();
+        let mut tcp = self.tcp(lookup.clone());
+        let connecting = tower_service::Service::<http::Uri>::call(&mut tcp, dst);
+        let (tls, bound) = (self.tls.clone(), self.connect_timeout);
         Box::pin(async move {
-            let tcp = connecting.await?.into_inner();
+            let tcp = match connecting.await {
+                Ok(io) => io.into_inner(),
+                Err(e) => {
+                    return Err(tcp_failure(&e, &target, &lookup.addresses(), bound).into());
+                }
+            };
             let stream = match name {
                 None => Stream::Plain(tcp),
                 Some(name) => {
                     let handshake = tls.connect(name?, tcp);
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-                        Ok(done) => Stream::Tls(Box::new(done?)),
-                        Err(_) => return Err("TLS handshake with the upstream timed out".into()),
+                        Ok(Ok(done)) => Stream::Tls(Box::new(done)),
+                        Ok(Err(e)) => {
+                            return Err(ConnectFailure::Tls {
+                                server: target,
+                                why: super::cause::handshake_failure(&e),
+                            }
+                            .into())
+                        }
+                        Err(_) => {
+                            return Err(ConnectFailure::TlsTimeout {
+                                server: target,
+                                bound_ms: HANDSHAKE_TIMEOUT.as_millis() as u64,
+                            }
+                            .into())
+                        }
                     }
                 }
             };

@@ -28,23 +28,57 @@ pub struct TestCa {
     leaf_key: Vec<u8>,
 }
 
+/// Which certificate the server presents as its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Leaf {
+    /// A server certificate for 127.0.0.1 and `localhost`, signed by the CA: the good one.
+    Signed,
+    /// The CA certificate itself (it also names 127.0.0.1 and `localhost`): a CA served as
+    /// the server's own certificate, which a verifier must refuse.
+    CaItself,
+    /// A server certificate signed by the CA for another host only (`other.example`).
+    WrongName,
+}
+
 impl TestCa {
     pub fn new(name: &str) -> TestCa {
+        TestCa::with_leaf(name, Leaf::Signed)
+    }
+
+    /// A CA whose server presents `leaf`.
+    pub fn with_leaf(name: &str, leaf: Leaf) -> TestCa {
         let ca_key = KeyPair::generate().unwrap();
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        let mut ca_params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+        ca_params
+            .subject_alt_names
+            .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca_params
             .distinguished_name
             .push(DnType::CommonName, format!("slackgate test CA {name}"));
         let ca = ca_params.self_signed(&ca_key).unwrap();
+        if leaf == Leaf::CaItself {
+            return TestCa {
+                ca_pem: ca.pem(),
+                leaf: ca.der().clone(),
+                leaf_key: ca_key.serialize_der(),
+            };
+        }
+        let hosts = match leaf {
+            Leaf::WrongName => vec!["other.example".to_string()],
+            _ => vec!["localhost".to_string()],
+        };
         let leaf_key = KeyPair::generate().unwrap();
-        let mut leaf = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
-        leaf.subject_alt_names
-            .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-        let leaf = leaf.signed_by(&leaf_key, &ca, &ca_key).unwrap();
+        let mut params = CertificateParams::new(hosts).unwrap();
+        if leaf == Leaf::Signed {
+            params
+                .subject_alt_names
+                .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+        }
+        let cert = params.signed_by(&leaf_key, &ca, &ca_key).unwrap();
         TestCa {
             ca_pem: ca.pem(),
-            leaf: leaf.der().clone(),
+            leaf: cert.der().clone(),
             leaf_key: leaf_key.serialize_der(),
         }
     }
