@@ -181,7 +181,7 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
         path: "/admission/v1/reserve".into(),
         ..JobMeta::default()
     };
-    let (d, held) = shared.reserve(b.class.as_deref(), req, meta);
+    let (d, held, write) = shared.reserve(b.class.as_deref(), req, meta);
     // Seed 001 reports when the job would *finish*: the wait for a slot plus its own service.
     let finish_ms = d.projected_wait_ms.saturating_add(d.est_service_ms);
     let budget_ms = d.deadline.map(|dl| dl.saturating_sub(now));
@@ -192,9 +192,14 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     // The hold is durable before the worker is told to go ahead; a shared ledger may refuse
     // it there (another replica holds or has done the key): then it is a duplicate after all.
     let refused = if d.admitted() {
-        match shared.durable().await {
+        match shared.durable_for(write).await {
             Err(e) => {
                 shared.note_store_error(&e);
+                // The worker would call the model with no durable hold: a class failing
+                // closed is told no (its hold released), as the proxy's requests are.
+                if shared.fail_mode(b.class.as_deref()) == slackgate_core::FailMode::Closed {
+                    return Ok(ledger_unavailable(shared, &d.idempotency_key, &e));
+                }
                 false
             }
             Ok(()) => shared.hold_refused_key(&d.idempotency_key),
@@ -364,4 +369,30 @@ fn stats(shared: &Shared) -> Response<ResBody> {
         "projected_wait_ms": wait_ms,
         "projected_wait_s": wait_ms as f64 / 1000.0,
     }))
+}
+/// 503 `ledger_unavailable` for a reservation whose hold could not be made durable in a
+/// class failing closed: the hold is released (settled as cancelled, nothing spent).
+fn ledger_unavailable(shared: &Shared, key: &str, why: &str) -> Response<ResBody> {
+    let _ = shared.settle_key_because(key, false, 0, Some(Reason::LedgerUnavailable));
+    let mut resp = with_status(
+        StatusCode::SERVICE_UNAVAILABLE,
+        response::json(&json!({
+            "action": "reject",
+            "reason": Reason::LedgerUnavailable.as_str(),
+            "idempotency_key": key,
+            "message": format!(
+                "the ledger store could not record this reservation's hold ({why}), and its \
+                 class fails closed: do not call the model; retry shortly"
+            ),
+        })),
+    );
+    response::add_retry_headers(
+        &mut resp,
+        Reason::LedgerUnavailable,
+        Some(response::RetryAdvice {
+            after_ms: 1_000,
+            should_retry: true,
+        }),
+    );
+    resp
 }

@@ -408,14 +408,15 @@ impl Shared {
     }
 
     /// Place a reservation-API hold (seed 001): the same decision and the same ledger as the
-    /// proxy, but no request waits on it. Returns the decision and the ledger's held count.
+    /// proxy, but no request waits on it. Returns the decision, the ledger's held count and
+    /// the number of the ledger write that carries the hold (see [`Shared::durable_for`]).
     pub fn reserve(
         &self,
         label: Option<&str>,
         mut req: Request,
         mut meta: JobMeta,
-    ) -> (Decision, u64) {
-        self.with_core(|st, now, lines| {
+    ) -> (Decision, u64, Option<crate::ledger_store::WriteSeq>) {
+        let ((d, held), write) = self.with_core_written(|st, now, lines| {
             let d = decide(st, now, label, &mut req, &mut meta);
             lines.push(decision_line(&d, &meta));
             if d.admitted() {
@@ -430,7 +431,8 @@ impl Shared {
                 );
             }
             (d, st.gate.ledger_stats().held)
-        })
+        });
+        (d, held, write)
     }
 
     /// Settle a key as done (`spent`) or cancelled (`wasted`) through the reservation API.

@@ -208,3 +208,44 @@ async fn a_stuck_ledger_answers_within_the_configured_flush_timeout() {
     // Let the writer's pending attempt through before the store is dropped.
     other.execute_batch("ROLLBACK").unwrap();
 }
+
+/// The reservation API is held to the same rule: a worker of a class failing closed is not
+/// told to go ahead on a hold that was never stored (before, the error only fed a metric and
+/// the answer was 202). Its hold is released; a class failing open is told to go ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_whose_hold_was_not_stored_is_refused_when_its_class_fails_closed() {
+    let s = stub(4, "fixed:10ms").await;
+    let dir = LedgerDir::new("reserve");
+    let (g, _store) = gate_on_sqlite(&dir, s.local_addr()).await;
+    let reserve = g.url("/admission/v1/reserve");
+    let other = lock(&dir.db());
+    let r = post(
+        &reserve,
+        &[],
+        r#"{"class":"strict","idempotency_key":"job-1","tokens":100}"#,
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["reason"], "ledger_unavailable");
+    let message = r.json()["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("database is locked"), "{message}");
+    assert_eq!(r.header("x-should-retry").as_deref(), Some("true"));
+    let r = post(
+        &reserve,
+        &[],
+        r#"{"class":"lenient","idempotency_key":"job-2","tokens":100}"#,
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", String::from_utf8_lossy(&r.body));
+    other.execute_batch("ROLLBACK").unwrap();
+    // The refused hold was released: only the lenient one is held, and the same key can be
+    // reserved again once the store works.
+    assert_eq!(g.stats().await["ledger"]["held"], 1);
+    let r = post(
+        &reserve,
+        &[],
+        r#"{"class":"strict","idempotency_key":"job-1","tokens":100,"attempt":1}"#,
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", String::from_utf8_lossy(&r.body));
+}
