@@ -1,38 +1,69 @@
 #!/usr/bin/env bash
-# End-to-end overhead of the gate, side by side in one run: the same load (wrk, POST chat
+# End-to-end overhead of the gate, side by side in one sitting: the same load (wrk, POST chat
 # completions, keep-alive) against the stub directly, through nginx (a plain reverse proxy,
-# buffering off) and through slackgate (every request admitted, dispatched, logged to a file).
-# Everything on 127.0.0.1, bounded in time; prints a markdown table. On this shared 2-core
-# machine wrk, the proxy and the stub compete for cores: compare the ratios, not the absolutes.
+# buffering off, writing a JSON access log of one line per request, as the gate writes its
+# decision log) and through slackgate: with its default durable SQLite ledger, with
+# `ledger = "memory"`, and (when redis-server is installed) as a cluster follower forwarding
+# to its leader on a shared Redis. Every request through slackgate is admitted, dispatched,
+# logged and holds its tokens in the ledger.
+#
+# Everything on 127.0.0.1, bounded in time. The targets run in turn, ROUNDS times (alternated,
+# so a noisy minute hits every target alike); the table gives each target's median and its
+# throughput against direct and against nginx as the median of the per-round ratios. On this
+# shared 2-core machine wrk, the proxy and the stub compete for cores: compare the ratios, not
+# the absolutes.
 #
 #   scripts/bench-proxy.sh [SECONDS] [CONNECTIONS]
+#
+# Environment:
+#   ROUNDS=3            rounds of every target (default 1)
+#   SLACKGATE_BIN=PATH  a prebuilt slackgate binary (default: cargo build --release here)
+#   STUB_BIN=PATH       the binary whose `stub` is the upstream (default: SLACKGATE_BIN); fixed
+#                       when comparing binaries of several commits
+#   TARGETS="direct nginx sqlite memory follower"   which targets (this default order)
+#   BENCH_RESULTS=FILE  also write one line per target: `name rps_median vs_direct vs_nginx p99_ms`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-8}
 CONNS=${2:-32}
+ROUNDS=${ROUNDS:-1}
+TARGETS=${TARGETS:-direct nginx sqlite memory follower}
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; }
-cargo build --release -q -p slackgate
-BIN=target/release/slackgate
+if [ -n "${SLACKGATE_BIN:-}" ]; then
+  BIN=$SLACKGATE_BIN
+else
+  cargo build --release -q -p slackgate
+  BIN=target/release/slackgate
+fi
+if [[ " $TARGETS " == *" follower "* ]] && ! command -v redis-server >/dev/null; then
+  echo "bench-proxy: no redis-server: the cluster follower is left out" >&2
+  TARGETS=${TARGETS/follower/}
+fi
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-wait_http() { for _ in $(seq 100); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; return 1; }
+wait_http() { for _ in $(seq 200); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; return 1; }
 
-STUB=$(free_port); GATE=$(free_port); NGX=$(free_port); GATEM=$(free_port)
-$BIN stub --listen 127.0.0.1:$STUB --slots 1024 --latency fixed:0ms --output-tokens 16 2>/dev/null & PIDS+=($!)
-cat > "$WORK/gate.toml" <<TOML
+STUB=$(free_port)
+${STUB_BIN:-$BIN} stub --listen 127.0.0.1:$STUB --slots 1024 --latency fixed:0ms --output-tokens 16 2>/dev/null & PIDS+=($!)
+wait_http "http://127.0.0.1:$STUB/health"
+
+# One gate config; `max_in_flight` (the old name of `slots`, still read) so that binaries of
+# older commits run the same file (the bisection in BENCHMARKS.md).
+gate_config() { # port ledger log [extra]
+  cat <<TOML
 [server]
-listen = "127.0.0.1:$GATE"
-ledger = "$WORK/ledger.db"
+listen = "127.0.0.1:$1"
+ledger = "$2"
 [log]
-path = "$WORK/decisions.jsonl"
+path = "$3"
 [[pools]]
 name = "default"
-slots = 1024
+max_in_flight = 1024
 upstream = "http://127.0.0.1:$STUB"
 [pools.prior]
 overhead_ms = 1
@@ -40,20 +71,26 @@ decode_ms_per_token = 0.01
 [[classes]]
 name = "interactive"
 deadline_ms = 30000
+${4:-}
 TOML
-$BIN serve --config "$WORK/gate.toml" 2>/dev/null & PIDS+=($!)
-# The same gate with its ledger in memory: what durability costs, side by side.
-sed -e "s/127.0.0.1:$GATE/127.0.0.1:$GATEM/" -e 's|^ledger = .*|ledger = "memory"|' \
-    -e "s|decisions.jsonl|decisions-mem.jsonl|" "$WORK/gate.toml" > "$WORK/gate-mem.toml"
-$BIN serve --config "$WORK/gate-mem.toml" 2>/dev/null & PIDS+=($!)
-cat > "$WORK/nginx.conf" <<NGINX
+}
+
+declare -A URL
+URL[direct]="http://127.0.0.1:$STUB"
+for t in $TARGETS; do
+  case $t in
+    direct) ;;
+    nginx)
+      NGX=$(free_port)
+      cat > "$WORK/nginx.conf" <<NGINX
 worker_processes 1;
 daemon off;
 pid $WORK/nginx.pid;
 error_log $WORK/nginx.err;
 events { worker_connections 4096; }
 http {
-  access_log off;
+  log_format json escape=json '{"time":"\$time_iso8601","remote":"\$remote_addr","method":"\$request_method","uri":"\$request_uri","status":\$status,"bytes":\$body_bytes_sent,"request_time":\$request_time,"upstream_time":"\$upstream_response_time"}';
+  access_log $WORK/nginx-access.jsonl json;
   upstream stub { server 127.0.0.1:$STUB; keepalive 64; }
   server {
     listen 127.0.0.1:$NGX;
@@ -67,8 +104,39 @@ http {
   }
 }
 NGINX
-nginx -c "$WORK/nginx.conf" -p "$WORK" 2>/dev/null & PIDS+=($!)
-wait_http "http://127.0.0.1:$STUB/health"; wait_http "http://127.0.0.1:$GATE/healthz"; wait_http "http://127.0.0.1:$GATEM/healthz"; wait_http "http://127.0.0.1:$NGX/health"
+      nginx -c "$WORK/nginx.conf" -p "$WORK" 2>/dev/null & PIDS+=($!)
+      URL[nginx]="http://127.0.0.1:$NGX"; wait_http "${URL[nginx]}/health" ;;
+    sqlite)
+      P=$(free_port); gate_config "$P" "$WORK/ledger.db" "$WORK/decisions.jsonl" > "$WORK/gate.toml"
+      $BIN serve --config "$WORK/gate.toml" 2>/dev/null & PIDS+=($!)
+      URL[sqlite]="http://127.0.0.1:$P"; wait_http "${URL[sqlite]}/healthz" ;;
+    memory)
+      P=$(free_port); gate_config "$P" memory "$WORK/decisions-mem.jsonl" > "$WORK/gate-mem.toml"
+      $BIN serve --config "$WORK/gate-mem.toml" 2>/dev/null & PIDS+=($!)
+      URL[memory]="http://127.0.0.1:$P"; wait_http "${URL[memory]}/healthz" ;;
+    follower)
+      RP=$(free_port)
+      redis-server --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
+        >"$WORK/redis.log" 2>&1 & PIDS+=($!)
+      for _ in $(seq 100); do redis-cli -p "$RP" ping >/dev/null 2>&1 && break; sleep 0.1; done
+      for role in leader follower; do
+        P=$(free_port)
+        gate_config "$P" memory "$WORK/decisions-$role.jsonl" "[cluster]
+redis = \"redis://127.0.0.1:$RP\"
+name = \"bench\"
+replica_id = \"$role\"
+advertise = \"http://127.0.0.1:$P\"" > "$WORK/gate-$role.toml"
+        $BIN serve --config "$WORK/gate-$role.toml" 2>/dev/null & PIDS+=($!)
+        URL[$role]="http://127.0.0.1:$P"; wait_http "${URL[$role]}/healthz"
+        if [ "$role" = leader ]; then
+          for _ in $(seq 200); do
+            curl -s "${URL[leader]}/stats" | grep -q '"role": *"leader"' && break; sleep 0.1
+          done
+        fi
+      done ;;
+    *) echo "bench-proxy: unknown target $t" >&2; exit 2 ;;
+  esac
+done
 
 cat > "$WORK/post.lua" <<'LUA'
 wrk.method = "POST"
@@ -77,29 +145,63 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.headers["X-Job-Class"] = "interactive"
 LUA
 
-run() { # name url
-  local out; out=$(wrk -t1 -c"$CONNS" -d"${DUR}s" --latency -s "$WORK/post.lua" "$2/v1/chat/completions")
-  local rps p50 p99 non2xx
-  rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
-  p50=$(awk '$1=="50%" {print $2}' <<<"$out")
-  p99=$(awk '$1=="99%" {print $2}' <<<"$out")
-  non2xx=$(awk '/Non-2xx/ {print $5}' <<<"$out"); non2xx=${non2xx:-0}
-  echo "$1|$rps|$p50|$p99|$non2xx"
+ms() { # wrk latency ("812.00us", "1.65ms", "1.20s") in ms
+  python3 -c "import sys; v=sys.argv[1]; u=v.lstrip('0123456789.'); x=float(v[:len(v)-len(u)]); print(round(x*{'us':0.001,'ms':1,'s':1000,'m':60000}[u],3))" "$1"
 }
-echo "wrk -t1 -c$CONNS -d${DUR}s, POST /v1/chat/completions, stub latency 0 ms, $(nproc) cores" >&2
-R1=$(run direct "http://127.0.0.1:$STUB")
-R2=$(run nginx "http://127.0.0.1:$NGX")
-R3=$(run "slackgate (SQLite ledger)" "http://127.0.0.1:$GATE")
-R4=$(run "slackgate (memory ledger)" "http://127.0.0.1:$GATEM")
-base=$(cut -d'|' -f2 <<<"$R1")
-echo "| target | req/s | vs direct | p50 | p99 | non-2xx |"
-echo "|---|---|---|---|---|---|"
-for r in "$R1" "$R2" "$R3" "$R4"; do
-  IFS='|' read -r name rps p50 p99 n <<<"$r"
-  ratio=$(python3 -c "print(f'{float($rps)/float($base):.2f}')")
-  echo "| $name | $rps | $ratio | $p50 | $p99 | $n |"
+run() { # name url -> "rps p50ms p99ms non2xx"
+  local out rps p50 p99 non2xx
+  out=$(wrk -t1 -c"$CONNS" -d"${DUR}s" --latency -s "$WORK/post.lua" "$2/v1/chat/completions")
+  rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
+  p50=$(ms "$(awk '$1=="50%" {print $2}' <<<"$out")")
+  p99=$(ms "$(awk '$1=="99%" {print $2}' <<<"$out")")
+  non2xx=$(awk '/Non-2xx/ {print $5}' <<<"$out"); non2xx=${non2xx:-0}
+  echo "$rps $p50 $p99 $non2xx"
+}
+
+echo "wrk -t1 -c$CONNS -d${DUR}s, POST /v1/chat/completions, stub latency 0 ms, $(nproc) cores," \
+  "$ROUNDS round(s), $(git rev-parse --short HEAD 2>/dev/null || echo '?'), binary $BIN" >&2
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+RES="$WORK/results"
+: > "$RES"
+for r in $(seq "$ROUNDS"); do
+  for t in $TARGETS; do
+    echo "$r $t $(run "$t" "${URL[$t]}")" >> "$RES"
+  done
 done
-lines=$(wc -l < "$WORK/decisions.jsonl")
-echo
-echo "slackgate wrote $lines decision-log lines during its run (admit + dispatch + complete per request)"
-echo "and held every request's tokens in its SQLite ledger ($(sqlite3 "$WORK/ledger.db" 'select count(*) from holds' 2>/dev/null || echo '?') rows), durable before each upstream call and before each response's end."
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+python3 - "$RES" "$TARGETS" "${BENCH_RESULTS:-}" <<'PY'
+import sys, statistics as st
+rows = [l.split() for l in open(sys.argv[1]) if l.strip()]
+targets = sys.argv[2].split()
+out = sys.argv[3]
+by = {}
+for r, t, rps, p50, p99, n in rows:
+    by.setdefault(t, {})[int(r)] = (float(rps), float(p50), float(p99), int(n))
+names = {"direct": "direct", "nginx": "nginx (JSON access log)", "sqlite": "slackgate (SQLite ledger)",
+         "memory": "slackgate (memory ledger)", "follower": "slackgate cluster follower (memory, Redis)"}
+def ratio(t, base):
+    if base not in by: return None
+    return st.median(by[t][r][0] / by[base][r][0] for r in by[t] if r in by[base])
+print("| target | req/s (median) | vs direct | vs nginx | p50 ms | p99 ms | non-2xx |")
+print("|---|---|---|---|---|---|---|")
+lines = []
+for t in targets:
+    v = list(by[t].values())
+    rps = st.median(x[0] for x in v); p50 = st.median(x[1] for x in v); p99 = st.median(x[2] for x in v)
+    n = sum(x[3] for x in v)
+    vd, vn = ratio(t, "direct"), ratio(t, "nginx")
+    f = lambda x: "" if x is None else f"{x:.2f}"
+    print(f"| {names[t]} | {rps:.0f} | {f(vd)} | {f(vn)} | {p50:.2f} | {p99:.2f} | {n} |")
+    lines.append(f"{t} {rps:.1f} {f(vd) or '-'} {f(vn) or '-'} {p99:.3f}")
+if len(next(iter(by.values()))) > 1:
+    print()
+    print("per round (req/s): " + "; ".join(
+        f"{t} " + " / ".join(f"{by[t][r][0]:.0f}" for r in sorted(by[t])) for t in targets))
+if out:
+    open(out, "w").write("\n".join(lines) + "\n")
+PY
+if [ -f "$WORK/decisions.jsonl" ]; then
+  echo
+  echo "slackgate (SQLite) wrote $(wc -l < "$WORK/decisions.jsonl") decision-log lines (admit + dispatch + complete" \
+    "per request); nginx wrote $(wc -l < "$WORK/nginx-access.jsonl" 2>/dev/null || echo 0) access-log lines."
+fi

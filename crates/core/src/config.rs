@@ -132,6 +132,10 @@ pub struct LimitsConfig {
     pub discover: bool,
     /// How often the servers are asked again (a server restarted with another context).
     pub discover_interval_ms: u64,
+    /// Until a class has seen a completion (nothing learned), a declared `max_tokens` counts
+    /// for at most this many output tokens in its estimate, its hold and every projection:
+    /// a fresh gate must not take a client's declared ceiling as its size.
+    pub unlearned_output_tokens: u32,
 }
 
 /// The context window assumed when neither the configuration nor a server names one: the
@@ -145,6 +149,7 @@ impl Default for LimitsConfig {
             max_output_tokens: None,
             discover: true,
             discover_interval_ms: 60_000,
+            unlearned_output_tokens: 4_096,
         }
     }
 }
@@ -339,6 +344,12 @@ impl LimitsConfig {
         {
             return Err(ConfigError::new(
                 at("limits.max_output_tokens"),
+                format!("must be between 1 and {MAX_LIMIT_TOKENS}"),
+            ));
+        }
+        if self.unlearned_output_tokens == 0 || self.unlearned_output_tokens > MAX_LIMIT_TOKENS {
+            return Err(ConfigError::new(
+                at("limits.unlearned_output_tokens"),
                 format!("must be between 1 and {MAX_LIMIT_TOKENS}"),
             ));
         }
@@ -735,6 +746,10 @@ impl ConfigError {
     }
 }
 
+/// The lowest `retry.max_retry_after_ms`: the gateway's fixed Retry-Afters (a duplicate key,
+/// a drained class: 60 s) and a cluster lease (at most 60 s) must fit under it.
+pub const MIN_RETRY_CEILING_MS: u64 = 60_000;
+
 /// A deadline or age longer than this (one day) is almost certainly a unit mistake.
 pub const MAX_CONFIG_MS: u64 = 86_400_000;
 
@@ -930,14 +945,14 @@ impl GateConfig {
                 "must not exceed retry.max_useful_retry_after_ms",
             ));
         }
-        if !(1_000..=MAX_CONFIG_MS).contains(&r.max_retry_after_ms)
+        if !(MIN_RETRY_CEILING_MS..=MAX_CONFIG_MS).contains(&r.max_retry_after_ms)
             || r.max_retry_after_ms < r.max_useful_retry_after_ms
             || r.max_retry_after_ms < r.hopeless_retry_after_ms
         {
             return Err(ConfigError::new(
                 "retry.max_retry_after_ms",
-                "must be between 1000 and 86400000 and at least max_useful_retry_after_ms and \
-                 hopeless_retry_after_ms",
+                "must be between 60000 (the fixed Retry-After of a duplicate or a drain) and \
+                 86400000, and at least max_useful_retry_after_ms and hopeless_retry_after_ms",
             ));
         }
         Ok(())

@@ -197,7 +197,7 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
                 shared.note_store_error(&e);
                 // The worker would call the model with no durable hold: a class failing
                 // closed is told no (its hold released), as the proxy's requests are.
-                if shared.fail_mode(b.class.as_deref()) == slackgate_core::FailMode::Closed {
+                if shared.fail_mode_of(d.class) == slackgate_core::FailMode::Closed {
                     return Ok(ledger_unavailable(shared, &d.idempotency_key, &e));
                 }
                 false
@@ -268,10 +268,11 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
             // During shutdown: 503 like the proxy's, so a worker tries another replica
             // rather than waiting for this one.
             None => (
-                if d.reason == Reason::ShuttingDown {
-                    StatusCode::SERVICE_UNAVAILABLE
-                } else {
-                    StatusCode::TOO_MANY_REQUESTS
+                match d.reason {
+                    Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+                    // More tokens than the pool's context window: no retry can succeed.
+                    Reason::ContextLengthExceeded => StatusCode::BAD_REQUEST,
+                    _ => StatusCode::TOO_MANY_REQUESTS,
                 },
                 json!({"action": "reject_unreserved", "idempotency_key": d.idempotency_key,
                        "projected_wait_s": finish_ms as f64 / 1000.0,

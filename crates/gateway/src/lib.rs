@@ -29,7 +29,7 @@ pub mod request_info;
 pub mod response;
 pub mod scrape;
 pub mod server;
-pub mod server_limits;
+pub(crate) mod server_limits;
 pub mod server_signal;
 pub mod stall;
 pub mod state;

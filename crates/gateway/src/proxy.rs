@@ -217,6 +217,9 @@ where
     B: http_body::Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    // A deliberately slower build, to prove the regression guard fails on one.
+    #[cfg(feature = "perf-slowdown")]
+    perf_slowdown();
     // Arrival: the client's deadline budget runs from here, so the time its body takes to
     // arrive is spent from that budget, not added on top of it.
     let now = shared.clock.now_ms();
@@ -487,6 +490,7 @@ where
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
     strip_hop_by_hop(&mut rparts.headers);
+    hold_relayed_retry(&shared, &mut rparts.headers);
     let h = &mut rparts.headers;
     h.insert("x-slackgate-job-id", HeaderValue::from(decision.job_id.0));
     h.insert(
@@ -739,6 +743,13 @@ fn fail(guard: JobGuard, status: StatusCode, reason: Reason, message: &str) -> R
     response::error(status, reason, message, None, None)
 }
 
+/// An upstream's own Retry-After, relayed with its answer, stops at the gate's ceiling too.
+fn hold_relayed_retry(shared: &Shared, headers: &mut HeaderMap) {
+    if headers.contains_key(http::header::RETRY_AFTER) || headers.contains_key("retry-after-ms") {
+        response::clamp_relayed_retry(headers, shared.retry_ceiling_ms());
+    }
+}
+
 /// Set `stream_options.include_usage = true` unless the client set it; true when changed.
 fn ask_for_stream_usage(json: &mut serde_json::Value) -> bool {
     let Some(obj) = json.as_object_mut() else {
@@ -876,6 +887,7 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         Ok(Ok(r)) => {
             let (mut p, b) = r.into_parts();
             strip_hop_by_hop(&mut p.headers);
+            hold_relayed_retry(&shared, &mut p.headers);
             Response::from_parts(
                 p,
                 b.map_err(|e| -> crate::response::BoxError { Box::new(e) })
@@ -915,5 +927,14 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
                 None,
             )
         }
+    }
+}
+
+/// About 200 µs of busy work on the request's worker thread (feature `perf-slowdown` only).
+#[cfg(feature = "perf-slowdown")]
+fn perf_slowdown() {
+    let until = std::time::Instant::now() + std::time::Duration::from_micros(200);
+    while std::time::Instant::now() < until {
+        std::hint::spin_loop();
     }
 }

@@ -178,6 +178,33 @@ pub fn add_retry_headers(resp: &mut Response<ResBody>, reason: Reason, retry: Op
     set_retry(resp, retry);
 }
 
+/// Hold an upstream's own `Retry-After` / `retry-after-ms` (relayed with its response) to the
+/// gate's ceiling (`retry.max_retry_after_ms`). A date past it, or a value that does not
+/// parse as a number of seconds, is replaced by the ceiling in seconds.
+pub fn clamp_relayed_retry(headers: &mut http::HeaderMap, ceiling_ms: u64) {
+    let secs = ceiling_ms.div_ceil(1000).max(1);
+    if let Some(v) = headers.get(http::header::RETRY_AFTER) {
+        let within = v
+            .to_str()
+            .ok()
+            .and_then(|t| t.trim().parse::<f64>().ok())
+            .is_some_and(|s| s.is_finite() && s >= 0.0 && s * 1000.0 <= ceiling_ms as f64);
+        if !within {
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+    }
+    if let Some(v) = headers.get("retry-after-ms") {
+        let within = v
+            .to_str()
+            .ok()
+            .and_then(|t| t.trim().parse::<f64>().ok())
+            .is_some_and(|ms| ms.is_finite() && ms >= 0.0 && ms <= ceiling_ms as f64);
+        if !within {
+            headers.insert("retry-after-ms", HeaderValue::from(ceiling_ms));
+        }
+    }
+}
+
 fn set_retry(resp: &mut Response<ResBody>, retry: Option<RetryAdvice>) {
     let h = resp.headers_mut();
     if let Some(r) = retry {
@@ -241,6 +268,33 @@ pub fn not_found(path: &str) -> Response<ResBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relayed_retry_after_is_held_to_the_ceiling() {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            http::header::RETRY_AFTER,
+            HeaderValue::from_static("87413276"),
+        );
+        h.insert("retry-after-ms", HeaderValue::from_static("87413275800"));
+        clamp_relayed_retry(&mut h, 300_000);
+        assert_eq!(h[http::header::RETRY_AFTER], "300");
+        assert_eq!(h["retry-after-ms"], "300000");
+        // An HTTP date is not trusted to be near: the ceiling.
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            http::header::RETRY_AFTER,
+            HeaderValue::from_static("Fri, 31 Dec 2100 23:59:59 GMT"),
+        );
+        clamp_relayed_retry(&mut h, 300_000);
+        assert_eq!(h[http::header::RETRY_AFTER], "300");
+        // Within the ceiling: left as sent; absent: not added.
+        let mut h = http::HeaderMap::new();
+        h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("2"));
+        clamp_relayed_retry(&mut h, 300_000);
+        assert_eq!(h[http::header::RETRY_AFTER], "2");
+        assert!(h.get("retry-after-ms").is_none());
+    }
 
     #[test]
     fn retry_after_rounds_up_to_whole_seconds() {

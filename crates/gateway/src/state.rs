@@ -407,6 +407,12 @@ impl Shared {
             .map_err(|e| e.to_string())
     }
 
+    /// The ceiling of every Retry-After (`retry.max_retry_after_ms`) in force.
+    pub fn retry_ceiling_ms(&self) -> u64 {
+        let st = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        st.gate.config().retry.max_retry_after_ms
+    }
+
     /// Place a reservation-API hold (seed 001): the same decision and the same ledger as the
     /// proxy, but no request waits on it. Returns the decision, the ledger's held count and
     /// the number of the ledger write that carries the hold (see [`Shared::durable_for`]).

@@ -107,34 +107,42 @@ async fn absurd_sizes_get_a_clear_answer_and_leave_no_hold() {
     let (g, _stub) = demo_gate("sizes-absurd").await;
     let url = g.url("/v1/chat/completions");
     let long_prompt = "x".repeat(600_000);
-    let cases: Vec<(String, &[u16])> = vec![
-        (chat("0"), &[200]),
-        (chat("-1"), &[200, 400]),
-        (chat("-1000000000000000000"), &[200, 400]),
-        (chat("1e18"), &[400]),
-        (chat("1e400"), &[400]),
-        (chat("18446744073709551616"), &[400]),
-        (chat("131073"), &[400]),
-        (chat("3.5"), &[200, 400]),
-        (chat("\"lots\""), &[200, 400]),
-        (chat("null"), &[200]),
+    // (body, status, error code): `max_tokens` that is not a non-negative number is ignored
+    // (the request gets the server's default output), a fraction is rounded down, a number
+    // too large for JSON's parser is invalid JSON, and every size past the window is refused.
+    let cases: Vec<(String, u16, &str)> = vec![
+        (chat("0"), 200, ""),
+        (chat("-1"), 200, ""),
+        (chat("-1000000000000000000"), 200, ""),
+        (chat("3.5"), 200, ""),
+        (chat("\"lots\""), 200, ""),
+        (chat("null"), 200, ""),
+        (chat("1e18"), 400, "context_length_exceeded"),
+        (chat("1e400"), 400, "invalid_json"),
+        (chat("18446744073709551616"), 400, "context_length_exceeded"),
+        (chat("131073"), 400, "context_length_exceeded"),
         // Prompt (600k characters, about 150k tokens) past the window on its own.
         (
             format!(
                 r#"{{"model":"demo","messages":[{{"role":"user","content":"{long_prompt}"}}],"max_tokens":16}}"#
             ),
-            &[400, 413],
+            400,
+            "context_length_exceeded",
         ),
     ];
-    for (body, allowed) in &cases {
-        let r = post(&url, &[("x-job-class", "batch")], body).await;
-        assert!(
-            allowed.contains(&r.status.as_u16()),
-            "{} for {}: {}",
-            r.status,
-            &body[..body.len().min(120)],
+    for (body, status, code) in &cases {
+        let r = post(&url, &[("x-job-class", "batch")], body);
+        let r = r.await;
+        let what = &body[..body.len().min(120)];
+        assert_eq!(
+            r.status.as_u16(),
+            *status,
+            "{what}: {}",
             String::from_utf8_lossy(&r.body)
         );
+        if !code.is_empty() {
+            assert_eq!(r.json()["error"]["code"], *code, "{what}");
+        }
         assert_under_ceiling(&r);
     }
     let stats = g.stats().await;
@@ -142,11 +150,16 @@ async fn absurd_sizes_get_a_clear_answer_and_leave_no_hold() {
 }
 
 /// Legal but long work in every slot (four requests at almost the whole default window, held
-/// by the stub): an interactive request's honest wait is hours. It is refused, told not to
-/// retry soon, and its Retry-After stops at the ceiling.
+/// by the stub, on a gate told to trust declared sizes before it has learned anything): an
+/// interactive request's honest wait is hours. It is refused, told not to retry soon, and
+/// its Retry-After stops at the ceiling.
 #[tokio::test]
 async fn retry_after_stops_at_the_ceiling() {
-    let (g, s) = demo_gate("sizes-ceiling").await;
+    let s = stub(4, "tokens:prefill_us=200,decode_us=20000").await;
+    let mut cfg = Config::default();
+    cfg.gate.pools[0].upstream = Some(format!("http://{}", s.local_addr()));
+    cfg.gate.pools[0].limits.unlearned_output_tokens = 131_072;
+    let g = TestGate::start_cfg(cfg, "sizes-ceiling").await;
     let url = g.url("/v1/chat/completions");
     let mut held = Vec::new();
     for i in 0..4 {
@@ -167,6 +180,10 @@ async fn retry_after_stops_at_the_ceiling() {
         "{body}"
     );
     assert_under_ceiling(&r);
+    assert!(
+        r.header("retry-after").is_some(),
+        "a Retry-After all the same"
+    );
     assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
     // The held requests would generate 131,000 tokens each: their clients go away instead,
     // and the gate releases their slots and holds.
@@ -182,4 +199,35 @@ async fn retry_after_stops_at_the_ceiling() {
         },
     )
     .await;
+}
+
+/// With the defaults, the same four requests declaring almost the whole window count for at
+/// most 4096 output tokens each until the class has learned (`unlearned_output_tokens`): the
+/// projection an interactive request sees is about 82 s, not 44 minutes.
+#[tokio::test]
+async fn a_declared_ceiling_is_not_a_size_on_a_fresh_gate() {
+    let (g, s) = demo_gate("sizes-unlearned").await;
+    let url = g.url("/v1/chat/completions");
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let hold = format!("big{i}");
+        let h: &[(&str, &str)] = &[("x-job-class", "batch"), ("x-stub-hold", &hold)];
+        held.push(spawn_upstream(&url, &s, h, chat("131000")).await);
+    }
+    let r = post(
+        &url,
+        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
+        &chat("16"),
+    )
+    .await;
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    let wait = r.json()["admission"]["projected_wait_ms"].as_u64().unwrap();
+    assert!(
+        (60_000..120_000).contains(&wait),
+        "projected wait {wait} ms"
+    );
+    assert_under_ceiling(&r);
+    for h in held {
+        h.abort();
+    }
 }

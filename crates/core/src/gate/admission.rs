@@ -48,6 +48,9 @@ struct Offer {
 impl Gate {
     /// Decide at arrival. An admitted job is queued; call [`Gate::poll`] to dispatch it.
     pub fn offer(&mut self, now: Millis, req: Request) -> Decision {
+        // A deliberately slower build, to prove the regression guard fails on one.
+        #[cfg(feature = "perf-slowdown")]
+        perf_slowdown();
         let now = self.clock(now);
         // A hold past its TTL must not answer duplicates until the next tick: expire first.
         self.expire_holds(now);
@@ -182,7 +185,9 @@ impl Gate {
         let mut d = o.d;
         d.reason = Reason::ShuttingDown;
         let r = &self.cfg.retry;
-        d.retry_after_ms = Some(jitter(r.min_retry_after_ms, d.job_id, r.jitter_percent));
+        d.retry_after_ms = Some(
+            jitter(r.min_retry_after_ms, d.job_id, r.jitter_percent).min(r.max_retry_after_ms),
+        );
         d.should_retry = true;
         d
     }
@@ -477,4 +482,14 @@ impl Gate {
             e.hopeless && e.sure,
         )
     }
+}
+
+/// About 4000 dependent additions the optimizer cannot remove: a few microseconds.
+#[cfg(feature = "perf-slowdown")]
+fn perf_slowdown() {
+    let mut x = 0u64;
+    for i in 0..4_000u64 {
+        x = std::hint::black_box(x.wrapping_add(i));
+    }
+    std::hint::black_box(x);
 }

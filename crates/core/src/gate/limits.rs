@@ -15,7 +15,8 @@ pub(super) struct Bounds {
     /// after its prompt, and at most the pool's output limit.
     pub(super) output_cap: u32,
     /// The request cannot fit: its prompt alone, or its prompt plus its `max_tokens`, is
-    /// past the context window, or its `max_tokens` past the output limit.
+    /// past the context window, its `max_tokens` past the output limit, or a reservation's
+    /// tokens past the window.
     pub(super) exceeds: bool,
 }
 
@@ -47,7 +48,11 @@ impl Gate {
         let context = p.context_tokens();
         let prompt = p.prompt_tokens(req);
         let output_cap = p.output_cap(prompt);
-        let exceeds = prompt > context || req.max_tokens.is_some_and(|m| m > output_cap);
+        // A reservation's `tokens` (its whole hold) past the window cannot be one call to
+        // these servers; capping it instead would let it slip past its tenant's grant.
+        let exceeds = prompt > context
+            || req.max_tokens.is_some_and(|m| m > output_cap)
+            || req.hold_tokens.is_some_and(|h| h > u64::from(context));
         req.max_tokens = req.max_tokens.map(|m| m.min(output_cap));
         req.expected_output_tokens = req.expected_output_tokens.map(|h| h.min(output_cap));
         req.hold_tokens = req.hold_tokens.map(|h| h.min(u64::from(context)));

@@ -140,11 +140,34 @@ fn hints_and_reservation_holds_are_capped_at_the_window() {
     r.expected_output_tokens = Some(u32::MAX);
     let d = g.offer(0, r);
     assert_eq!(d.expected_output_tokens, 2000, "{d:?}");
+    // A reservation past the window is refused, not capped: a cap would let it past its
+    // tenant's grant (the worker then commits what it really used).
     let mut r = ask(&g, "batch", 0, Some(0));
     r.hold_tokens = Some(u64::MAX);
     r.reservation = true;
+    let d = g.offer(0, r.clone());
+    assert_eq!(d.reason, Reason::ContextLengthExceeded, "{d:?}");
+    assert_eq!(d.tokens_held, 0);
+    r.hold_tokens = Some(2048);
     let d = g.offer(0, r);
-    assert_eq!(d.tokens_held, 2048, "{d:?}");
+    assert_eq!((d.action, d.tokens_held), (Action::Admit, 2048), "{d:?}");
+}
+
+/// A reservation of 500k tokens against a grant of 200k is never admitted on a figure capped
+/// at the window (131072, which the grant would cover): it is refused.
+#[test]
+fn a_reservation_never_slips_past_its_grant() {
+    let mut c = demo(LimitsConfig::default());
+    c.ledger.grants = [("team".to_string(), 200_000u64)].into_iter().collect();
+    let mut g = Gate::new(c).unwrap();
+    let mut r = ask(&g, "batch", 0, Some(0));
+    r.hold_tokens = Some(500_000);
+    r.reservation = true;
+    r.tenant = Some("team".into());
+    r.idempotency_key = Some("k1".into());
+    let d = g.offer(0, r);
+    assert_eq!(d.action, Action::Reject, "{d:?}");
+    assert_eq!(g.ledger_stats().held, 0);
 }
 
 /// What a server reports holds when it is smaller than the configuration; forgetting it
@@ -179,7 +202,13 @@ fn a_reported_window_narrows_the_configured_one() {
 /// ceiling and it is told not to retry soon. Nothing anywhere above the ceiling.
 #[test]
 fn retry_after_never_passes_the_ceiling() {
-    let mut g = Gate::new(demo(LimitsConfig::default())).unwrap();
+    // An operator who trusts declared sizes on a fresh gate (the default counts at most
+    // 4096 output tokens of an unlearned class: see the next test).
+    let mut g = Gate::new(demo(LimitsConfig {
+        unlearned_output_tokens: 131_072,
+        ..LimitsConfig::default()
+    }))
+    .unwrap();
     for t in 0..4 {
         let d = g.offer(t, ask(&g, "batch", 72, Some(131_000)));
         assert_eq!(d.action, Action::Admit, "{d:?}");
@@ -195,6 +224,36 @@ fn retry_after_never_passes_the_ceiling() {
     // A provider asking for years pauses the endpoint (and answers) at most the ceiling.
     let (after, useful) = g.throttled(20, PoolId(0), 0, Some(u64::MAX / 4));
     assert_eq!((after, useful), (ceiling, false));
+}
+
+/// On a fresh gate a declared `max_tokens` is a ceiling, not a size: until the class has
+/// completed a request it counts for at most `unlearned_output_tokens` (4096), so four
+/// requests declaring the whole window project minutes, not the 44 they would at face value;
+/// once the class has learned, its learned size holds (capped by `max_tokens`).
+#[test]
+fn a_declared_ceiling_is_not_taken_as_the_size_before_anything_is_learned() {
+    let mut c = demo(LimitsConfig::default());
+    c.pools[0].prior.learn = true;
+    let mut g = Gate::new(c).unwrap();
+    let d = g.offer(0, ask(&g, "batch", 72, Some(131_000)));
+    assert_eq!(d.expected_output_tokens, 4096, "{d:?}");
+    // 50 ms + 4096 x 20 ms.
+    assert_eq!(d.est_service_ms, 81_970);
+    let small = g.offer(0, ask(&g, "batch", 72, Some(100)));
+    assert_eq!(small.expected_output_tokens, 100, "{small:?}");
+    super::tests::drain(&mut g, 0);
+    g.on_complete(
+        2_000,
+        small.job_id,
+        Completion {
+            ok: true,
+            prompt_tokens: Some(72),
+            completion_tokens: Some(90),
+        },
+    )
+    .unwrap();
+    let d = g.offer(2_000, ask(&g, "batch", 72, Some(131_000)));
+    assert_eq!(d.expected_output_tokens, 90, "learned: {d:?}");
 }
 
 /// The ceiling is checked against the other retry settings.

@@ -158,9 +158,10 @@ impl Gate {
             .unwrap_or(lane)
     }
 
-    /// The output a request of `class` is expected to produce: the class's learned mean,
-    /// else its `max_tokens`, else the prior's default; never more than `cap`, what the
-    /// servers can produce for it (see [`Gate::bound_request`]).
+    /// The output a request of `class` is expected to produce: the class's learned mean
+    /// (capped by its `max_tokens`), else, before anything is learned, its `max_tokens` up to
+    /// `limits.unlearned_output_tokens`, else the prior's default; never more than `cap`, what
+    /// the servers can produce for it (see [`Gate::bound_request`]).
     pub(super) fn expected_output(&self, class: LaneId, max_tokens: Option<u32>, cap: u32) -> u32 {
         let c = &self.classes[self.home(class).0];
         let pool = &self.pools[c.pool.0];
@@ -170,7 +171,7 @@ impl Gate {
         let expected = match (learned, max_tokens) {
             (Some(l), Some(m)) => l.min(m),
             (Some(l), None) => l,
-            (None, Some(m)) => m,
+            (None, Some(m)) => m.min(pool.limits.unlearned_output_tokens),
             (None, None) => pool.default_output_tokens,
         };
         expected.min(cap)

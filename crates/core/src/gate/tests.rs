@@ -412,6 +412,7 @@ fn one_long_job_does_not_poison_a_wide_pool() {
     let mut g = Gate::new(c).unwrap();
     let mut long = req(&g, "probe");
     long.max_tokens = Some(79_500); // 500 + 79 500 x 1 ms = 80 s
+    long.expected_output_tokens = Some(79_500); // a trusted size: nothing is learned yet
     g.offer(0, long);
     for _ in 0..7 {
         let mut r = req(&g, "probe");

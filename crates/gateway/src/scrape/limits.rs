@@ -46,17 +46,23 @@ pub fn vllm_context(body: &[u8]) -> Option<u32> {
         .min()
 }
 
-/// A window between 1 and [`MAX_LIMIT_TOKENS`] tokens, as a whole number.
+/// The smallest window a server's answer is believed for: below it, the answer more likely
+/// comes from another service on that port than from a model server, and believing it would
+/// refuse nearly every request of the pool.
+pub const MIN_DISCOVERED_CONTEXT: u32 = 256;
+
+/// A window between [`MIN_DISCOVERED_CONTEXT`] and [`MAX_LIMIT_TOKENS`] tokens, as a whole
+/// number.
 fn plausible(n: &Value) -> Option<u32> {
     let n = n.as_u64()?;
-    (1..=u64::from(MAX_LIMIT_TOKENS))
+    (u64::from(MIN_DISCOVERED_CONTEXT)..=u64::from(MAX_LIMIT_TOKENS))
         .contains(&n)
         .then_some(n as u32)
 }
 
 /// Ask the server at `base_url` for its context window: `/props` first, then `/v1/models`.
-/// `Ok(None)`: it answered but named none; `Err`: neither request got an answer (the
-/// reason, for the gate's own log).
+/// `Ok(None)`: both answered and neither named one; `Err`: a request got no answer (so the
+/// server may still have a window it could not say: keep the last one), with the reasons.
 pub async fn discover_context(
     client: &UpstreamClient,
     base_url: &str,
@@ -78,10 +84,10 @@ pub async fn discover_context(
             Err(e) => errors.push(format!("{path}: {e}")),
         }
     }
-    if errors.len() == 2 {
-        Err(errors.join("; "))
-    } else {
+    if errors.is_empty() {
         Ok(None)
+    } else {
+        Err(errors.join("; "))
     }
 }
 
@@ -141,6 +147,8 @@ mod tests {
     fn absurd_or_missing_figures_are_not_a_window() {
         for body in [
             &br#"{"n_ctx":0}"#[..],
+            br#"{"n_ctx":1}"#,
+            br#"{"n_ctx":255}"#,
             br#"{"n_ctx":-5}"#,
             br#"{"n_ctx":1e30}"#,
             br#"{"n_ctx":"4096"}"#,
