@@ -480,6 +480,10 @@ async fn serve(a: ServeArgs) -> Result<()> {
         eprintln!(
             "slackgate: demo upstream (fake model, 20 ms/token, {DEMO_CONTEXT_TOKENS}-token context) on {url}"
         );
+        // The demo's pools ask their servers (the fake model) for their context window.
+        for p in cfg.gate.pools.iter_mut() {
+            p.limits.discover.get_or_insert(true);
+        }
         // Pools without an upstream use the demo model (before --upstream, as before).
         if over.upstream.is_none() {
             over.upstream = Some(url);

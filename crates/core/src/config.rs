@@ -128,8 +128,10 @@ pub struct LimitsConfig {
     /// (hosted APIs often cap output below the context). Unset: the context window only.
     pub max_output_tokens: Option<u32>,
     /// Ask each endpoint its context window (llama.cpp `GET /props`, vLLM `GET /v1/models`
-    /// `max_model_len`) when the gateway starts and every `discover_interval_ms`.
-    pub discover: bool,
+    /// `max_model_len`) when the gateway starts and every `discover_interval_ms`. Unset: only
+    /// where the pool names its servers as llama.cpp or vLLM (`[pools.server_metrics] kind`),
+    /// so the gate sends nothing a server was not said to answer.
+    pub discover: Option<bool>,
     /// How often the servers are asked again (a server restarted with another context).
     pub discover_interval_ms: u64,
     /// Until a class has seen a completion (nothing learned), a declared `max_tokens` counts
@@ -147,7 +149,7 @@ impl Default for LimitsConfig {
         LimitsConfig {
             context_tokens: None,
             max_output_tokens: None,
-            discover: true,
+            discover: None,
             discover_interval_ms: 60_000,
             unlearned_output_tokens: 4_096,
         }
@@ -360,6 +362,18 @@ impl LimitsConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl PoolConfig {
+    /// Whether the gateway asks this pool's servers their context window (`limits.discover`,
+    /// or by default where the servers are named as llama.cpp or vLLM).
+    pub fn discovers_limits(&self) -> bool {
+        self.limits.discover.unwrap_or_else(|| {
+            self.server_metrics
+                .as_ref()
+                .is_some_and(|m| matches!(m.kind, ServerKind::Llamacpp | ServerKind::Vllm))
+        })
     }
 }
 
@@ -962,6 +976,32 @@ impl GateConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_are_discovered_where_the_servers_are_named_or_asked_for() {
+        let mut p = PoolConfig::default();
+        assert!(
+            !p.discovers_limits(),
+            "nothing is sent to an unnamed server"
+        );
+        let metrics = |kind| ServerMetricsConfig {
+            kind,
+            path: "/metrics".into(),
+            interval_ms: 1000,
+            stale_ms: 5000,
+            running: None,
+            waiting: None,
+        };
+        p.server_metrics = Some(metrics(ServerKind::Llamacpp));
+        assert!(p.discovers_limits());
+        p.server_metrics = Some(metrics(ServerKind::Tgi));
+        assert!(!p.discovers_limits());
+        p.limits.discover = Some(true);
+        assert!(p.discovers_limits());
+        p.server_metrics = Some(metrics(ServerKind::Vllm));
+        p.limits.discover = Some(false);
+        assert!(!p.discovers_limits());
+    }
 
     #[test]
     fn default_config_is_valid() {

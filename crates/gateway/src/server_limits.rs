@@ -1,7 +1,8 @@
 //! The servers' context windows, asked of the servers: the gateway side of
 //! `[pools.limits] discover`.
 //!
-//! One task asks every endpoint of every pool with `discover = true` what its context window
+//! One task asks every endpoint of every pool that discovers its limits (`discover = true`,
+//! or unset with `[pools.server_metrics] kind = "llamacpp"` or `"vllm"`) what its context window
 //! is (see [`crate::scrape::limits`]) when the gateway starts, after every applied reload and
 //! every `discover_interval_ms`, all endpoints of a pool at once, and gives the core the
 //! smallest window its endpoints named (`Gate::set_discovered_context`): a request must fit
@@ -47,7 +48,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         let reloaded = generation != Some(now_gen);
         generation = Some(now_gen);
         for pool in shared.control.pools() {
-            if !pool.limits.discover {
+            if !pool.discovers_limits() {
                 // Turned off (or never on): whatever a server said no longer holds.
                 if reloaded {
                     known.said.retain(|(p, _), _| p != &pool.name);

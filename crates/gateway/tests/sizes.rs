@@ -36,6 +36,8 @@ async fn demo_gate_claiming(name: &str, context: Option<u32>) -> (TestGate, slac
     s.set_context_tokens(context);
     let mut cfg = Config::default();
     cfg.gate.pools[0].upstream = Some(format!("http://{}", s.local_addr()));
+    // As `serve --demo` does: ask the fake model its window.
+    cfg.gate.pools[0].limits.discover = Some(true);
     (TestGate::start_cfg(cfg, name).await, s)
 }
 
