@@ -14,13 +14,13 @@
 #
 # Everything on 127.0.0.1, bounded in time.
 #
-#   scripts/bench-overload.sh [SECONDS] [QUEUED]
+#   scripts/bench-overload.sh [SECONDS] [QUEUED]   (QUEUED at most 1000: server.max_connections_per_addr)
 #
 # Environment: ROUNDS=3 (flood rounds, alternated with nginx), SLACKGATE_BIN=PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-6}
-QUEUED=${2:-2000}
+QUEUED=${2:-900}
 ROUNDS=${ROUNDS:-1}
 command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 command -v nginx >/dev/null || { apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; }
@@ -38,6 +38,11 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
 wait_http() { for _ in $(seq 200); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; return 1; }
 rss_kb() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
+pool_depth() {
+  curl -s --max-time 5 "http://127.0.0.1:$GATE/stats" | python3 -c 'import json,sys
+try: print(json.load(sys.stdin)["gate"]["pools"][0]["depth"])
+except Exception: print(0)'
+}
 
 STUB=$(free_port); GATE=$(free_port); NGX=$(free_port)
 $BIN stub --listen 127.0.0.1:$STUB --slots 4 --latency fixed:0ms --output-tokens 16 2>/dev/null & PIDS+=($!)
@@ -92,7 +97,9 @@ for i in 1 2 3 4; do
   PIDS+=($!)
 done
 for _ in $(seq 100); do
-  [ "$(curl -s "http://127.0.0.1:$STUB/stub/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["in_flight"])')" = 4 ] && break
+  [ "$(curl -s "http://127.0.0.1:$STUB/stub/stats" | python3 -c 'import json,sys
+try: print(json.load(sys.stdin)["in_flight"])
+except Exception: print(-1)')" = 4 ] && break
   sleep 0.1
 done
 
@@ -126,13 +133,13 @@ LUA
 wrk -t2 -c"$QUEUED" -d20s --timeout 30s -s "$WORK/batch.lua" "http://127.0.0.1:$GATE/v1/chat/completions" >/dev/null 2>&1 & WRK=$!; PIDS+=($WRK)
 depth=0
 for _ in $(seq 150); do
-  depth=$(curl -s "http://127.0.0.1:$GATE/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["gate"]["pools"][0]["depth"])')
+  depth=$(pool_depth)
   [ "$depth" -ge "$QUEUED" ] && break
   sleep 0.1
 done
 sleep 1
 during=$(rss_kb "$GPID")
-depth=$(curl -s "http://127.0.0.1:$GATE/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["gate"]["pools"][0]["depth"])')
+depth=$(pool_depth)
 kill "$WRK" 2>/dev/null || true
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 

@@ -20,7 +20,8 @@
 #   SLACKGATE_BIN=PATH  a prebuilt slackgate binary (default: cargo build --release here)
 #   STUB_BIN=PATH       the binary whose `stub` is the upstream (default: SLACKGATE_BIN); fixed
 #                       when comparing binaries of several commits
-#   TARGETS="direct nginx sqlite memory follower"   which targets (this default order)
+#   TARGETS="direct nginx sqlite memory follower"   which targets (this default order; also
+#                       sqlite_full: the SQLite ledger with server.ledger_synchronous = "full")
 #   BENCH_RESULTS=FILE  also write one line per target: `name rps_median vs_direct vs_nginx p99_ms`
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -110,6 +111,12 @@ NGINX
       P=$(free_port); gate_config "$P" "$WORK/ledger.db" "$WORK/decisions.jsonl" > "$WORK/gate.toml"
       $BIN serve --config "$WORK/gate.toml" 2>/dev/null & PIDS+=($!)
       URL[sqlite]="http://127.0.0.1:$P"; wait_http "${URL[sqlite]}/healthz" ;;
+    sqlite_full)
+      # The SQLite ledger syncing the log at every commit (survives power loss too).
+      P=$(free_port); gate_config "$P" "$WORK/ledger-full.db" "$WORK/decisions-full.jsonl" > "$WORK/gate-full.toml"
+      sed -i 's|^ledger = .*|&\nledger_synchronous = "full"|' "$WORK/gate-full.toml"
+      $BIN serve --config "$WORK/gate-full.toml" 2>/dev/null & PIDS+=($!)
+      URL[sqlite_full]="http://127.0.0.1:$P"; wait_http "${URL[sqlite_full]}/healthz" ;;
     memory)
       P=$(free_port); gate_config "$P" memory "$WORK/decisions-mem.jsonl" > "$WORK/gate-mem.toml"
       $BIN serve --config "$WORK/gate-mem.toml" 2>/dev/null & PIDS+=($!)
@@ -178,6 +185,7 @@ by = {}
 for r, t, rps, p50, p99, n in rows:
     by.setdefault(t, {})[int(r)] = (float(rps), float(p50), float(p99), int(n))
 names = {"direct": "direct", "nginx": "nginx (JSON access log)", "sqlite": "slackgate (SQLite ledger)",
+         "sqlite_full": "slackgate (SQLite ledger, synchronous = full)",
          "memory": "slackgate (memory ledger)", "follower": "slackgate cluster follower (memory, Redis)"}
 def ratio(t, base):
     if base not in by: return None
