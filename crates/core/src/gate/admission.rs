@@ -250,7 +250,19 @@ impl Gate {
         if !capacity {
             return;
         }
-        let e = self.evaluate(o.now, overflow_lane, &o.req, o.expected_output);
+        // The overflow pool's servers have their own window: a request they could not take
+        // stays refused where it was.
+        let mut there = o.req.clone();
+        let bounds = self.bound_request(overflow_lane, &mut there);
+        if bounds.exceeds {
+            return;
+        }
+        let e = self.evaluate(
+            o.now,
+            overflow_lane,
+            &there,
+            o.expected_output.min(bounds.output_cap),
+        );
         if e.verdict.is_err() {
             return;
         }

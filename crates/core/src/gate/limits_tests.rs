@@ -272,3 +272,37 @@ fn the_ceiling_must_cover_the_other_retry_settings() {
     };
     assert_eq!(e.path, "pools[0].limits.context_tokens");
 }
+
+/// A capacity refusal routed to the class's overflow pool is held to that pool's window: a
+/// request its servers could not take stays refused where it was.
+#[test]
+fn overflow_routing_respects_the_overflow_pools_window() {
+    let mut c = demo(LimitsConfig::default());
+    let mut spare = c.pools[0].clone();
+    spare.name = "spare".into();
+    spare.limits.context_tokens = Some(1024);
+    c.pools.push(spare);
+    c.classes[0].overflow_pool = Some("spare".into());
+    c.classes[0].overflow = crate::config::OverflowMode::Route;
+    let mut g = Gate::new(c).unwrap();
+    // Four long batch jobs fill the demo pool's slots (a trusted size: 100 s each).
+    for t in 0..4 {
+        let mut r = ask(&g, "batch", 10, Some(5000));
+        r.expected_output_tokens = Some(5000);
+        assert_eq!(g.offer(t, r).action, Action::Admit);
+    }
+    super::tests::drain(&mut g, 4);
+    let d = g.offer(10, ask(&g, "interactive", 10, Some(2000)));
+    assert_eq!(
+        d.reason,
+        Reason::ProjectedWaitExceedsSlack,
+        "not routed: {d:?}"
+    );
+    assert_eq!(d.pool, Some(PoolId(0)));
+    let d = g.offer(10, ask(&g, "interactive", 10, Some(16)));
+    assert_eq!(
+        (d.action, d.pool),
+        (Action::Admit, Some(PoolId(1))),
+        "routed: {d:?}"
+    );
+}

@@ -46,7 +46,12 @@ pub async fn probe_pools(pools: &[PoolConfig], env: EnvLookup) -> Result<Vec<Pro
         let transports = &transports;
         pool.endpoint_list().into_iter().map(move |e| async move {
             let path = &pool.health.path;
-            let url = format!("{}{}", e.url.trim_end_matches('/'), path);
+            // The URL the probe really asks (a base ending in `/v1` and a path starting with
+            // it are joined without doubling it, as for requests).
+            let url = probe_uri(&e.url, path).map_or_else(
+                |_| format!("{}{}", e.url.trim_end_matches('/'), path),
+                |u| u.to_string(),
+            );
             let timeout = Duration::from_millis(pool.health.timeout_ms.max(1));
             let outcome = probe_one(transports, &pool.name, &e.url, path, timeout).await;
             ProbeReport {
@@ -60,6 +65,16 @@ pub async fn probe_pools(pools: &[PoolConfig], env: EnvLookup) -> Result<Vec<Pro
     Ok(futures_util::future::join_all(probes).await)
 }
 
+/// The URL `GET path` goes to on the endpoint at `base`.
+fn probe_uri(base: &str, path: &str) -> Result<http::Uri, String> {
+    let base = parse_base(base)?;
+    let pq: http::uri::PathAndQuery = path
+        .parse()
+        .map_err(|e| format!("health.path {path:?} is not a path: {e}"))?;
+    base.target(Some(&pq))
+        .map_err(|e| format!("cannot build the probe URL: {e}"))
+}
+
 /// `GET path` on the endpoint at `base`: a 2xx, or a provider's 429 (rate limited, but there
 /// and accepting the key), is an answer; any other status, an error or no answer within
 /// `timeout` is a failure.
@@ -70,13 +85,7 @@ async fn probe_one(
     path: &str,
     timeout: Duration,
 ) -> Result<String, String> {
-    let base = parse_base(base)?;
-    let pq: http::uri::PathAndQuery = path
-        .parse()
-        .map_err(|e| format!("health.path {path:?} is not a path: {e}"))?;
-    let uri = base
-        .target(Some(&pq))
-        .map_err(|e| format!("cannot build the probe URL: {e}"))?;
+    let uri = probe_uri(base, path)?;
     let mut req = Request::new(Full::new(Bytes::new()));
     *req.method_mut() = Method::GET;
     *req.uri_mut() = uri;
@@ -98,5 +107,19 @@ async fn probe_one(
                 Err(format!("GET {path} answered {status} in {ms} ms"))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_url_shown_is_the_url_asked() -> Result<(), String> {
+        let u = probe_uri("https://api.example.com/v1", "/v1/models")?;
+        assert_eq!(u.to_string(), "https://api.example.com/v1/models");
+        let u = probe_uri("http://127.0.0.1:8080", "/health")?;
+        assert_eq!(u.to_string(), "http://127.0.0.1:8080/health");
+        Ok(())
     }
 }
