@@ -35,8 +35,7 @@ WORK=$(mktemp -d)
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-wait_http() { for _ in $(seq 200); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; return 1; }
+. scripts/bench-lib.sh
 rss_kb() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
 pool_depth() {
   curl -s --max-time 5 "http://127.0.0.1:$GATE/stats" | python3 -c 'import json,sys
@@ -109,10 +108,8 @@ wrk.body = '{"model":"stub","messages":[{"role":"user","content":"hello there"}]
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["X-Job-Class"] = "interactive"
 LUA
-ms() { python3 -c "import sys; v=sys.argv[1]; u=v.lstrip('0123456789.'); x=float(v[:len(v)-len(u)]); print(round(x*{'us':0.001,'ms':1,'s':1000,'m':60000}[u],3))" "$1"; }
 flood() { # url -> "rps p50 p99 non2xx total"
-  local out; out=$(wrk -t1 -c64 -d"${DUR}s" --latency -s "$WORK/interactive.lua" "$1")
-  echo "$(awk '/Requests\/sec/ {print $2}' <<<"$out") $(ms "$(awk '$1=="50%" {print $2}' <<<"$out")") $(ms "$(awk '$1=="99%" {print $2}' <<<"$out")") $(awk '/Non-2xx/ {print $5}' <<<"$out") $(awk '/requests in/ {print $1}' <<<"$out")"
+  wrk_run "$1" "$WORK/interactive.lua" 64 "$DUR"
 }
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 : > "$WORK/flood"

@@ -46,8 +46,7 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
-wait_http() { for _ in $(seq 200); do curl -sf "$1" >/dev/null 2>&1 && return 0; sleep 0.1; done; echo "not up: $1" >&2; return 1; }
+. scripts/bench-lib.sh
 
 STUB=$(free_port)
 ${STUB_BIN:-$BIN} stub --listen 127.0.0.1:$STUB --slots 1024 --latency fixed:0ms --output-tokens 16 2>/dev/null & PIDS+=($!)
@@ -152,19 +151,9 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.headers["X-Job-Class"] = "interactive"
 LUA
 
-ms() { # wrk latency ("812.00us", "1.65ms", "1.20s") in ms
-  python3 -c "import sys; v=sys.argv[1]; u=v.lstrip('0123456789.'); x=float(v[:len(v)-len(u)]); print(round(x*{'us':0.001,'ms':1,'s':1000,'m':60000}[u],3))" "$1"
-}
 run() { # name url -> "rps p50ms p99ms non2xx"
-  local out rps p50 p99 non2xx
-  out=$(wrk -t1 -c"$CONNS" -d"${DUR}s" --latency -s "$WORK/post.lua" "$2/v1/chat/completions")
-  rps=$(awk '/Requests\/sec/ {print $2}' <<<"$out")
-  p50=$(ms "$(awk '$1=="50%" {print $2}' <<<"$out")")
-  p99=$(ms "$(awk '$1=="99%" {print $2}' <<<"$out")")
-  non2xx=$(awk '/Non-2xx/ {print $5}' <<<"$out"); non2xx=${non2xx:-0}
-  echo "$rps $p50 $p99 $non2xx"
+  wrk_run "$2/v1/chat/completions" "$WORK/post.lua" "$CONNS" "$DUR" | cut -d' ' -f1-4
 }
-
 echo "wrk -t1 -c$CONNS -d${DUR}s, POST /v1/chat/completions, stub latency 0 ms, $(nproc) cores," \
   "$ROUNDS round(s), $(git rev-parse --short HEAD 2>/dev/null || echo '?'), binary $BIN" >&2
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

@@ -5,7 +5,7 @@
 #![cfg(unix)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
 use std::process::Command;
 use std::time::Duration;
@@ -19,15 +19,7 @@ fn live_upstream() -> (SocketAddr, std::sync::mpsc::Receiver<String>) {
         for conn in listener.incoming().take(8) {
             let Ok(mut s) = conn else { continue };
             let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            let mut buf = Vec::new();
-            let mut byte = [0u8; 1];
-            while !buf.ends_with(b"\r\n\r\n") && buf.len() < 65_536 {
-                match s.read(&mut byte) {
-                    Ok(1) => buf.push(byte[0]),
-                    _ => break,
-                }
-            }
-            let head = String::from_utf8_lossy(&buf).to_string();
+            let head = slackgate_testkit::read_request_head(&mut s);
             let _ = tx.send(head.lines().next().unwrap_or_default().to_string());
             let body = r#"{"object":"list","data":[]}"#;
             let resp = format!(

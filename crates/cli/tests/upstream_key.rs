@@ -26,15 +26,7 @@ fn upstream() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
         for conn in listener.incoming().take(16) {
             let Ok(mut s) = conn else { continue };
             let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            let mut buf = Vec::new();
-            let mut byte = [0u8; 1];
-            while !buf.ends_with(b"\r\n\r\n") && buf.len() < 65_536 {
-                match s.read(&mut byte) {
-                    Ok(1) => buf.push(byte[0]),
-                    _ => break,
-                }
-            }
-            let head = String::from_utf8_lossy(&buf).to_string();
+            let head = slackgate_testkit::read_request_head(&mut s);
             let len = head
                 .lines()
                 .find_map(|l| {

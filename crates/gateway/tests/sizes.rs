@@ -41,6 +41,29 @@ async fn demo_gate_claiming(name: &str, context: Option<u32>) -> (TestGate, slac
     (TestGate::start_cfg(cfg, name).await, s)
 }
 
+/// Four batch requests declaring almost the whole default window, each held in a stub slot
+/// (`x-stub-hold`) until the test lets go: every slot of the pool is taken by legal but long
+/// work.
+async fn fill_slots(url: &str, s: &slackgate_stub::Stub) -> Vec<tokio::task::JoinHandle<Resp>> {
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let hold = format!("long{i}");
+        let h: &[(&str, &str)] = &[("x-job-class", "batch"), ("x-stub-hold", &hold)];
+        held.push(spawn_upstream(url, s, h, chat("131000")).await);
+    }
+    held
+}
+
+/// An interactive request with a 5 s deadline, as in the issue's lockout.
+async fn interactive(url: &str) -> Resp {
+    post(
+        url,
+        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
+        &chat("16"),
+    )
+    .await
+}
+
 fn chat(max_tokens: &str) -> String {
     format!(
         r#"{{"model":"demo","messages":[{{"role":"user","content":"hi"}}],"max_tokens":{max_tokens}}}"#
@@ -62,12 +85,7 @@ async fn four_absurd_requests_lock_nobody_out() {
         assert_eq!(r.json()["error"]["type"], "invalid_request_error");
         assert_eq!(r.header("retry-after"), None);
     }
-    let r = post(
-        &url,
-        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
-        &chat("16"),
-    )
-    .await;
+    let r = interactive(&url).await;
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     let stats = g.stats().await;
     assert_eq!(stats["ledger"]["held"], 0, "{stats}");
@@ -163,18 +181,8 @@ async fn retry_after_stops_at_the_ceiling() {
     cfg.gate.pools[0].limits.unlearned_output_tokens = 131_072;
     let g = TestGate::start_cfg(cfg, "sizes-ceiling").await;
     let url = g.url("/v1/chat/completions");
-    let mut held = Vec::new();
-    for i in 0..4 {
-        let hold = format!("long{i}");
-        let h: &[(&str, &str)] = &[("x-job-class", "batch"), ("x-stub-hold", &hold)];
-        held.push(spawn_upstream(&url, &s, h, chat("131000")).await);
-    }
-    let r = post(
-        &url,
-        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
-        &chat("16"),
-    )
-    .await;
+    let held = fill_slots(&url, &s).await;
+    let r = interactive(&url).await;
     assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
     let body = r.json();
     assert!(
@@ -210,18 +218,8 @@ async fn retry_after_stops_at_the_ceiling() {
 async fn a_declared_ceiling_is_not_a_size_on_a_fresh_gate() {
     let (g, s) = demo_gate("sizes-unlearned").await;
     let url = g.url("/v1/chat/completions");
-    let mut held = Vec::new();
-    for i in 0..4 {
-        let hold = format!("big{i}");
-        let h: &[(&str, &str)] = &[("x-job-class", "batch"), ("x-stub-hold", &hold)];
-        held.push(spawn_upstream(&url, &s, h, chat("131000")).await);
-    }
-    let r = post(
-        &url,
-        &[("x-job-class", "interactive"), ("x-deadline-ms", "5000")],
-        &chat("16"),
-    )
-    .await;
+    let held = fill_slots(&url, &s).await;
+    let r = interactive(&url).await;
     assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
     let wait = r.json()["admission"]["projected_wait_ms"].as_u64().unwrap();
     assert!(

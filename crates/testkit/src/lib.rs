@@ -150,6 +150,21 @@ fn find_in(path_list: &OsString, name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Read an HTTP/1.1 request head (up to and including the blank line, at most 64 KiB) byte by
+/// byte from a fake upstream's accepted connection, so the body stays unread on the socket.
+/// Ends early (with what it has) on a read error, a timeout or the peer closing.
+pub fn read_request_head(s: &mut impl std::io::Read) -> String {
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") && buf.len() < 65_536 {
+        match s.read(&mut byte) {
+            Ok(1) => buf.push(byte[0]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&buf).to_string()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -234,3 +249,4 @@ mod tests {
         assert!(text.contains("[workspace]"), "{text}");
     }
 }
+
