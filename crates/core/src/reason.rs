@@ -87,7 +87,8 @@ pub enum Reason {
     LedgerUnavailable,
     /// The request cannot fit the pool's servers: its prompt plus its `max_tokens` is past
     /// their context window (or its `max_tokens` past their output limit). Refused at
-    /// arrival with 400, as the servers would; a retry of the same request cannot help.
+    /// arrival with 400, as vLLM and OpenAI answer it (llama.cpp would stop at its window
+    /// instead); a retry of the same request cannot help.
     ContextLengthExceeded,
 }
 
