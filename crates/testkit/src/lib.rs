@@ -249,4 +249,3 @@ mod tests {
         assert!(text.contains("[workspace]"), "{text}");
     }
 }
-
