@@ -426,17 +426,8 @@ where
                         }
                     }
                 }
-                let msg = format!(
-                    "upstream request failed: {} (connecting to {base})",
-                    cause::chain(&e)
-                );
-                shared.note_upstream_failure(&pool_name, &base.to_string(), &msg);
-                return fail(
-                    guard,
-                    StatusCode::BAD_GATEWAY,
-                    Reason::UpstreamUnavailable,
-                    &msg,
-                );
+                let (reason, msg) = upstream_failure(&shared, &pool_name, &base, &e, "");
+                return fail(guard, StatusCode::BAD_GATEWAY, reason, &msg);
             }
             Ok(Err(e)) => {
                 shared.endpoint_verdict(pool, endpoint, Verdict::Failed("connection"), false);
@@ -449,12 +440,8 @@ where
                     }
                     None => "",
                 };
-                let msg = format!(
-                    "upstream request failed{again}: {} (on {base})",
-                    cause::chain(&e)
-                );
-                shared.note_upstream_failure(&pool_name, &base.to_string(), &msg);
-                return fail(guard, StatusCode::BAD_GATEWAY, Reason::UpstreamError, &msg);
+                let (reason, msg) = upstream_failure(&shared, &pool_name, &base, &e, again);
+                return fail(guard, StatusCode::BAD_GATEWAY, reason, &msg);
             }
             Err(_) => {
                 return fail(
@@ -743,6 +730,30 @@ fn fail(guard: JobGuard, status: StatusCode, reason: Reason, message: &str) -> R
     response::error(status, reason, message, None, None)
 }
 
+/// Why a request to the upstream at `base` failed, as the client, the decision log and the
+/// gate's own log (once per upstream a while: [`Shared::note_upstream_failure`]) are told:
+/// a connection never made is `upstream_unavailable`, anything else `upstream_error`, with
+/// the error's whole cause chain (`again`: how the request was sent a second time, if it was).
+fn upstream_failure(
+    shared: &Shared,
+    pool: &str,
+    base: &impl std::fmt::Display,
+    e: &hyper_util::client::legacy::Error,
+    again: &str,
+) -> (Reason, String) {
+    let (reason, at) = if e.is_connect() {
+        (Reason::UpstreamUnavailable, "connecting to")
+    } else {
+        (Reason::UpstreamError, "on")
+    };
+    let msg = format!(
+        "upstream request failed{again}: {} ({at} {base})",
+        cause::chain(e)
+    );
+    shared.note_upstream_failure(pool, &base.to_string(), &msg);
+    (reason, msg)
+}
+
 /// An upstream's own Retry-After, relayed with its answer, stops at the gate's ceiling too.
 fn hold_relayed_retry(shared: &Shared, headers: &mut HeaderMap) {
     if headers.contains_key(http::header::RETRY_AFTER) || headers.contains_key("retry-after-ms") {
@@ -895,22 +906,8 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             )
         }
         Ok(Err(e)) => {
-            let (reason, msg) = if e.is_connect() {
-                (
-                    Reason::UpstreamUnavailable,
-                    format!(
-                        "upstream request failed: {} (connecting to {base})",
-                        cause::chain(&e)
-                    ),
-                )
-            } else {
-                (
-                    Reason::UpstreamError,
-                    format!("upstream request failed: {} (on {base})", cause::chain(&e)),
-                )
-            };
+            let (reason, msg) = upstream_failure(&shared, &pool, &base, &e, "");
             shared.log_upstream_error(reason, 502, &path, &msg);
-            shared.note_upstream_failure(&pool, &base.to_string(), &msg);
             response::error(StatusCode::BAD_GATEWAY, reason, &msg, None, None)
         }
         Err(_) => {

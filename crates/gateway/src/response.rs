@@ -4,7 +4,7 @@
 //! `admission` object on admission decisions.
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use serde::Serialize;
 use slackgate_core::Reason;
@@ -183,24 +183,21 @@ pub fn add_retry_headers(resp: &mut Response<ResBody>, reason: Reason, retry: Op
 /// parse as a number of seconds, is replaced by the ceiling in seconds.
 pub fn clamp_relayed_retry(headers: &mut http::HeaderMap, ceiling_ms: u64) {
     let secs = ceiling_ms.div_ceil(1000).max(1);
-    if let Some(v) = headers.get(http::header::RETRY_AFTER) {
+    // (header, its unit in ms, the ceiling in that unit)
+    for (name, unit_ms, ceiling) in [
+        (http::header::RETRY_AFTER, 1000.0, secs),
+        (HeaderName::from_static("retry-after-ms"), 1.0, ceiling_ms),
+    ] {
+        let Some(v) = headers.get(&name) else {
+            continue;
+        };
         let within = v
             .to_str()
             .ok()
             .and_then(|t| t.trim().parse::<f64>().ok())
-            .is_some_and(|s| s.is_finite() && s >= 0.0 && s * 1000.0 <= ceiling_ms as f64);
+            .is_some_and(|n| n.is_finite() && n >= 0.0 && n * unit_ms <= ceiling_ms as f64);
         if !within {
-            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
-        }
-    }
-    if let Some(v) = headers.get("retry-after-ms") {
-        let within = v
-            .to_str()
-            .ok()
-            .and_then(|t| t.trim().parse::<f64>().ok())
-            .is_some_and(|ms| ms.is_finite() && ms >= 0.0 && ms <= ceiling_ms as f64);
-        if !within {
-            headers.insert("retry-after-ms", HeaderValue::from(ceiling_ms));
+            headers.insert(name, HeaderValue::from(ceiling));
         }
     }
 }

@@ -769,16 +769,10 @@ impl Shared {
     /// Log a pass-through request the upstream failed (`status` 502 or 504), with `message`,
     /// the reason as the client was told it.
     pub fn log_upstream_error(&self, reason: Reason, status: u16, path: &str, message: &str) {
-        let mut lines = vec![LogLine {
-            ts_ms: epoch_ms(),
-            action: Action::Error.as_str(),
-            reason: reason.as_str(),
-            status: Some(status),
-            path: Some(path.to_string()),
+        self.emit(&mut [LogLine {
             message: Some(message.to_string()),
-            ..LogLine::default()
-        }];
-        self.emit(&mut lines);
+            ..unqueued_line(Action::Error, reason.as_str(), Some(status), path, None)
+        }]);
     }
 
     /// Log and count a request that ended before it reached the core: `action` is `error`
@@ -793,16 +787,7 @@ impl Shared {
         path: &str,
         label: Option<String>,
     ) {
-        let mut lines = vec![LogLine {
-            ts_ms: epoch_ms(),
-            action: action.as_str(),
-            reason,
-            status,
-            path: Some(path.to_string()),
-            class_label: label,
-            ..LogLine::default()
-        }];
-        self.emit(&mut lines);
+        self.emit(&mut [unqueued_line(action, reason, status, path, label)]);
     }
 
     /// End job `id` in the core and log its end line; `message` (why an upstream request
@@ -1116,6 +1101,25 @@ fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
         });
     }
     line
+}
+
+/// The decision-log line of a request that ended before it reached the core.
+fn unqueued_line(
+    action: Action,
+    reason: &'static str,
+    status: Option<u16>,
+    path: &str,
+    label: Option<String>,
+) -> LogLine {
+    LogLine {
+        ts_ms: epoch_ms(),
+        action: action.as_str(),
+        reason,
+        status,
+        path: Some(path.to_string()),
+        class_label: label,
+        ..LogLine::default()
+    }
 }
 
 fn end_line(

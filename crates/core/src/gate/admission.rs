@@ -116,7 +116,7 @@ impl Gate {
             (Some(hint), None) => hint,
             (None, cap) => self.expected_output(class, cap, bounds.output_cap),
         };
-        let e = self.evaluate(now, class, &req, expected_output);
+        let e = self.evaluate(now, class, &req, &bounds, expected_output);
         // A caller's size hint may raise the hold but never lower it below what the class's
         // own estimate would hold: a hint of 0 must not slip past the tenant's grant.
         let hold_tokens = req.hold_tokens.unwrap_or_else(|| {
@@ -261,6 +261,7 @@ impl Gate {
             o.now,
             overflow_lane,
             &there,
+            &bounds,
             o.expected_output.min(bounds.output_cap),
         );
         if e.verdict.is_err() {

@@ -3,6 +3,7 @@
 //! admission pipeline ([`super::admission`]) calls it for the class's lane and, when routing to
 //! overflow, for the overflow lane.
 
+use super::limits::Bounds;
 use super::*;
 
 /// What a request would see on one lane (see [`Gate::evaluate`]).
@@ -39,18 +40,20 @@ pub(super) struct Eval {
 impl Gate {
     /// What a request would see on one lane: its estimate, deadline, wait and the verdict of
     /// the lane's thresholds (queue age, depth, slack). Class switches, the ledger and the
-    /// flags are the caller's. O(classes of the pool + slots).
+    /// flags are the caller's; `bounds` is the request held to this lane's pool
+    /// ([`Gate::bound_request`]). O(classes of the pool + slots).
     pub(super) fn evaluate(
         &self,
         now: Millis,
         lane: LaneId,
         req: &Request,
+        bounds: &Bounds,
         expected_output: u32,
     ) -> Eval {
         let c = &self.classes[lane.0];
         let pool = c.pool;
         let p = &self.pools[pool.0];
-        let prompt_tokens = p.prompt_tokens(req);
+        let prompt_tokens = bounds.prompt_tokens;
         let deadline = req
             .deadline
             .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));

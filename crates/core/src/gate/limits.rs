@@ -11,6 +11,9 @@ use super::*;
 /// A request's sizes after [`Gate::bound_request`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Bounds {
+    /// Its prompt in tokens, counted with the pool's learned relation (what the estimate
+    /// uses too: counted once per lane).
+    pub(super) prompt_tokens: u32,
     /// The most output tokens the request can get: what is left of the context window
     /// after its prompt, and at most the pool's output limit.
     pub(super) output_cap: u32,
@@ -57,6 +60,7 @@ impl Gate {
         req.expected_output_tokens = req.expected_output_tokens.map(|h| h.min(output_cap));
         req.hold_tokens = req.hold_tokens.map(|h| h.min(u64::from(context)));
         Bounds {
+            prompt_tokens: prompt,
             output_cap,
             exceeds,
         }

@@ -12,8 +12,7 @@
 
 use bytes::Bytes;
 use http::uri::PathAndQuery;
-use http::{HeaderMap, Request};
-use http_body_util::{BodyExt, Full, Limited};
+use http::HeaderMap;
 use serde_json::Value;
 use slackgate_core::config::MAX_LIMIT_TOKENS;
 use std::time::Duration;
@@ -104,23 +103,14 @@ async fn get(
     let uri = base
         .target(Some(&PathAndQuery::from_static(path)))
         .map_err(|e| e.to_string())?;
-    let mut req = Request::new(Full::new(Bytes::new()));
-    *req.uri_mut() = uri;
-    *req.headers_mut() = headers.clone();
-    let exchange = async {
-        let resp = client.request(req).await.map_err(|e| super::chain(&e))?;
-        if !resp.status().is_success() {
-            return Ok(None);
-        }
-        Limited::new(resp.into_body(), MAX_LIMITS_BODY_BYTES)
-            .collect()
-            .await
-            .map(|c| Some(c.to_bytes()))
-            .map_err(|e| format!("reading the body: {e}"))
-    };
-    tokio::time::timeout(timeout, exchange)
-        .await
-        .map_err(|_| format!("no whole answer within {} ms", timeout.as_millis()))?
+    let exchange = super::get_body(client, uri, headers.clone(), MAX_LIMITS_BODY_BYTES);
+    match tokio::time::timeout(timeout, exchange).await {
+        Err(_) => Err(format!("no whole answer within {} ms", timeout.as_millis())),
+        Ok(Ok(body)) => Ok(Some(body)),
+        // It answered, and not with a window: a server that does not serve this path.
+        Ok(Err(e)) if e.reason == super::ScrapeReason::Status => Ok(None),
+        Ok(Err(e)) => Err(e.to_string()),
+    }
 }
 
 #[cfg(test)]

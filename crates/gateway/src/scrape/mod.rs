@@ -279,54 +279,14 @@ impl ScrapeJob {
     }
 
     async fn exchange(&self, client: &UpstreamClient) -> Result<ServerReading, ScrapeError> {
-        let mut req = Request::new(Full::new(Bytes::new()));
-        *req.uri_mut() = self.uri.clone();
-        *req.headers_mut() = self.headers.clone();
+        let mut headers = self.headers.clone();
         // The classic text format; every server named here serves it by default, and the
         // parser also reads OpenMetrics should one answer with that.
-        req.headers_mut().insert(
+        headers.insert(
             ACCEPT,
             HeaderValue::from_static("text/plain; version=0.0.4"),
         );
-        let resp = client
-            .request(req)
-            .await
-            .map_err(|e| ScrapeError::new(ScrapeReason::Connect, chain(&e)))?;
-        let status = resp.status();
-        if !status.is_success() {
-            return Err(ScrapeError::new(
-                ScrapeReason::Status,
-                format!("status {}", status.as_u16()),
-            ));
-        }
-        let too_large = || {
-            ScrapeError::new(
-                ScrapeReason::TooLarge,
-                format!("body over {MAX_SCRAPE_BODY_BYTES} bytes"),
-            )
-        };
-        // Refuse on the declared length before reading a byte of it.
-        let declared = resp
-            .headers()
-            .get(CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        if declared.is_some_and(|n| n > MAX_SCRAPE_BODY_BYTES as u64) {
-            return Err(too_large());
-        }
-        // Without a length (chunked, or close-delimited) the cap applies while reading; on
-        // reaching it the body, and with it the connection, is dropped.
-        let body = match Limited::new(resp.into_body(), MAX_SCRAPE_BODY_BYTES)
-            .collect()
-            .await
-        {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => return Err(too_large()),
-            Err(e) => {
-                let detail = format!("reading the body: {}", chain(e.as_ref()));
-                return Err(ScrapeError::new(ScrapeReason::Connect, detail));
-            }
-        };
+        let body = get_body(client, self.uri.clone(), headers, MAX_SCRAPE_BODY_BYTES).await?;
         let names = [self.running.as_str(), self.waiting.as_str()];
         let sums = prom::sum_gauges_bytes(&body, &names)
             .map_err(|e| ScrapeError::new(ScrapeReason::Parse, e.to_string()))?;
@@ -352,6 +312,48 @@ impl ScrapeJob {
             running: counts[0],
             waiting: counts[1],
         })
+    }
+}
+
+/// GET `uri` with `headers`: the body of a 2xx answer, read only up to `cap` bytes (refused on
+/// a declared length past it before a byte is read; otherwise the body, and with it the
+/// connection, is dropped on reaching it). The caller bounds the time.
+pub(crate) async fn get_body(
+    client: &UpstreamClient,
+    uri: Uri,
+    headers: HeaderMap,
+    cap: usize,
+) -> Result<Bytes, ScrapeError> {
+    let mut req = Request::new(Full::new(Bytes::new()));
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let resp = client
+        .request(req)
+        .await
+        .map_err(|e| ScrapeError::new(ScrapeReason::Connect, chain(&e)))?;
+    let status = resp.status();
+    if !status.is_success() {
+        return Err(ScrapeError::new(
+            ScrapeReason::Status,
+            format!("status {}", status.as_u16()),
+        ));
+    }
+    let too_large = || ScrapeError::new(ScrapeReason::TooLarge, format!("body over {cap} bytes"));
+    let declared = resp
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if declared.is_some_and(|n| n > cap as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(resp.into_body(), cap).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(too_large()),
+        Err(e) => {
+            let detail = format!("reading the body: {}", chain(e.as_ref()));
+            Err(ScrapeError::new(ScrapeReason::Connect, detail))
+        }
     }
 }
 
