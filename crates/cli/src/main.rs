@@ -16,7 +16,7 @@ mod sim;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use slackgate_gateway::control::ConfigSource;
+use slackgate_gateway::ops::control::ConfigSource;
 use slackgate_gateway::{Config, DecisionLog, Gateway, GatewayOptions};
 use slackgate_stub::{LatencySpec, StubConfig};
 use std::net::SocketAddr;
@@ -236,7 +236,7 @@ fn tenant_id(
     keys: Vec<String>,
 ) -> Result<()> {
     use slackgate_gateway::ledger_store::{LedgerStore, SqliteOptions, SqliteStore};
-    use slackgate_gateway::tenant;
+    use slackgate_gateway::support::tenant;
     let cfg = match config {
         Some(p) => Config::from_file(p).with_context(|| format!("{} is not valid", p.display()))?,
         None => Config::default(),
@@ -318,7 +318,7 @@ fn check(path: &std::path::Path) -> Result<()> {
     if let Some(token) = &cfg.admin.token_file {
         let text = std::fs::read_to_string(token)
             .with_context(|| format!("admin.token_file: cannot read {}", token.display()))?;
-        let min = slackgate_gateway::control::MIN_TOKEN_LEN;
+        let min = slackgate_gateway::ops::control::MIN_TOKEN_LEN;
         if text.trim().len() < min {
             bail!("admin.token_file: the token must be at least {min} characters");
         }
@@ -633,7 +633,7 @@ async fn signals(gw: &Gateway, mut sigs: Signals) {
                         if let Err(e) = gw.shared().log.reopen().await {
                             eprintln!("slackgate: SIGHUP: cannot reopen the decision log: {e}");
                         }
-                        match gw.shared().reload_from_source("signal:SIGHUP") {
+                        match slackgate_gateway::ops::control::reload_from_source(gw.shared(), "signal:SIGHUP") {
                             Ok(o) => eprintln!("slackgate: config reloaded (generation {})", o.generation),
                             Err(e) => eprintln!("slackgate: SIGHUP reload refused: {e}"),
                         }

@@ -219,7 +219,7 @@ pub async fn run(opts: &CalibrateOptions) -> Result<Calibration, CalibrateError>
         model: model.clone(),
         chars_per_token: first_ratio,
         timeout,
-        seed: slackgate_gateway::telemetry::epoch_ms() << 16,
+        seed: slackgate_gateway::support::clock::epoch_ms() << 16,
         samples: Vec::new(),
         failures: 0,
         tried: 0,

@@ -523,7 +523,7 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
     };
     let key_prefix = format!(
         "drill-{:x}-{}",
-        slackgate_gateway::telemetry::epoch_ms(),
+        slackgate_gateway::support::clock::epoch_ms(),
         std::process::id()
     );
     let mut runs = Vec::new();
@@ -703,7 +703,7 @@ async fn start(
             let dir = std::env::temp_dir().join(format!(
                 "slackgate-drill-{}-{:x}-{}",
                 std::process::id(),
-                slackgate_gateway::telemetry::epoch_ms(),
+                slackgate_gateway::support::clock::epoch_ms(),
                 mode.label()
             ));
             (dir.clone(), Some(dir))
@@ -764,7 +764,7 @@ async fn start_cluster(
     // A name of its own: several drills (or a re-run) can share one Redis.
     let name = format!(
         "drill-{:x}-{}",
-        slackgate_gateway::telemetry::epoch_ms(),
+        slackgate_gateway::support::clock::epoch_ms(),
         std::process::id()
     );
     let start_err = |what: &'static str| move |why: String| DrillError::Start { what, why };
@@ -905,7 +905,7 @@ async fn run_mode(
         None => sampler::clear_stub_requests(&http, &upstream).await,
     };
     let counters = Arc::new(progress::Counters::default());
-    let run_epoch_ms = slackgate_gateway::telemetry::epoch_ms();
+    let run_epoch_ms = slackgate_gateway::support::clock::epoch_ms();
     let run = Arc::new(client::Run {
         scenario: s.clone(),
         scale,

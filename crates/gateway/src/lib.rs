@@ -2,42 +2,41 @@
 //! core (`slackgate-core`) about every request before it is queued, and performs what the
 //! core decides: forward, reject with 429 and an honest Retry-After, or drop.
 //!
-//! Module map: [`config`] (the TOML file), [`request_info`] (what a request asks for),
-//! [`state`] (the core behind a lock, waiting requests, one place where transitions are
-//! logged), [`proxy`] (the request path), [`body`] (the body wrapper that releases a slot
-//! exactly once), [`response`] (every response the gate writes), [`telemetry`] (decision
-//! log), [`metrics`] (Prometheus), [`server`] (accept loop and lifecycle), [`stall`] (the
-//! write-stall guard that disconnects clients that stop reading), [`connlimit`] (header and
-//! idle timeouts, connection caps, overload), [`tenant`] (keyed tenant ids), [`scrape`] (reading
-//! a model server's own queue from its Prometheus endpoint).
+//! The crate is layered; a module imports only from the layers listed before it
+//! (`scripts/check-structure.py` fails CI on an import that points up). Bottom to top:
+//!
+//! - [`support`]: the clock and keyed tenant ids.
+//! - [`wire`]: what crosses the wire: header rules, upstream URLs, what a request asks for,
+//!   every response body the gate writes.
+//! - [`config`]: the TOML file.
+//! - [`ledger_store`]: where the token ledger is kept (memory, SQLite, Redis).
+//! - [`upstream`]: the client side: transports, TLS, auth, provider throttles, error causes.
+//! - [`observe`]: the decision log and the Prometheus metrics.
+//! - [`http`]: the server side of a connection: limits, timeouts, the write-stall guard.
+//! - [`engine`]: the core behind its lock, the job guard, slot signals, endpoint health, the
+//!   replica's role.
+//! - [`pipeline`]: the request path, one chat completion (or reservation) in named phases.
+//! - [`cluster`]: replicas sharing one gate; wraps the pipeline as a handler it is given.
+//! - [`ops`]: operator controls and reloads, the admin API, stats, server scrapes.
+//! - [`server`]: wires them together: listeners, tasks, lifecycle.
+//!
+//! docs/architecture.md walks one request through them.
 
 #![forbid(unsafe_code)]
 
-pub mod admin;
-pub mod admission_api;
-pub mod body;
 pub mod cluster;
 pub mod config;
-pub mod config_path;
-pub mod connlimit;
-pub mod control;
-pub mod health;
+pub mod engine;
+pub mod http;
 pub mod ledger_store;
-pub mod metrics;
-pub mod proxy;
-pub mod request_info;
-pub mod response;
-pub mod scrape;
+pub mod observe;
+pub mod ops;
+pub mod pipeline;
 pub mod server;
-pub(crate) mod server_limits;
-pub mod server_signal;
-pub mod stall;
-pub mod state;
-pub mod stats;
-pub mod telemetry;
-pub mod tenant;
+pub mod support;
 pub mod upstream;
+pub mod wire;
 
 pub use config::Config;
+pub use observe::telemetry::DecisionLog;
 pub use server::{run, run_with, Gateway, GatewayOptions};
-pub use telemetry::DecisionLog;

@@ -12,17 +12,20 @@
 //! (`shutting_down`), and the decision log and the ledger are flushed.
 //!
 //! Beside the proxy listener a gateway may run the admin API on its own listener
-//! ([`crate::admin`]) and a watcher that reloads the config file when it changes.
+//! ([`crate::ops::admin`]) and a watcher that reloads the config file when it changes.
 
+use crate::cluster::Target;
 use crate::config::Config;
-use crate::connlimit::{guard_body, ConnGuard, ResponseGuard, Tracked};
-use crate::control::ConfigSource;
+use crate::engine::state::Shared;
+use crate::http::connlimit::{guard_body, ConnGuard, ResponseGuard, Tracked};
+use crate::http::stall::WriteStallGuard;
 use crate::ledger_store::{LedgerStore, MemoryStore, SqliteOptions, SqliteStore};
-use crate::proxy;
-use crate::response::{self, ResBody};
-use crate::stall::WriteStallGuard;
-use crate::state::Shared;
-use crate::telemetry::DecisionLog;
+use crate::observe::telemetry::DecisionLog;
+use crate::ops::control::ConfigSource;
+use crate::pipeline::proxy;
+use crate::wire::request_info::Endpoint;
+use crate::wire::response::{self, ResBody};
+use bytes::Bytes;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -34,6 +37,29 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
+
+/// The request pipeline as the cluster layer's handler: what a replica that decides runs.
+#[derive(Clone, Copy)]
+struct Pipeline;
+
+impl crate::cluster::Local for Pipeline {
+    async fn serve<B>(
+        &self,
+        shared: Arc<Shared>,
+        req: Request<B>,
+        target: Target,
+    ) -> Response<ResBody>
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        match target {
+            Target::Proxy(kind) => proxy::admitted(shared, req, kind).await,
+            Target::Reservation => crate::pipeline::admission_api::handle(shared, req).await,
+        }
+    }
+}
 
 /// Route one request.
 ///
@@ -49,19 +75,17 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
         p => p,
     };
     if req.method() == Method::POST && endpoint.starts_with("/v1/") {
-        let kind = proxy::Endpoint::of(endpoint);
+        let kind = Endpoint::of(endpoint);
         if let Some(c) = shared.cluster.clone() {
-            return crate::cluster::serve(shared, c, req, crate::cluster::Target::Proxy(kind))
-                .await;
+            return crate::cluster::serve(Pipeline, shared, c, req, Target::Proxy(kind)).await;
         }
         return proxy::admitted(shared, req, kind).await;
     }
     if path.starts_with("/admission/v1/") {
         if let Some(c) = shared.cluster.clone() {
-            return crate::cluster::serve(shared, c, req, crate::cluster::Target::Reservation)
-                .await;
+            return crate::cluster::serve(Pipeline, shared, c, req, Target::Reservation).await;
         }
-        return crate::admission_api::handle(shared, req).await;
+        return crate::pipeline::admission_api::handle(shared, req).await;
     }
     match (req.method(), path) {
         (&Method::GET, "/healthz") => response::text("text/plain", "ok\n".into()),
@@ -69,13 +93,13 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             let (ledger, snap) = shared.ledger_view();
             let mut body = shared.metrics.render(&snap, shared.log.counters());
             let totals = shared.cluster.as_ref().is_none_or(|c| c.leads());
-            crate::metrics::render_ledger(
+            crate::observe::metrics::render_ledger(
                 &mut body,
                 totals.then_some(&ledger),
                 &shared.store.stats(),
             );
-            crate::metrics::render_controls(&mut body, shared.control.generation());
-            crate::connlimit::render_all(
+            crate::observe::metrics::render_controls(&mut body, shared.control.generation());
+            crate::http::connlimit::render_all(
                 &mut body,
                 &[("proxy", &shared.conns), ("admin", &shared.admin_conns)],
             );
@@ -84,7 +108,7 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             }
             response::text("text/plain; version=0.0.4", body)
         }
-        (&Method::GET, "/stats") => response::json(&crate::stats::stats(&shared)),
+        (&Method::GET, "/stats") => response::json(&crate::ops::stats::stats(&shared)),
         (_, p) if p.starts_with("/v1/") => proxy::passthrough(shared, req).await,
         (_, p) => {
             let p = p.to_string();
@@ -150,7 +174,7 @@ impl Gateway {
         let env = opts.env.unwrap_or_else(crate::upstream::process_env);
         let mut shared = Shared::with_store_env(cfg, log, store, env)?;
         let cluster = match &cfg.cluster {
-            Some(c) => Some(Arc::new(crate::cluster::Cluster::new(c, addr)?)),
+            Some(c) => Some(Arc::new(crate::engine::replica::Cluster::new(c, addr)?)),
             None => None,
         };
         if let Some(c) = &cluster {
@@ -170,7 +194,7 @@ impl Gateway {
             Some(c) => {
                 // Until the first heartbeat this replica neither leads nor knows a leader:
                 // its classes follow their fail mode, on a share of one.
-                Some(crate::cluster::start_lease(&shared, c)?)
+                Some(crate::engine::replica::start_lease(&shared, c)?)
             }
             None => None,
         };
@@ -182,7 +206,7 @@ impl Gateway {
         let mut admin_addr = None;
         if let Some(admin) = opts.admin {
             admin_addr = Some(admin.local_addr().map_err(|e| e.to_string())?);
-            helpers.push(tokio::spawn(crate::admin::serve(
+            helpers.push(tokio::spawn(crate::ops::admin::serve(
                 admin,
                 Arc::clone(&shared),
                 stopped.clone(),
@@ -352,10 +376,10 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     // The ticker runs until the very end: jobs still queued during the grace period must be
     // dropped when their slack dies, as at any other time.
     let ticker = tokio::spawn(tick_loop(Arc::clone(&shared)));
-    let prober = tokio::spawn(crate::health::probe_loop(Arc::clone(&shared)));
-    let scraper = tokio::spawn(crate::server_signal::run(Arc::clone(&shared)));
-    let limits = tokio::spawn(crate::server_limits::run(Arc::clone(&shared)));
-    // Header and idle timeouts, off the request path (see `crate::connlimit`).
+    let prober = tokio::spawn(crate::engine::health::probe_loop(Arc::clone(&shared)));
+    let scraper = tokio::spawn(crate::ops::server_signal::run(Arc::clone(&shared)));
+    let limits = tokio::spawn(crate::ops::server_limits::run(Arc::clone(&shared)));
+    // Header and idle timeouts, off the request path (see `crate::http::connlimit`).
     let reaper = tokio::spawn(Arc::clone(&shared.conns).reaper());
     let mut conns = JoinSet::new();
     loop {
@@ -384,7 +408,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     drop(listener);
     // Stop admitting, and tell queued requests that cannot finish in the grace period now.
     let grace_ms = shared.server.shutdown_grace_ms;
-    shared.begin_shutdown(grace_ms);
+    crate::ops::control::begin_shutdown(&shared, grace_ms);
     // Every connection task saw the stop signal too and called `graceful_shutdown`: it ends
     // once the response in progress is written (a queued request's included). Wait for
     // them, but not forever.
@@ -395,7 +419,7 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
         // Past the grace period: cancel what still runs (`shutting_down`), give those
         // requests a moment to answer and log, then close whatever is left. Aborting drops
         // each response body, whose guard cancels its job (and logs it).
-        shared.cut_off();
+        crate::ops::control::cut_off(&shared);
         let _ = tokio::time::timeout(Duration::from_millis(500), async {
             while conns.join_next().await.is_some() {}
         })
@@ -440,10 +464,14 @@ async fn watch_config(
             continue;
         };
         let Ok(text) = String::from_utf8(now) else {
-            shared.reload_refused_text("the config file is not UTF-8", "watcher");
+            crate::ops::control::reload_refused_text(
+                &shared,
+                "the config file is not UTF-8",
+                "watcher",
+            );
             continue;
         };
-        let _ = shared.reload_text(&source, &text, "watcher");
+        let _ = crate::ops::control::reload_text(&shared, &source, &text, "watcher");
     }
 }
 

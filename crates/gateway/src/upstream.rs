@@ -20,13 +20,13 @@ pub mod throttle;
 mod tls;
 mod transports;
 
+pub use crate::wire::url::{parse_base, UpstreamBase};
 pub use auth::{process_env, EnvLookup, UpstreamAuth};
 pub use tls::TlsError;
 pub use transports::{Transport, Transports};
 
 use bytes::Bytes;
-use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Response, Uri};
+use http::{Request, Response};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{Client, Error as ClientError};
@@ -170,97 +170,10 @@ fn connector(tls: Arc<rustls::ClientConfig>) -> conn::Connector {
     conn::Connector::new(CONNECT_TIMEOUT, tls)
 }
 
-/// A parsed upstream base URL.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct UpstreamBase {
-    scheme: Scheme,
-    authority: Authority,
-    prefix: String,
-}
-
-/// Parse `http://host[:port][/prefix]` or `https://host[:port][/prefix]`.
-pub fn parse_base(url: &str) -> Result<UpstreamBase, String> {
-    let uri: Uri = url
-        .trim()
-        .parse()
-        .map_err(|e| format!("not a URL ({e}): {url:?}"))?;
-    let scheme = uri
-        .scheme()
-        .cloned()
-        .ok_or_else(|| format!("missing http:// or https:// in {url:?}"))?;
-    if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
-        return Err(format!(
-            "only http:// and https:// upstreams are supported, got {url:?}"
-        ));
-    }
-    let authority = uri
-        .authority()
-        .cloned()
-        .ok_or_else(|| format!("missing host in {url:?}"))?;
-    if authority.host().is_empty() {
-        return Err(format!("missing host in {url:?}"));
-    }
-    // Credentials in the URL would be sent nowhere (hyper does not turn them into a header)
-    // and shown everywhere the URL is (logs, /stats): `[pools.auth]` is the place for a key.
-    if authority.as_str().contains('@') {
-        return Err(format!(
-            "an upstream URL takes no user:password@ (use [pools.auth]): {}",
-            redact_userinfo(url)
-        ));
-    }
-    if uri.query().is_some() {
-        return Err(format!("an upstream base URL takes no query: {url:?}"));
-    }
-    let prefix = uri.path().trim_end_matches('/').to_string();
-    Ok(UpstreamBase {
-        scheme,
-        authority,
-        prefix,
-    })
-}
-
-/// `url` with anything before an `@` in its authority replaced, for error messages.
-fn redact_userinfo(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://<redacted>{}", &url[..s], &url[at..]),
-        _ => "<redacted>".to_string(),
-    }
-}
-
-/// The base URL as configured (`https://api.example.com/v1`): error messages name it.
-impl std::fmt::Display for UpstreamBase {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}://{}{}", self.scheme, self.authority, self.prefix)
-    }
-}
-
-impl UpstreamBase {
-    /// Whether this upstream is reached over TLS.
-    pub fn is_https(&self) -> bool {
-        self.scheme == Scheme::HTTPS
-    }
-
-    /// The full upstream URI for an incoming path and query.
-    pub fn target(&self, incoming: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
-        let pq = incoming.map_or("/", |p| p.as_str());
-        let joined = if !self.prefix.is_empty()
-            && (pq == self.prefix || pq.starts_with(&format!("{}/", self.prefix)))
-        {
-            pq.to_string() // base ".../v1" + path "/v1/..." : do not double the prefix
-        } else {
-            format!("{}{}", self.prefix, pq)
-        };
-        Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(joined)
-            .build()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::uri::PathAndQuery;
 
     fn target(base: &str, path: &str) -> String {
         let b = parse_base(base).map_err(|e| e.to_string());

@@ -659,7 +659,7 @@ async fn new_work_during_shutdown_gets_503_with_a_jittered_retry_after() {
     let stub = stub(1, "fixed:1ms").await;
     let gate =
         TestGate::start_admin(STRICT, stub.local_addr(), "admin-shutdown", Some(TOKEN)).await;
-    gate.gate.shared().begin_shutdown(5_000);
+    slackgate_gateway::ops::control::begin_shutdown(gate.gate.shared(), 5_000);
     let url = gate.url("/v1/chat/completions");
     let mut afters = std::collections::BTreeSet::new();
     for _ in 0..10 {

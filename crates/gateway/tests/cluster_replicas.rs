@@ -55,7 +55,7 @@ impl Replica {
     fn leads(&self) -> bool {
         self.gate.shared().cluster.as_ref().unwrap().leads()
     }
-    fn status(&self) -> slackgate_gateway::cluster::ClusterStatus {
+    fn status(&self) -> slackgate_gateway::engine::replica::ClusterStatus {
         self.gate.shared().cluster.as_ref().unwrap().status()
     }
 }
@@ -176,13 +176,13 @@ async fn a_flag_set_on_any_replica_applies_on_every_one() {
     let l = leader_of(&[&a, &b]).await;
     let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
     // The rollback flag, flipped on the follower (which decides nothing itself).
-    follower.gate.shared().set_admit_always(Some(true), "test");
+    slackgate_gateway::ops::control::set_admit_always(follower.gate.shared(), Some(true), "test");
     wait_until(Duration::from_secs(5), "admit_always on the leader", || {
         std::future::ready(leader.gate.shared().control.overrides().admit_always == Some(true))
     })
     .await;
     // And back (admit_always would admit even a switched-off class).
-    follower.gate.shared().set_admit_always(None, "test");
+    slackgate_gateway::ops::control::set_admit_always(follower.gate.shared(), None, "test");
     wait_until(
         Duration::from_secs(5),
         "admit_always back on the leader",
@@ -200,11 +200,13 @@ async fn a_flag_set_on_any_replica_applies_on_every_one() {
     )
     .await;
     // A class switched off on the leader is off on the follower too, and back on.
-    leader
-        .gate
-        .shared()
-        .set_class_enabled("batch", Some(false), "test")
-        .unwrap();
+    slackgate_gateway::ops::control::set_class_enabled(
+        leader.gate.shared(),
+        "batch",
+        Some(false),
+        "test",
+    )
+    .unwrap();
     wait_until(Duration::from_secs(5), "batch off on the follower", || {
         std::future::ready(
             follower
@@ -223,10 +225,7 @@ async fn a_flag_set_on_any_replica_applies_on_every_one() {
     let r = ask(follower, "batch", None).await;
     assert_eq!(r.status, 429, "{:?}", r.json());
     assert_eq!(r.json()["error"]["code"], "class_disabled");
-    leader
-        .gate
-        .shared()
-        .set_class_enabled("batch", None, "test")
+    slackgate_gateway::ops::control::set_class_enabled(leader.gate.shared(), "batch", None, "test")
         .unwrap();
     wait_until(Duration::from_secs(5), "batch back on the follower", || {
         std::future::ready(
@@ -464,7 +463,7 @@ async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstr
         retention_ms: 60_000,
     })
     .unwrap();
-    let now = slackgate_gateway::telemetry::epoch_ms();
+    let now = slackgate_gateway::support::clock::epoch_ms();
     other.write(vec![HoldRecord {
         key: "K".into(),
         tenant: None,

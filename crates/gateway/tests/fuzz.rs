@@ -28,10 +28,10 @@ use proptest::test_runner::{Config as RunnerConfig, TestRunner};
 use serde_json::{json, Value};
 use slackgate_core::Reason;
 use slackgate_gateway::config::Config;
+use slackgate_gateway::engine::state::Shared;
 use slackgate_gateway::ledger_store::MemoryStore;
-use slackgate_gateway::request_info::{parse_body, parse_body_lenient, parse_headers_with};
-use slackgate_gateway::state::Shared;
-use slackgate_gateway::tenant::TenantHasher;
+use slackgate_gateway::support::tenant::TenantHasher;
+use slackgate_gateway::wire::request_info::{parse_body, parse_body_lenient, parse_headers_with};
 use slackgate_gateway::DecisionLog;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -650,7 +650,7 @@ fn api_call(
     rt.block_on(async {
         let Ok(resp) = tokio::time::timeout(
             Duration::from_secs(5),
-            slackgate_gateway::admission_api::handle_body(shared, path, body),
+            slackgate_gateway::pipeline::admission_api::handle_body(shared, path, body),
         )
         .await
         else {

@@ -11,7 +11,7 @@ use common::{chat, post, read_log, stub, temp_log, two_class_config, wait_until,
 use http::StatusCode;
 use slackgate_gateway::config::LogTarget;
 use slackgate_gateway::ledger_store::{LedgerStore, SqliteOptions, SqliteStore};
-use slackgate_gateway::tenant::{parse_key, TenantHasher};
+use slackgate_gateway::support::tenant::{parse_key, TenantHasher};
 use slackgate_gateway::{Config, DecisionLog, Gateway, GatewayOptions};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -290,14 +290,14 @@ async fn reload_renaming_a_class_again_and_again_keeps_the_lanes_bounded() {
         .replace("{UPSTREAM}", &format!("http://{}", up.local_addr()));
     let g = TestGate::start_cfg(Config::from_toml(&base).unwrap(), "gaps-rename").await;
     let shared = g.gate.shared();
-    let source = slackgate_gateway::control::ConfigSource {
+    let source = slackgate_gateway::ops::control::ConfigSource {
         path: std::path::PathBuf::from("unused.toml"),
         parse: Arc::new(|t: &str| Config::from_toml(t).map_err(|e| e.to_string())),
     };
     for i in 0..100 {
         let name = format!("batch-{i}");
         let text = base.replace("name = \"batch\"", &format!("name = \"{name}\""));
-        shared.reload_text(&source, &text, "test").unwrap();
+        slackgate_gateway::ops::control::reload_text(shared, &source, &text, "test").unwrap();
         // Work on the renamed class, so lanes are used, not just created.
         let r = post(
             &g.url("/v1/chat/completions"),

@@ -541,7 +541,7 @@ async fn log_lines_carry_the_core_order_and_ttft_is_a_streaming_measure() {
 #[cfg(target_os = "linux")]
 #[tokio::test]
 async fn log_lines_that_cannot_be_written_count_as_dropped_only() {
-    use slackgate_gateway::telemetry::LogLine;
+    use slackgate_gateway::observe::telemetry::LogLine;
     use std::sync::atomic::Ordering;
     let log = DecisionLog::start(LogTarget::File("/dev/full".into()), 16).unwrap();
     for _ in 0..3 {

@@ -317,7 +317,9 @@ async fn unreadable_credentials_or_ca_refuse_the_start_and_the_reload() {
     let shared = gate.gw.shared();
     for bad in [&missing_ca, &unset] {
         let cfg = Config::from_toml(bad).unwrap();
-        let refused = shared.reload(cfg, "test").err().map(|e| e.to_string());
+        let refused = slackgate_gateway::ops::control::reload(shared, cfg, "test")
+            .err()
+            .map(|e| e.to_string());
         assert!(refused.is_some_and(|m| m.contains("pools[0].")));
     }
     // The previous settings are still in force.
@@ -329,8 +331,7 @@ async fn unreadable_credentials_or_ca_refuse_the_start_and_the_reload() {
         &ca_settings(&ca_file),
         &format!("api_key_env = {VAR:?}"),
     );
-    shared
-        .reload(Config::from_toml(&with_key).unwrap(), "test")
+    slackgate_gateway::ops::control::reload(shared, Config::from_toml(&with_key).unwrap(), "test")
         .unwrap();
     let r = post(&gate.url("/v1/chat/completions"), &[], CHAT).await;
     assert_eq!(r.status, 200, "{:?}", r.body);

@@ -186,5 +186,5 @@ fn wal_len(db: &std::path::Path) -> u64 {
 }
 
 fn telemetry_now() -> u64 {
-    slackgate_gateway::telemetry::epoch_ms()
+    slackgate_gateway::support::clock::epoch_ms()
 }

@@ -375,7 +375,7 @@ fn remaining(records: Vec<HoldRecord>, tenant: Option<&str>, now: u64) -> Option
 fn pruning_folds_tokens_into_carry_records() {
     let server = RedisServer::start().unwrap();
     let store = RedisStore::open(opts(&server, "prune")).unwrap();
-    let now = slackgate_gateway::telemetry::epoch_ms();
+    let now = slackgate_gateway::support::clock::epoch_ms();
     let old = now - 120_000;
     let recent = now - 1_000;
     let mut population = Vec::new();
@@ -485,7 +485,7 @@ fn hostile_entries_in_the_hash_are_skipped_and_counted() {
 fn another_replica_restores_the_same_tenant_totals() {
     let server = RedisServer::start().unwrap();
     let a = RedisStore::open(opts(&server, "restore")).unwrap();
-    let now = slackgate_gateway::telemetry::epoch_ms();
+    let now = slackgate_gateway::support::clock::epoch_ms();
     let mut ledger = Ledger::new(ledger_cfg());
     let tenants = [Some("k:a"), Some("k:b"), None];
     for i in 0..60u64 {

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use slackgate_gateway::config::LogTarget;
-use slackgate_gateway::telemetry::LogLine;
+use slackgate_gateway::observe::telemetry::LogLine;
 use slackgate_gateway::DecisionLog;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;

@@ -22,7 +22,7 @@ mod common;
 
 use common::*;
 use serde_json::Value;
-use slackgate_gateway::telemetry::{LogLine, COMMON_FIELDS, FIELDS_BY_KIND};
+use slackgate_gateway::observe::telemetry::{LogLine, COMMON_FIELDS, FIELDS_BY_KIND};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -294,9 +294,9 @@ async fn every_kind_of_line_sets_exactly_its_documented_fields() {
     // reload, applied and refused; shutdown.
     let text = config().replace("{UPSTREAM}", &format!("http://{}", stub.local_addr()));
     let cfg = slackgate_gateway::Config::from_toml(&text).unwrap();
-    assert!(g.gate.shared().reload(cfg, "test").is_ok());
-    g.gate.shared().reload_refused_text("a test", "test");
-    g.gate.shared().begin_shutdown(1_000);
+    assert!(slackgate_gateway::ops::control::reload(g.gate.shared(), cfg, "test").is_ok());
+    slackgate_gateway::ops::control::reload_refused_text(g.gate.shared(), "a test", "test");
+    slackgate_gateway::ops::control::begin_shutdown(g.gate.shared(), 1_000);
     assert!(eventually(WAIT, || has_line(&g, "shutdown", "shutting_down")).await);
 
     let lines = g.log_lines().await;

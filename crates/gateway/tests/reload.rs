@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use slackgate_gateway::control::ConfigSource;
+use slackgate_gateway::ops::control::ConfigSource;
 use slackgate_gateway::Config;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{post, spawn_post, stub, wait_until};
 use slackgate_core::config::{ServerKind, ServerMetricsConfig};
-use slackgate_gateway::scrape::{
+use slackgate_gateway::ops::scrape::{
     ScrapeCallback, ScrapeError, ScrapeJob, ScrapeReason, ScrapeTarget, Scrapers, ServerReading,
 };
 use slackgate_gateway::upstream::UpstreamClient;

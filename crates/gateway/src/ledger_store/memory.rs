@@ -20,7 +20,7 @@ struct Inner {
     records: Mutex<HashMap<String, HoldRecord>>,
     counters: Counters,
     /// Generated at first use; clones share it, like the records.
-    tenant_key: std::sync::OnceLock<[u8; crate::tenant::KEY_BYTES]>,
+    tenant_key: std::sync::OnceLock<[u8; crate::support::tenant::KEY_BYTES]>,
 }
 
 impl MemoryStore {
@@ -86,8 +86,11 @@ impl LedgerStore for MemoryStore {
         self.inner.counters.snapshot()
     }
 
-    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
-        Ok(*self.inner.tenant_key.get_or_init(crate::tenant::random_key))
+    fn tenant_hash_key(&self) -> Result<[u8; crate::support::tenant::KEY_BYTES], StoreError> {
+        Ok(*self
+            .inner
+            .tenant_key
+            .get_or_init(crate::support::tenant::random_key))
     }
 }
 

@@ -31,10 +31,9 @@ mod sqlite;
 mod writer;
 
 pub use self::redis::{redact, RedisOptions, RedisStore};
+pub use crate::config::{Synchronous, DEFAULT_FLUSH_TIMEOUT_MS};
 pub use memory::MemoryStore;
-pub use sqlite::{
-    SqliteOptions, SqliteStore, Synchronous, DEFAULT_FLUSH_TIMEOUT_MS, SCHEMA_VERSION,
-};
+pub use sqlite::{SqliteOptions, SqliteStore, SCHEMA_VERSION};
 pub use writer::RETRY_BACKOFF;
 
 use serde::Serialize;
@@ -77,8 +76,8 @@ pub trait LedgerStore: Send + Sync + 'static {
     fn stats(&self) -> StoreStats;
     /// The secret tenant ids are hashed under when the config sets none: generated the first
     /// time and kept with the records, so ids survive a restart
-    /// ([`crate::tenant`]).
-    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError>;
+    /// ([`crate::support::tenant`]).
+    fn tenant_hash_key(&self) -> Result<[u8; crate::support::tenant::KEY_BYTES], StoreError>;
     /// After a flush: whether the store refused the hold of `key` placed at `created_at_ms`
     /// because another hold of the key was held or done there (a shared store: another
     /// replica holds it). Asking forgets the answer. Stores that one process owns never

@@ -251,7 +251,7 @@ pub struct RedisStore {
     prune_stop: Option<mpsc::Sender<()>>,
     pruner: Option<JoinHandle<()>>,
     retention_ms: u64,
-    tenant_key: OnceLock<[u8; crate::tenant::KEY_BYTES]>,
+    tenant_key: OnceLock<[u8; crate::support::tenant::KEY_BYTES]>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -319,7 +319,7 @@ impl RedisStore {
                     while let Err(mpsc::RecvTimeoutError::Timeout) =
                         stop_rx.recv_timeout(PRUNE_INTERVAL)
                     {
-                        let now = crate::telemetry::epoch_ms();
+                        let now = crate::support::clock::epoch_ms();
                         if let Err(e) = prune(&shared, &upkeep, now, retention) {
                             if !std::mem::replace(&mut logged, true) {
                                 eprintln!(
@@ -360,7 +360,7 @@ impl RedisStore {
         prune(
             &self.shared,
             &self.upkeep,
-            crate::telemetry::epoch_ms(),
+            crate::support::clock::epoch_ms(),
             self.retention_ms,
         )
     }
@@ -491,11 +491,11 @@ impl LedgerStore for RedisStore {
 
     /// One key for every replica: the first to ask stores a random one (`SET NX`), everyone
     /// reads back the stored one. Asked of Redis once, then remembered.
-    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+    fn tenant_hash_key(&self) -> Result<[u8; crate::support::tenant::KEY_BYTES], StoreError> {
         if let Some(key) = self.tenant_key.get() {
             return Ok(*key);
         }
-        let fresh = crate::tenant::key_hex(&crate::tenant::random_key());
+        let fresh = crate::support::tenant::key_hex(&crate::support::tenant::random_key());
         let mut link = self
             .upkeep
             .lock()
@@ -527,7 +527,7 @@ impl LedgerStore for RedisStore {
             self.shared
                 .unavailable(format!("{name} vanished right after it was set"))
         })?;
-        let key = crate::tenant::parse_key(&stored).map_err(|why| {
+        let key = crate::support::tenant::parse_key(&stored).map_err(|why| {
             self.shared.unavailable(format!(
                 "{name} is damaged ({why}): delete it to start afresh"
             ))

@@ -36,6 +36,7 @@
 
 use super::writer::{Covers, Msg, Writer};
 use super::{Counters, LedgerStore, StoreError, StoreStats, WriteSeq};
+use super::{Synchronous, DEFAULT_FLUSH_TIMEOUT_MS};
 use rusqlite::{Connection, ErrorCode, OpenFlags};
 use serde::Deserialize;
 use slackgate_core::ledger::HoldRecord;
@@ -75,25 +76,11 @@ PRAGMA user_version = 1;
 COMMIT;
 ";
 
-/// How hard each commit pushes to the disk (`PRAGMA synchronous`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Synchronous {
-    /// A flushed record is committed to the WAL (in the OS page cache): it survives a process
-    /// crash; a power loss or OS crash may lose the last commits (never corrupts the file).
-    #[default]
-    Normal,
-    /// Syncs the WAL at every commit before the flush is answered: survives power loss and
-    /// OS crashes too, at one disk sync per group commit.
-    Full,
-}
-
-impl Synchronous {
-    fn pragma(self) -> &'static str {
-        match self {
-            Synchronous::Normal => "NORMAL",
-            Synchronous::Full => "FULL",
-        }
+/// The `PRAGMA synchronous` value of a [`Synchronous`] setting.
+fn pragma(s: Synchronous) -> &'static str {
+    match s {
+        Synchronous::Normal => "NORMAL",
+        Synchronous::Full => "FULL",
     }
 }
 
@@ -130,12 +117,6 @@ impl Default for SqliteOptions {
     }
 }
 
-/// The default of [`SqliteOptions::flush_timeout_ms`] (`server.ledger_flush_timeout_ms`): well
-/// above a group commit (under a millisecond to a few with `full`), below the default
-/// `busy_timeout` (5 s), so a file locked by another process is refused by fail-closed
-/// classes within 2 s instead of holding their requests for the writer's retries.
-pub const DEFAULT_FLUSH_TIMEOUT_MS: u64 = 2_000;
-
 /// The writer's queue and the number of the last write put on it, under one lock so the
 /// numbers follow the queue's order.
 struct Queue {
@@ -155,7 +136,7 @@ pub struct SqliteStore {
     checkpoint_stop: Option<mpsc::Sender<()>>,
     checkpointer: Option<JoinHandle<()>>,
     /// The tenant hash secret kept in the file's `meta` table.
-    tenant_key: [u8; crate::tenant::KEY_BYTES],
+    tenant_key: [u8; crate::support::tenant::KEY_BYTES],
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -197,7 +178,7 @@ impl SqliteStore {
                     if let Some(retention) = opts.retention_ms {
                         if last_prune.elapsed() >= Duration::from_millis(opts.prune_interval_ms) {
                             last_prune = std::time::Instant::now();
-                            let now = crate::telemetry::epoch_ms();
+                            let now = crate::support::clock::epoch_ms();
                             match super::prune::prune_all(&mut checkpoint_conn, now, retention) {
                                 Ok(n) => {
                                     Counters::add(&pruner_counters.rows_pruned, n);
@@ -368,7 +349,7 @@ impl LedgerStore for SqliteStore {
         self.counters.snapshot()
     }
 
-    fn tenant_hash_key(&self) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
+    fn tenant_hash_key(&self) -> Result<[u8; crate::support::tenant::KEY_BYTES], StoreError> {
         Ok(self.tenant_key)
     }
 }
@@ -378,8 +359,8 @@ impl LedgerStore for SqliteStore {
 fn tenant_key(
     conn: &Connection,
     path: &Path,
-) -> Result<[u8; crate::tenant::KEY_BYTES], StoreError> {
-    let fresh = crate::tenant::key_hex(&crate::tenant::random_key());
+) -> Result<[u8; crate::support::tenant::KEY_BYTES], StoreError> {
+    let fresh = crate::support::tenant::key_hex(&crate::support::tenant::random_key());
     conn.execute(
         "INSERT OR IGNORE INTO meta (name, value) VALUES ('tenant_hash_key', ?1)",
         [&fresh],
@@ -392,7 +373,7 @@ fn tenant_key(
             |r| r.get(0),
         )
         .map_err(|e| classify(path, "read the tenant hash key", e))?;
-    crate::tenant::parse_key(&hex).map_err(|why| StoreError::Open {
+    crate::support::tenant::parse_key(&hex).map_err(|why| StoreError::Open {
         path: path.to_owned(),
         reason: format!("meta.tenant_hash_key is damaged: {why}"),
     })
@@ -451,7 +432,7 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
             path.display()
         );
     }
-    let sync = format!("PRAGMA synchronous = {}", opts.synchronous.pragma());
+    let sync = format!("PRAGMA synchronous = {}", pragma(opts.synchronous));
     conn.execute_batch(&sync)
         .map_err(|e| classify(path, "set synchronous", e))?;
     let found: i64 = conn

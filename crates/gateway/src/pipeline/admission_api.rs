@@ -9,10 +9,10 @@
 //! in seconds as the seed does (`projected_wait_s` is the wait *plus* the job's own service,
 //! i.e. when it would finish) and in milliseconds.
 
-use crate::proxy::{bad_request, body_failure, read_body};
-use crate::request_info::BadRequest;
-use crate::response::{self, ResBody};
-use crate::state::{JobMeta, Shared};
+use crate::engine::state::{JobMeta, Shared};
+use crate::engine::unqueued::{bad_request, body_failure, read_body};
+use crate::wire::request_info::BadRequest;
+use crate::wire::response::{self, ResBody};
 use http::{Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
@@ -74,10 +74,10 @@ fn check_key(key: &str, settling: bool) -> Result<(), BadRequest> {
             "idempotency_key must be 1..={MAX_KEY_LEN} bytes of printable text"
         )));
     }
-    if !settling && key.starts_with(crate::request_info::GENERATED_KEY_PREFIX) {
+    if !settling && key.starts_with(crate::wire::request_info::GENERATED_KEY_PREFIX) {
         return Err(invalid(format!(
             "idempotency keys starting with {:?} are reserved for keys the gate generates",
-            crate::request_info::GENERATED_KEY_PREFIX
+            crate::wire::request_info::GENERATED_KEY_PREFIX
         )));
     }
     Ok(())
@@ -155,7 +155,7 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
         .map(|t| shared.tenants.id("t", t.as_bytes()));
     check_tokens("tokens", b.tokens)?;
     if b.slack_ms
-        .is_some_and(|s| s == 0 || s > crate::request_info::MAX_DEADLINE_MS)
+        .is_some_and(|s| s == 0 || s > crate::wire::request_info::MAX_DEADLINE_MS)
     {
         return Err(invalid("slack_ms must be between 1 and 86400000"));
     }

@@ -16,7 +16,7 @@
 //! decision-log line (`action: "flag"`, `flag: "endpoint"`) and a count in
 //! `slackgate_endpoint_events_total`.
 
-use crate::state::Shared;
+use crate::engine::state::Shared;
 use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::Full;
@@ -89,7 +89,7 @@ impl Shared {
             }
             w.failures
         });
-        let names = |st: &crate::state::CoreState| {
+        let names = |st: &crate::engine::state::CoreState| {
             let e = st.gate.endpoint_name(pool, endpoint).unwrap_or_default();
             (st.gate.pool_name(pool).to_string(), e.to_string())
         };
@@ -243,7 +243,7 @@ impl Shared {
     pub fn requeue(
         &self,
         job: slackgate_core::JobId,
-    ) -> Option<tokio::sync::oneshot::Receiver<crate::state::Signal>> {
+    ) -> Option<tokio::sync::oneshot::Receiver<crate::engine::state::Signal>> {
         let (rx, pool_name, endpoint_name) = self.with_core(|st, now, _| {
             let (tx, rx) = tokio::sync::oneshot::channel();
             let w = st.waiting.get_mut(&job)?;

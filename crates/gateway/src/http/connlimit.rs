@@ -479,9 +479,9 @@ impl Drop for ResponseGuard {
 
 /// `body`, marking the connection idle once it is dropped.
 pub fn guard_body(
-    body: crate::response::ResBody,
+    body: crate::wire::response::ResBody,
     guard: ResponseGuard,
-) -> crate::response::ResBody {
+) -> crate::wire::response::ResBody {
     use http_body_util::BodyExt;
     GuardedBody {
         inner: body,
@@ -491,13 +491,13 @@ pub fn guard_body(
 }
 
 struct GuardedBody {
-    inner: crate::response::ResBody,
+    inner: crate::wire::response::ResBody,
     _guard: ResponseGuard,
 }
 
 impl http_body::Body for GuardedBody {
     type Data = bytes::Bytes;
-    type Error = crate::response::BoxError;
+    type Error = crate::wire::response::BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,

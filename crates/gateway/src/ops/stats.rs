@@ -1,6 +1,6 @@
 //! `/stats`: the gate's live state as JSON, for humans and scripts.
 
-use crate::state::Shared;
+use crate::engine::state::Shared;
 use serde::Serialize;
 use slackgate_core::GateSnapshot;
 use std::sync::atomic::Ordering;
@@ -20,7 +20,7 @@ pub struct Stats {
     pub ledger_store: crate::ledger_store::StoreStats,
     /// Cluster mode: this replica's role, the leader, Redis's health, the replicas seen
     /// (`null` for a gate alone).
-    pub cluster: Option<crate::cluster::ClusterStatus>,
+    pub cluster: Option<crate::engine::replica::ClusterStatus>,
 }
 
 /// Build the `/stats` document.

@@ -6,210 +6,27 @@
 //! the upstream. An admitted one waits for its dispatch signal; while it waits, dropping the
 //! request (client gone) drops its [`JobGuard`], which takes it out of the queue.
 
-use crate::body::TrackedBody;
-use crate::health::Verdict;
-use crate::request_info::{parse_body, parse_body_lenient, parse_headers_with, BadRequest};
-use crate::response::{self, AdmissionBody, ResBody, RetryAdvice};
-use crate::state::{Admission, Go, JobGuard, JobMeta, Outcome, Shared, Signal};
-use crate::telemetry::epoch_ms;
+use crate::engine::body::TrackedBody;
+use crate::engine::health::Verdict;
+use crate::engine::state::{Admission, Go, JobGuard, JobMeta, Outcome, Shared, Signal};
+use crate::engine::unqueued::{bad_request, body_failure, read_body};
+use crate::support::clock::epoch_ms;
 use crate::upstream::cause;
 use crate::upstream::retry::RetryReason;
+use crate::wire::headers::{strip_hop_by_hop, upstream_request_headers};
+use crate::wire::request_info::Endpoint;
+use crate::wire::request_info::{parse_body, parse_body_lenient, parse_headers_with};
+use crate::wire::response::{self, AdmissionBody, ResBody, RetryAdvice};
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use slackgate_core::{Action, Decision, Reason, Request as CoreRequest};
+use slackgate_core::{Decision, Reason, Request as CoreRequest};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Most endpoints a request that could not connect is moved through before it fails.
 const MAX_ENDPOINT_MOVES: usize = 8;
-
-/// Headers that describe one hop, never forwarded (RFC 9110 section 7.6.1).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// Remove the headers that describe one hop, in either direction: the fixed list, and every
-/// header the `Connection` header names (RFC 9110 section 7.6.1: `Connection: x-trace` makes
-/// `x-trace` hop-by-hop).
-pub(crate) fn strip_hop_by_hop(h: &mut HeaderMap) {
-    let named: Vec<HeaderName> = h
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        h.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        h.remove(name);
-    }
-}
-
-/// Headers of a request about to be forwarded: hop-by-hop ones go, and so do `Host` and
-/// `Content-Length`, which the client sets for the upstream connection.
-pub(crate) fn upstream_request_headers(mut h: HeaderMap) -> HeaderMap {
-    strip_hop_by_hop(&mut h);
-    h.remove(http::header::HOST);
-    h.remove(http::header::CONTENT_LENGTH);
-    // Between replicas only: the cluster's secret never reaches a model server.
-    crate::cluster::strip_cluster_headers(&mut h);
-    h
-}
-
-/// The kind of admission-controlled endpoint a `POST /v1/...` is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `/v1/chat/completions`.
-    Chat,
-    /// `/v1/completions`.
-    Completions,
-    /// `/v1/embeddings`: generates no tokens.
-    Embeddings,
-    /// Any other `POST /v1/...`: body read leniently.
-    Other,
-}
-
-impl Endpoint {
-    /// The endpoint of a normalised path (no trailing slash).
-    pub fn of(path: &str) -> Endpoint {
-        match path {
-            "/v1/chat/completions" => Endpoint::Chat,
-            "/v1/completions" => Endpoint::Completions,
-            "/v1/embeddings" => Endpoint::Embeddings,
-            _ => Endpoint::Other,
-        }
-    }
-}
-
-pub(crate) fn bad_request(
-    shared: &Shared,
-    path: &str,
-    label: Option<String>,
-    e: BadRequest,
-) -> Response<ResBody> {
-    let status = match e.reason {
-        Reason::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-        _ => StatusCode::BAD_REQUEST,
-    };
-    shared.log_error(e.reason, status.as_u16(), path, label);
-    response::error(status, e.reason, &e.message, None, None)
-}
-
-/// Why a request body could not be read.
-pub(crate) enum BodyError {
-    /// Too large or malformed: answered with 4xx and an `error` line.
-    Bad(BadRequest),
-    /// Not all there within `server.body_read_timeout_ms`: 408.
-    TimedOut(u64),
-    /// The client went away mid-upload: a `cancel` line.
-    ClientGone(String),
-}
-
-/// Read the whole request body, refusing more than `limit` bytes or taking longer than the
-/// configured body read timeout.
-pub(crate) async fn read_body<B>(
-    shared: &Shared,
-    body: B,
-    headers: &HeaderMap,
-) -> Result<Bytes, BodyError>
-where
-    B: http_body::Body<Data = Bytes>,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let limit = shared.server.max_body_bytes;
-    let too_large = || {
-        BodyError::Bad(BadRequest {
-            reason: Reason::BodyTooLarge,
-            message: format!("request body exceeds the limit of {limit} bytes"),
-        })
-    };
-    let declared = headers
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(too_large());
-    }
-    let timeout_ms = shared.server.body_read_timeout_ms;
-    let collected = tokio::time::timeout(
-        Duration::from_millis(timeout_ms),
-        Limited::new(body, limit).collect(),
-    )
-    .await;
-    match collected {
-        Err(_) => Err(BodyError::TimedOut(timeout_ms)),
-        Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e))
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            Err(too_large())
-        }
-        // A body the client framed wrongly (bad chunked encoding) is its mistake, not a cancel.
-        Ok(Err(e))
-            if e.downcast_ref::<hyper::Error>()
-                .is_some_and(|h| h.is_parse()) =>
-        {
-            Err(BodyError::Bad(BadRequest {
-                reason: Reason::InvalidJson,
-                message: format!("could not read the request body: {e}"),
-            }))
-        }
-        // Anything else is the connection ending before the body did: the client vanished.
-        Ok(Err(e)) => Err(BodyError::ClientGone(e.to_string())),
-    }
-}
-
-/// Answer (and log) a request whose body could not be read.
-pub(crate) fn body_failure(
-    shared: &Shared,
-    path: &str,
-    label: Option<String>,
-    e: BodyError,
-) -> Response<ResBody> {
-    match e {
-        BodyError::Bad(b) => bad_request(shared, path, label, b),
-        BodyError::TimedOut(ms) => {
-            shared.log_unqueued(
-                Action::Error,
-                response::BODY_READ_TIMEOUT,
-                Some(StatusCode::REQUEST_TIMEOUT.as_u16()),
-                path,
-                label,
-            );
-            response::body_read_timeout(ms)
-        }
-        BodyError::ClientGone(why) => {
-            // Nobody will read this answer; the line is what matters: a cancel, not bad input.
-            shared.log_unqueued(
-                Action::Cancel,
-                Reason::ClientCancelled.as_str(),
-                None,
-                path,
-                label,
-            );
-            response::error(
-                StatusCode::BAD_REQUEST,
-                Reason::ClientCancelled,
-                &format!("the connection ended during the request body: {why}"),
-                None,
-                None,
-            )
-        }
-    }
-}
 
 /// Handle an admission-controlled request (`POST /v1/...`) to an endpoint of kind `kind`.
 pub async fn admitted<B>(shared: Arc<Shared>, req: Request<B>, kind: Endpoint) -> Response<ResBody>
@@ -901,7 +718,7 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             hold_relayed_retry(&shared, &mut p.headers);
             Response::from_parts(
                 p,
-                b.map_err(|e| -> crate::response::BoxError { Box::new(e) })
+                b.map_err(|e| -> crate::wire::response::BoxError { Box::new(e) })
                     .boxed(),
             )
         }

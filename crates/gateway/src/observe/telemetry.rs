@@ -475,13 +475,6 @@ async fn writer(
     let _ = sink.flush().await;
 }
 
-/// Milliseconds since the Unix epoch (the log's `ts_ms`); 0 if the clock is before 1970.
-pub fn epoch_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

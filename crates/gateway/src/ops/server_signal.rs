@@ -1,6 +1,6 @@
 //! The server's own queue as a signal: the gateway side of `[pools.server_metrics]`.
 //!
-//! One task owns the scrapers (see [`crate::scrape`]): at start, and after every applied
+//! One task owns the scrapers (see [`crate::ops::scrape`]): at start, and after every applied
 //! reload, it stops the old set and starts one scraper per endpoint of every pool that asks
 //! for its server's metrics, through that pool's client and with its credentials. Each good
 //! reading goes to the core (`Gate::set_server_reading`), valid for the pool's `stale_ms`;
@@ -8,10 +8,10 @@
 //! blind the gate, and a dead metrics endpoint returns it to its own view within `stale_ms`.
 //! Every scrape is counted in `slackgate_server_metrics_scrapes_total` by outcome.
 
-use crate::scrape::{
+use crate::engine::state::Shared;
+use crate::ops::scrape::{
     ScrapeCallback, ScrapeError, ScrapeJob, ScrapeTarget, Scrapers, ServerReading,
 };
-use crate::state::Shared;
 use http::HeaderMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -19,35 +19,30 @@ use std::time::Duration;
 /// How often the task looks for a reload.
 const RELOAD_CHECK: Duration = Duration::from_millis(250);
 
-impl Shared {
-    /// Apply one scrape's outcome: a good reading goes to the core, valid for `valid_ms`.
-    pub fn server_reading(
-        &self,
-        target: &ScrapeTarget,
-        result: Result<ServerReading, ScrapeError>,
-        valid_ms: u64,
-    ) {
-        let outcome = match &result {
-            Ok(_) => "ok",
-            Err(e) => e.reason.as_str(),
+/// Apply one scrape's outcome: a good reading goes to the core, valid for `valid_ms`.
+pub fn server_reading(
+    shared: &Shared,
+    target: &ScrapeTarget,
+    result: Result<ServerReading, ScrapeError>,
+    valid_ms: u64,
+) {
+    let outcome = match &result {
+        Ok(_) => "ok",
+        Err(e) => e.reason.as_str(),
+    };
+    shared
+        .metrics
+        .scrape(&target.pool, &target.endpoint, outcome);
+    let Ok(r) = result else { return };
+    shared.with_core(|st, now, _| {
+        let Some(pool) = st.gate.pool_id(&target.pool) else {
+            return;
         };
-        self.metrics.scrape(&target.pool, &target.endpoint, outcome);
-        let Ok(r) = result else { return };
-        self.with_core(|st, now, _| {
-            let Some(pool) = st.gate.pool_id(&target.pool) else {
-                return;
-            };
-            if let Some(endpoint) = st.gate.endpoint_id(pool, &target.endpoint) {
-                st.gate.set_server_reading(
-                    now,
-                    pool,
-                    endpoint,
-                    Some((r.running, r.waiting)),
-                    valid_ms,
-                );
-            }
-        });
-    }
+        if let Some(endpoint) = st.gate.endpoint_id(pool, &target.endpoint) {
+            st.gate
+                .set_server_reading(now, pool, endpoint, Some((r.running, r.waiting)), valid_ms);
+        }
+    });
 }
 
 /// The scrapers of the configuration in force.
@@ -76,7 +71,7 @@ fn start(shared: &Arc<Shared>) -> Vec<Scrapers> {
         let weak: Weak<Shared> = Arc::downgrade(shared);
         let on_result: ScrapeCallback = Arc::new(move |target, result| {
             if let Some(s) = weak.upgrade() {
-                s.server_reading(&target, result, valid_ms);
+                server_reading(&s, &target, result, valid_ms);
             }
         });
         out.push(Scrapers::start(&transport.client, jobs, on_result));

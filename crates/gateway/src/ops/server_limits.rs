@@ -3,7 +3,7 @@
 //!
 //! One task asks every endpoint of every pool that discovers its limits (`discover = true`,
 //! or unset with `[pools.server_metrics] kind = "llamacpp"` or `"vllm"`) what its context window
-//! is (see [`crate::scrape::limits`]) when the gateway starts, after every applied reload and
+//! is (see [`crate::ops::scrape::limits`]) when the gateway starts, after every applied reload and
 //! every `discover_interval_ms`, all endpoints of a pool at once, and gives the core the
 //! smallest window its endpoints named (`Gate::set_discovered_context`): a request must fit
 //! whichever server it is sent to. An endpoint that does not answer keeps the figure it gave
@@ -11,8 +11,8 @@
 //! for nothing. A pool none of whose endpoints named one, or whose `discover` was turned off,
 //! keeps the configured window (or the default).
 
-use crate::scrape::limits::discover_context;
-use crate::state::Shared;
+use crate::engine::state::Shared;
+use crate::ops::scrape::limits::discover_context;
 use futures_util::future::join_all;
 use http::HeaderMap;
 use std::collections::HashMap;

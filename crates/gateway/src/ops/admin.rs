@@ -23,10 +23,10 @@
 //! (`admit_always`, `shadow`, a class's `enabled`) set on any replica apply on every one,
 //! through Redis; drains and reloads apply to the replica called.
 
-use crate::connlimit::{guard_body, ResponseGuard, Tracked};
-use crate::control::ControlError;
-use crate::response::{self, ResBody};
-use crate::state::Shared;
+use crate::engine::state::Shared;
+use crate::http::connlimit::{guard_body, ResponseGuard, Tracked};
+use crate::ops::control::ControlError;
+use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -289,7 +289,9 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
     let parts: Vec<&str> = path.split('/').skip(1).collect();
     let write = method == Method::PUT || method == Method::POST;
     match parts.as_slice() {
-        ["admin", "flags"] if method == Method::GET => response::json(&shared.flags()),
+        ["admin", "flags"] if method == Method::GET => {
+            response::json(&crate::ops::control::flags(shared))
+        }
         ["admin", "flags", flag] if write => {
             if !FLAGS.contains(flag) {
                 return error(
@@ -306,9 +308,9 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
                 Err(r) => return r.response(),
             };
             let view = if *flag == "admit_always" {
-                shared.set_admit_always(value, &who)
+                crate::ops::control::set_admit_always(shared, value, &who)
             } else {
-                shared.set_shadow(value, &who)
+                crate::ops::control::set_shadow(shared, value, &who)
             };
             response::json(
                 &json!({"flag": flag, "value": view.value, "override": view.override_value, "config": view.config}),
@@ -320,14 +322,16 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
                 Ok(v) => v,
                 Err(r) => return r.response(),
             };
-            match shared.set_class_enabled(&class, value, &who) {
+            match crate::ops::control::set_class_enabled(shared, &class, value, &who) {
                 Ok(view) => response::json(
                     &json!({"class": class, "flag": "enabled", "value": view.value, "override": view.override_value, "config": view.config}),
                 ),
                 Err(e) => control_error(e),
             }
         }
-        ["admin", "drain"] if method == Method::GET => response::json(&shared.drain_status()),
+        ["admin", "drain"] if method == Method::GET => {
+            response::json(&crate::ops::control::drain_status(shared))
+        }
         ["admin", "drain"] if method == Method::DELETE => {
             let body = match json_body(req).await {
                 Ok(b) => b,
@@ -335,7 +339,7 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
             };
             // No body: every drain ends. A body names the classes whose drain ends.
             let ended = if body.is_null() {
-                shared.end_drain(None, true, &who)
+                crate::ops::control::end_drain(shared, None, true, &who)
             } else {
                 let usage = "expected no body (end every drain) or {\"classes\": [\"eval\"], \"unlabeled\": false}";
                 let d: EndDrainBody = match serde_json::from_value(body) {
@@ -348,7 +352,7 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
                 if d.classes.len() > MAX_DRAIN_CLASSES || d.classes.iter().any(|c| c.len() > 256) {
                     return invalid("too many or too long class names").response();
                 }
-                shared.end_drain(Some(&d.classes), d.unlabeled, &who)
+                crate::ops::control::end_drain(shared, Some(&d.classes), d.unlabeled, &who)
             };
             match ended {
                 Ok(status) => response::json(&status),
@@ -376,7 +380,7 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
             if d.classes.len() > MAX_DRAIN_CLASSES || d.classes.iter().any(|c| c.len() > 256) {
                 return invalid("too many or too long class names").response();
             }
-            match shared.drain(&d.classes, d.cancel, d.unlabeled, &who) {
+            match crate::ops::control::drain(shared, &d.classes, d.cancel, d.unlabeled, &who) {
                 Ok(status) => response::json(&status),
                 Err(e) => control_error(e),
             }
@@ -406,10 +410,12 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
                 "this gate runs alone (no [cluster] section)",
             ),
         },
-        ["admin", "reload"] if method == Method::POST => match shared.reload_from_source(&who) {
-            Ok(outcome) => response::json(&outcome),
-            Err(e) => control_error(e),
-        },
+        ["admin", "reload"] if method == Method::POST => {
+            match crate::ops::control::reload_from_source(shared, &who) {
+                Ok(outcome) => response::json(&outcome),
+                Err(e) => control_error(e),
+            }
+        }
         ["admin", "flags"]
         | ["admin", "flags", _]
         | ["admin", "classes", _, "enabled"]

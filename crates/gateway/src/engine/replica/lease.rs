@@ -18,7 +18,7 @@
 //! processes given the same `replica_id` never both count as its holder.
 
 use super::{lock, Cluster, Leader, Replica};
-use crate::state::Shared;
+use crate::engine::state::Shared;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -115,7 +115,7 @@ fn split_member(m: &str) -> (String, String) {
 }
 
 fn random_hex() -> String {
-    crate::tenant::key_hex(&crate::tenant::random_key())
+    crate::support::tenant::key_hex(&crate::support::tenant::random_key())
 }
 
 struct Conn {
@@ -289,7 +289,7 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
         };
         let flags_out = lock(&cluster.view).flags_out.clone();
         let sent = Instant::now();
-        let now_ms = crate::telemetry::epoch_ms();
+        let now_ms = crate::support::clock::epoch_ms();
         let mode = if stopping {
             "release"
         } else if st.yield_next {
@@ -375,7 +375,7 @@ fn beat_ok(
         let newer = beat.flags_version != view.flags_version;
         view.flags_version = beat.flags_version;
         (newer && !beat.flags.is_empty() && flags_out.is_none())
-            .then(|| serde_json::from_str::<crate::control::Overrides>(&beat.flags).ok())
+            .then(|| serde_json::from_str::<crate::engine::controls::Overrides>(&beat.flags).ok())
             .flatten()
     };
     if let Some(o) = apply {

@@ -17,6 +17,8 @@
 //!
 //! Unknown fields are errors (a typo in a threshold must not silently keep the default).
 
+pub mod path;
+
 use serde::Deserialize;
 use slackgate_core::{ClassConfig, ConfigError, GateConfig, PoolConfig, RetryConfig};
 use std::net::SocketAddr;
@@ -56,7 +58,7 @@ pub struct Config {
     pub cluster: Option<ClusterConfig>,
 }
 
-/// `[cluster]`: replicas that share one gate through Redis (see `crate::cluster`).
+/// `[cluster]`: replicas that share one gate through Redis (see the `cluster` module).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterConfig {
@@ -162,7 +164,7 @@ impl ClusterConfig {
         }
         match &self.advertise {
             Some(a) => {
-                crate::upstream::parse_base(a)
+                crate::wire::url::parse_base(a)
                     .map_err(|e| err("cluster.advertise", &e.to_string()))?;
                 if !a.starts_with("http://") {
                     return Err(err(
@@ -245,6 +247,25 @@ struct AdminFile {
     max_connections_per_addr: Option<usize>,
 }
 
+/// How hard each commit pushes to the disk (`PRAGMA synchronous`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Synchronous {
+    /// A flushed record is committed to the WAL (in the OS page cache): it survives a process
+    /// crash; a power loss or OS crash may lose the last commits (never corrupts the file).
+    #[default]
+    Normal,
+    /// Syncs the WAL at every commit before the flush is answered: survives power loss and
+    /// OS crashes too, at one disk sync per group commit.
+    Full,
+}
+
+/// The default of `SqliteOptions::flush_timeout_ms` (`server.ledger_flush_timeout_ms`): well
+/// above a group commit (under a millisecond to a few with `full`), below the default
+/// `busy_timeout` (5 s), so a file locked by another process is refused by fail-closed
+/// classes within 2 s instead of holding their requests for the writer's retries.
+pub const DEFAULT_FLUSH_TIMEOUT_MS: u64 = 2_000;
+
 /// Listener and request-path settings.
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -274,7 +295,7 @@ pub struct ServerConfig {
     pub ledger: String,
     /// `synchronous` for the SQLite ledger: `normal` (survives a process crash) or `full`
     /// (also survives power loss).
-    pub ledger_synchronous: crate::ledger_store::Synchronous,
+    pub ledger_synchronous: Synchronous,
     /// The secret tenant ids are hashed under (32 hex digits); none: generated once and kept
     /// in the ledger file. Set it to keep ids stable across ledger files or with the memory
     /// ledger (grants name tenants by id).
@@ -333,9 +354,9 @@ impl Default for ServerConfig {
             upstream_idle_timeout_ms: DEFAULT_UPSTREAM_IDLE_TIMEOUT_MS,
             stream_usage: true,
             ledger: "slackgate-ledger.db".into(),
-            ledger_synchronous: crate::ledger_store::Synchronous::default(),
+            ledger_synchronous: Synchronous::default(),
             ledger_prune_interval_ms: 60_000,
-            ledger_flush_timeout_ms: crate::ledger_store::DEFAULT_FLUSH_TIMEOUT_MS,
+            ledger_flush_timeout_ms: DEFAULT_FLUSH_TIMEOUT_MS,
             tenant_hash_key: None,
             trust_tenant_header: false,
             trust_size_hint: false,
@@ -536,11 +557,11 @@ impl Config {
                 ));
             }
             if let Some(u) = &p.upstream {
-                crate::upstream::parse_base(u)
+                crate::wire::url::parse_base(u)
                     .map_err(|e| err(&format!("pools[{i}].upstream"), &e))?;
             }
             for (j, e) in p.endpoints.iter().enumerate() {
-                crate::upstream::parse_base(&e.url)
+                crate::wire::url::parse_base(&e.url)
                     .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m))?;
             }
         }
@@ -592,7 +613,7 @@ impl Config {
             ));
         }
         if let Some(k) = &self.server.tenant_hash_key {
-            crate::tenant::parse_key(k).map_err(|m| err("server.tenant_hash_key", &m))?;
+            crate::support::tenant::parse_key(k).map_err(|m| err("server.tenant_hash_key", &m))?;
         }
         if self.server.header_read_timeout_ms == 0 {
             return Err(err("server.header_read_timeout_ms", "must be at least 1"));
@@ -651,11 +672,11 @@ impl Config {
         }
         for (i, p) in self.gate.pools.iter().enumerate() {
             if let Some(u) = &p.upstream {
-                crate::upstream::parse_base(u)
+                crate::wire::url::parse_base(u)
                     .map_err(|m| err(&format!("pools[{i}].upstream"), &m))?;
             }
             for (j, e) in p.endpoints.iter().enumerate() {
-                crate::upstream::parse_base(&e.url)
+                crate::wire::url::parse_base(&e.url)
                     .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m))?;
             }
         }
@@ -669,9 +690,9 @@ fn parse_error(text: &str, e: &toml::de::Error) -> ConfigFileError {
     let Some(span) = e.span() else {
         return ConfigFileError::Parse(e.message().trim().to_string());
     };
-    let (line, col) = crate::config_path::line_col(text, span.start);
+    let (line, col) = crate::config::path::line_col(text, span.start);
     let message = e.message().trim();
-    ConfigFileError::Parse(match crate::config_path::locate(text, span.start) {
+    ConfigFileError::Parse(match crate::config::path::locate(text, span.start) {
         Some(path) => format!("{path}: {message} (line {line}, column {col})"),
         None => format!("{message} (line {line}, column {col})"),
     })

@@ -5,7 +5,7 @@
 //! scrape time, so they are exact rather than sampled. Names are stable: the alert rules and
 //! dashboards in `deploy/` use them.
 
-use crate::telemetry::LogCounters;
+use crate::observe::telemetry::LogCounters;
 use slackgate_core::{ClassSnapshot, EndpointView, ErrorSummary, GateSnapshot, PoolSnapshot};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -146,7 +146,7 @@ impl Metrics {
     /// Update counters from one decision-log line: the log and the metrics share one source.
     /// Tokens held are not counted here: the ledger holds them (`slackgate_ledger_tokens_held`),
     /// including reservations and holds that expire, which no line of this kind settles.
-    pub fn observe(&self, line: &crate::telemetry::LogLine) {
+    pub fn observe(&self, line: &crate::observe::telemetry::LogLine) {
         let class = line.class.as_deref().unwrap_or("none");
         self.decision(class, line.action, line.reason);
         match line.action {
@@ -821,7 +821,7 @@ mod tests {
     #[test]
     fn a_timeout_at_the_deadline_is_a_breach_whatever_the_jitter() {
         let m = Metrics::default();
-        let line = |reason: &'static str, slack: Option<i64>| crate::telemetry::LogLine {
+        let line = |reason: &'static str, slack: Option<i64>| crate::observe::telemetry::LogLine {
             class: Some("interactive".into()),
             action: "complete",
             reason,

@@ -108,7 +108,7 @@ pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, Bad
         h,
         now_epoch_ms,
         false,
-        &crate::tenant::TenantHasher::new([0; crate::tenant::KEY_BYTES]),
+        &crate::support::tenant::TenantHasher::new([0; crate::support::tenant::KEY_BYTES]),
     )
 }
 
@@ -120,7 +120,7 @@ pub fn parse_headers_with(
     h: &HeaderMap,
     now_epoch_ms: u64,
     trust_tenant_header: bool,
-    tenants: &crate::tenant::TenantHasher,
+    tenants: &crate::support::tenant::TenantHasher,
 ) -> Result<HeaderInfo, BadRequest> {
     let mut info = HeaderInfo {
         deadline_in_ms: relative("x-deadline-ms", h)?,
@@ -300,6 +300,31 @@ fn text_chars(v: Option<&serde_json::Value>) -> u64 {
             })
             .sum(),
         _ => 0,
+    }
+}
+
+/// The kind of admission-controlled endpoint a `POST /v1/...` is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/embeddings`: generates no tokens.
+    Embeddings,
+    /// Any other `POST /v1/...`: body read leniently.
+    Other,
+}
+
+impl Endpoint {
+    /// The endpoint of a normalised path (no trailing slash).
+    pub fn of(path: &str) -> Endpoint {
+        match path {
+            "/v1/chat/completions" => Endpoint::Chat,
+            "/v1/completions" => Endpoint::Completions,
+            "/v1/embeddings" => Endpoint::Embeddings,
+            _ => Endpoint::Other,
+        }
     }
 }
 

@@ -8,16 +8,17 @@
 
 use crate::config::{Config, ServerConfig};
 use crate::ledger_store::{LedgerStore, MemoryStore};
-use crate::metrics::Metrics;
-use crate::response::{AdmissionBody, RetryAdvice};
-use crate::telemetry::{epoch_ms, DecisionLog, LogLine};
+use crate::observe::metrics::Metrics;
+use crate::observe::telemetry::{DecisionLog, LogLine};
+use crate::support::clock::{epoch_ms, Clock};
 use crate::upstream::{EnvLookup, Transports, UpstreamBase};
+use crate::wire::response::{AdmissionBody, RetryAdvice};
 use slackgate_core::{
     Action, Completed, Completion, Decision, Event, Gate, JobId, Millis, PoolId, Reason, Request,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// A slot, as [`Signal::Go`] gives it.
@@ -115,37 +116,6 @@ impl CoreState {
     }
 }
 
-/// The core's clock: epoch milliseconds that only ever move forward.
-#[derive(Clone, Copy, Debug)]
-pub struct Clock {
-    start: Instant,
-    start_epoch_ms: Millis,
-}
-
-impl Clock {
-    /// A clock starting now.
-    pub fn new() -> Clock {
-        Clock {
-            start: Instant::now(),
-            start_epoch_ms: epoch_ms(),
-        }
-    }
-
-    /// Epoch milliseconds, advanced by the monotonic clock since start: it never runs
-    /// backwards (NTP steps do not move it), and it stays comparable with times persisted by
-    /// an earlier run, which the ledger's hold TTLs need after a restart.
-    pub fn now_ms(&self) -> Millis {
-        self.start_epoch_ms
-            .saturating_add(self.start.elapsed().as_millis() as Millis)
-    }
-}
-
-impl Default for Clock {
-    fn default() -> Self {
-        Clock::new()
-    }
-}
-
 /// Everything request handlers share.
 pub struct Shared {
     pub(crate) core: Mutex<CoreState>,
@@ -162,18 +132,18 @@ pub struct Shared {
     pub server: ServerConfig,
     /// Where ledger records are persisted.
     pub store: Arc<dyn LedgerStore>,
-    /// Operator controls, reloads and shutdown (see [`crate::control`]).
-    pub control: crate::control::Control,
+    /// Operator controls, reloads and shutdown (changed by the ops layer's `control`).
+    pub control: crate::engine::controls::Control,
     /// Hashes API keys and `X-Tenant` values into tenant ids.
-    pub tenants: crate::tenant::TenantHasher,
+    pub tenants: crate::support::tenant::TenantHasher,
     /// The proxy listener's open connections and their limits.
-    pub conns: Arc<crate::connlimit::ConnTracker>,
+    pub conns: Arc<crate::http::connlimit::ConnTracker>,
     /// The admin listener's open connections and their limits.
-    pub admin_conns: Arc<crate::connlimit::ConnTracker>,
-    /// Endpoint failures and probe schedules (see [`crate::health`]).
-    pub health: crate::health::Health,
+    pub admin_conns: Arc<crate::http::connlimit::ConnTracker>,
+    /// Endpoint failures and probe schedules (see [`crate::engine::health`]).
+    pub health: crate::engine::health::Health,
     /// This replica's membership of a cluster (`[cluster]`; `None`: a gate alone).
-    pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    pub cluster: Option<Arc<crate::engine::replica::Cluster>>,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -276,11 +246,10 @@ impl Shared {
                 crate::upstream::parse_base(&e.url).map_err(|err| format!("{at}: {err}"))?;
             }
         }
-        let upstreams = crate::control::pool_upstreams(&gate);
+        let upstreams = crate::engine::controls::pool_upstreams(&gate);
         let tenant_key = match &cfg.server.tenant_hash_key {
-            Some(hex) => {
-                crate::tenant::parse_key(hex).map_err(|e| format!("server.tenant_hash_key: {e}"))?
-            }
+            Some(hex) => crate::support::tenant::parse_key(hex)
+                .map_err(|e| format!("server.tenant_hash_key: {e}"))?,
             None => store.tenant_hash_key().map_err(|e| {
                 if cfg.cluster.is_some() {
                     format!(
@@ -305,21 +274,21 @@ impl Shared {
             transports,
             server: cfg.server.clone(),
             store,
-            control: crate::control::Control::new(cfg),
-            tenants: crate::tenant::TenantHasher::new(tenant_key),
-            conns: crate::connlimit::ConnTracker::new(crate::connlimit::Limits {
+            control: crate::engine::controls::Control::new(cfg),
+            tenants: crate::support::tenant::TenantHasher::new(tenant_key),
+            conns: crate::http::connlimit::ConnTracker::new(crate::http::connlimit::Limits {
                 header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
                 idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
                 max_connections: cfg.server.max_connections,
                 max_connections_per_addr: cfg.server.max_connections_per_addr,
             }),
-            admin_conns: crate::connlimit::ConnTracker::new(crate::connlimit::Limits {
+            admin_conns: crate::http::connlimit::ConnTracker::new(crate::http::connlimit::Limits {
                 header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
                 idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
                 max_connections: cfg.admin.max_connections,
                 max_connections_per_addr: cfg.admin.max_connections_per_addr,
             }),
-            health: crate::health::Health::default(),
+            health: crate::engine::health::Health::default(),
             cluster: None,
         })
     }
@@ -778,7 +747,7 @@ impl Shared {
     /// Log and count a request that ended before it reached the core: `action` is `error`
     /// (bad input, with the `status` answered) or `cancel` (the client vanished mid-upload).
     /// `reason` is a reason code; the few codes that are not core reasons (such as
-    /// `body_read_timeout`) are defined in [`crate::response`].
+    /// `body_read_timeout`) are defined in [`crate::wire::response`].
     pub fn log_unqueued(
         &self,
         action: Action,

@@ -10,8 +10,8 @@
 //! On the way through it reads the upstream's `usage` (a JSON body, or the final SSE chunk)
 //! and counts streamed content chunks, so the estimator learns from real token counts.
 
-use crate::response::BoxError;
-use crate::state::{JobGuard, Outcome};
+use crate::engine::state::{JobGuard, Outcome};
+use crate::wire::response::BoxError;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use slackgate_core::Reason;

@@ -1,0 +1,9 @@
+//! The core behind its lock: waiting jobs, the job guard that settles each exactly once,
+//! slot signals, endpoint health.
+
+pub mod body;
+pub mod controls;
+pub mod health;
+pub mod replica;
+pub mod state;
+pub mod unqueued;

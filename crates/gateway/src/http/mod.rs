@@ -1,0 +1,5 @@
+//! The server side of a connection: connection limits and timeouts, the write-stall guard.
+
+pub mod body;
+pub mod connlimit;
+pub mod stall;

@@ -1,0 +1,4 @@
+//! Observability: the JSON decision log and the Prometheus metrics.
+
+pub mod metrics;
+pub mod telemetry;

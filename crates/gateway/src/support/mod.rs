@@ -1,0 +1,4 @@
+//! Below everything: the clock and keyed tenant ids.
+
+pub mod clock;
+pub mod tenant;
