@@ -109,7 +109,9 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             response::text("text/plain; version=0.0.4", body)
         }
         (&Method::GET, "/stats") => response::json(&crate::ops::stats::stats(&shared)),
-        (_, p) if p.starts_with("/v1/") => proxy::passthrough(shared, req).await,
+        (_, p) if p.starts_with("/v1/") => {
+            crate::pipeline::passthrough::passthrough(shared, req).await
+        }
         (_, p) => {
             let p = p.to_string();
             response::not_found(&p)

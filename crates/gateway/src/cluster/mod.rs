@@ -30,9 +30,10 @@
 use crate::engine::replica::{Cluster, Route};
 use crate::engine::state::Shared;
 use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER};
+use crate::wire::request_info::class_label;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use slackgate_core::{FailMode, Reason};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -152,17 +153,11 @@ async fn read_whole(
             Err(crate::engine::unqueued::body_failure(
                 shared,
                 &path,
-                label(&parts.headers),
+                class_label(&parts.headers),
                 e,
             ))
         }
     }
-}
-
-fn label(h: &HeaderMap) -> Option<String> {
-    h.get("x-job-class")
-        .and_then(|v| v.to_str().ok())
-        .map(|s| s.chars().take(64).collect())
 }
 
 fn not_leader() -> Response<ResBody> {
@@ -187,7 +182,7 @@ async fn degraded<L: Local>(
     req: Request<Bytes>,
     target: Target,
 ) -> Response<ResBody> {
-    let label = label(req.headers());
+    let label = class_label(req.headers());
     let mode = match target {
         Target::Proxy(_) => shared.fail_mode(label.as_deref()),
         // The reservation API names its class in the body; a worker's hold is only as good

@@ -4,6 +4,10 @@
 pub mod body;
 pub mod controls;
 pub mod health;
+pub mod job;
+pub mod ledger;
+pub mod lines;
+pub mod pump;
 pub mod replica;
 pub mod state;
 pub mod unqueued;

@@ -7,15 +7,16 @@
 //! updates metrics from those same lines, so the log and `/metrics` cannot disagree.
 
 use crate::config::{Config, ServerConfig};
+pub use crate::engine::job::JobGuard;
+use crate::engine::lines::{admission_body, decision_line, unqueued_line};
+use crate::engine::pump::{decide, first_endpoint, pump};
 use crate::ledger_store::{LedgerStore, MemoryStore};
 use crate::observe::metrics::Metrics;
 use crate::observe::telemetry::{DecisionLog, LogLine};
 use crate::support::clock::{epoch_ms, Clock};
 use crate::upstream::{EnvLookup, Transports, UpstreamBase};
 use crate::wire::response::{AdmissionBody, RetryAdvice};
-use slackgate_core::{
-    Action, Completed, Completion, Decision, Event, Gate, JobId, Millis, PoolId, Reason, Request,
-};
+use slackgate_core::{Action, Decision, Gate, JobId, Millis, PoolId, Reason, Request};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -83,7 +84,7 @@ pub(crate) struct Waiting {
     pub(crate) tx: Option<oneshot::Sender<Signal>>,
     /// A reservation-API hold: no HTTP request waits on it; the worker calls the model itself
     /// and settles with commit/cancel (or the hold expires).
-    reservation: bool,
+    pub(crate) reservation: bool,
     /// Once dispatched: cancels the running request (see [`Signal::Go`]).
     pub(crate) abort: Option<oneshot::Sender<Reason>>,
 }
@@ -210,57 +211,10 @@ impl Shared {
         )?;
         let mut gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
         let clock = Clock::new();
-        let records = match store.load() {
-            Ok(r) => r,
-            // A replica may start while Redis is out of reach: it decides by its classes' fail
-            // modes until Redis answers, and the ledger is loaded when it takes the lease.
-            Err(e) if cfg.cluster.is_some() => {
-                eprintln!(
-                    "slackgate: cluster: cannot load the shared ledger yet ({e}); starting \
-                     without it (it is loaded when this replica takes the lease)"
-                );
-                Vec::new()
-            }
-            Err(e) => return Err(format!("cannot load the ledger: {e}")),
-        };
-        // Generated keys carry the start time, so they never collide with an earlier run's.
-        gate.set_key_run_tag(&format!("{:x}", clock.now_ms()));
-        gate.restore_ledger(records, clock.now_ms());
-        let restored = gate.take_ledger_records();
-        // In a cluster the leader owns the shared ledger: what a replica's restore changed
-        // (the leader's live holds expired in its stale view) must not reach the store.
-        if cfg.cluster.is_none() {
-            store.write(restored);
-        }
-        for (i, p) in cfg.gate.pools.iter().enumerate() {
-            let endpoints = p.endpoint_list();
-            if endpoints.is_empty() {
-                return Err(format!("pools[{i}].upstream: missing"));
-            }
-            for (j, e) in endpoints.iter().enumerate() {
-                let at = if p.endpoints.is_empty() {
-                    format!("pools[{i}].upstream")
-                } else {
-                    format!("pools[{i}].endpoints[{j}].url")
-                };
-                crate::upstream::parse_base(&e.url).map_err(|err| format!("{at}: {err}"))?;
-            }
-        }
+        restore_ledger(cfg, store.as_ref(), &mut gate, &clock)?;
+        check_upstreams(cfg)?;
         let upstreams = crate::engine::controls::pool_upstreams(&gate);
-        let tenant_key = match &cfg.server.tenant_hash_key {
-            Some(hex) => crate::support::tenant::parse_key(hex)
-                .map_err(|e| format!("server.tenant_hash_key: {e}"))?,
-            None => store.tenant_hash_key().map_err(|e| {
-                if cfg.cluster.is_some() {
-                    format!(
-                        "cannot read the cluster's tenant hash key from Redis: {e} (set \
-                         server.tenant_hash_key on every replica to start without Redis)"
-                    )
-                } else {
-                    format!("cannot read the tenant hash key: {e}")
-                }
-            })?,
-        };
+        let tenant_key = tenant_key(cfg, store.as_ref())?;
         Ok(Shared {
             core: Mutex::new(CoreState {
                 gate,
@@ -276,18 +230,16 @@ impl Shared {
             store,
             control: crate::engine::controls::Control::new(cfg),
             tenants: crate::support::tenant::TenantHasher::new(tenant_key),
-            conns: crate::http::connlimit::ConnTracker::new(crate::http::connlimit::Limits {
-                header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
-                idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
-                max_connections: cfg.server.max_connections,
-                max_connections_per_addr: cfg.server.max_connections_per_addr,
-            }),
-            admin_conns: crate::http::connlimit::ConnTracker::new(crate::http::connlimit::Limits {
-                header_read_timeout: Duration::from_millis(cfg.server.header_read_timeout_ms),
-                idle_timeout: Duration::from_millis(cfg.server.idle_timeout_ms),
-                max_connections: cfg.admin.max_connections,
-                max_connections_per_addr: cfg.admin.max_connections_per_addr,
-            }),
+            conns: conn_tracker(
+                &cfg.server,
+                cfg.server.max_connections,
+                cfg.server.max_connections_per_addr,
+            ),
+            admin_conns: conn_tracker(
+                &cfg.server,
+                cfg.admin.max_connections,
+                cfg.admin.max_connections_per_addr,
+            ),
             health: crate::engine::health::Health::default(),
             cluster: None,
         })
@@ -382,133 +334,6 @@ impl Shared {
         st.gate.config().retry.max_retry_after_ms
     }
 
-    /// Place a reservation-API hold (seed 001): the same decision and the same ledger as the
-    /// proxy, but no request waits on it. Returns the decision, the ledger's held count and
-    /// the number of the ledger write that carries the hold (see [`Shared::durable_for`]).
-    pub fn reserve(
-        &self,
-        label: Option<&str>,
-        mut req: Request,
-        mut meta: JobMeta,
-    ) -> (Decision, u64, Option<crate::ledger_store::WriteSeq>) {
-        let ((d, held), write) = self.with_core_written(|st, now, lines| {
-            let d = decide(st, now, label, &mut req, &mut meta);
-            lines.push(decision_line(&d, &meta));
-            if d.admitted() {
-                st.waiting.insert(
-                    d.job_id,
-                    Waiting {
-                        meta,
-                        tx: None,
-                        reservation: true,
-                        abort: None,
-                    },
-                );
-            }
-            (d, st.gate.ledger_stats().held)
-        });
-        (d, held, write)
-    }
-
-    /// Settle a key as done (`spent`) or cancelled (`wasted`) through the reservation API.
-    pub fn settle_key(
-        &self,
-        key: &str,
-        commit: bool,
-        tokens: u64,
-    ) -> Result<slackgate_core::HoldRecord, slackgate_core::ledger::SettleError> {
-        self.settle_key_because(key, commit, tokens, None)
-    }
-
-    /// [`Shared::settle_key`], logging the cancel under `reason` (a hold the shared ledger
-    /// refused is a `reject_duplicate`, not a client's cancel).
-    pub fn settle_key_because(
-        &self,
-        key: &str,
-        commit: bool,
-        tokens: u64,
-        reason: Option<Reason>,
-    ) -> Result<slackgate_core::HoldRecord, slackgate_core::ledger::SettleError> {
-        self.with_core(|st, now, lines| {
-            let job = st.gate.job_for_key(key);
-            let r = if commit {
-                st.gate.commit_key(now, key, tokens)
-            } else {
-                st.gate.cancel_key(now, key, tokens)
-            };
-            // Only a job the settlement really ended loses its waiter (a refused settlement,
-            // such as a proxied request's key, leaves the request running).
-            let ended = job.filter(|id| st.gate.job_for_key(key) != Some(*id));
-            if let Some(w) = ended.and_then(|id| st.waiting.remove(&id).map(|w| (id, w))) {
-                let (id, w) = w;
-                let hold = match &r {
-                    Ok(h) => Some(h),
-                    Err(slackgate_core::ledger::SettleError::HoldExpired(h)) => Some(&**h),
-                    Err(_) => None,
-                };
-                let action = if commit {
-                    Action::Complete
-                } else {
-                    Action::Cancel
-                };
-                let reason = match hold.map(|h| h.state) {
-                    Some(slackgate_core::HoldState::Expired) => Reason::HoldExpired,
-                    _ if commit => Reason::Completed,
-                    _ => reason.unwrap_or(Reason::ClientCancelled),
-                };
-                let mut line = base_line(id, &w.meta, action, reason);
-                line.tokens_held = Some(w.meta.tokens_held);
-                line.tokens_spent = hold.map(|h| h.tokens_spent);
-                line.tokens_wasted = hold.map(|h| h.tokens_wasted);
-                lines.push(line);
-            }
-            r
-        })
-    }
-
-    /// Expire due holds now (the reservation API's `/expire`): (released, tokens wasted).
-    pub fn expire_now(&self) -> (u64, u64) {
-        self.with_core(|st, now, _| {
-            let before = st.gate.ledger_stats();
-            st.gate.tick(now);
-            let after = st.gate.ledger_stats();
-            (
-                after.expired.saturating_sub(before.expired),
-                after.tokens_wasted.saturating_sub(before.tokens_wasted),
-            )
-        })
-    }
-
-    /// Lanes in the core's table, live and retired (reloads reuse freed ones).
-    pub fn lane_count(&self) -> usize {
-        self.with_core(|st, _, _| st.gate.lane_count())
-    }
-
-    /// Ledger totals and the projected wait a default request would see, for `/stats`.
-    pub fn ledger_view(
-        &self,
-    ) -> (
-        slackgate_core::ledger::LedgerStats,
-        slackgate_core::GateSnapshot,
-    ) {
-        self.with_core(|st, now, _| (st.gate.ledger_stats(), st.gate.snapshot(now)))
-    }
-
-    /// Tokens held under a key (for a commit that names no spend).
-    pub fn held_tokens(&self, key: &str) -> Option<u64> {
-        self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.tokens_held))
-    }
-
-    /// Tokens spent by a key's settled hold (for a replayed commit).
-    pub fn settled_tokens(&self, key: &str) -> Option<u64> {
-        self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.tokens_spent))
-    }
-
-    /// The configured hold TTL.
-    pub fn hold_ttl_ms(&self) -> u64 {
-        self.with_core(|st, _, _| st.gate.ledger().config().hold_ttl_ms)
-    }
-
     /// The fail mode of the class a request labelled `label` belongs to (the default class's
     /// for no label; `open` when nothing matches: the core then refuses it itself).
     pub fn fail_mode(&self, label: Option<&str>) -> slackgate_core::FailMode {
@@ -561,82 +386,6 @@ impl Shared {
         }
     }
 
-    /// Cluster mode: this replica has just taken the gate's lease. Load every record the
-    /// shared store holds and take the ledger over (see the core's `Gate::adopt_ledger`).
-    /// Blocking (the store's `load`): called on the lease thread. Returns the records loaded.
-    pub fn adopt_shared_ledger(
-        &self,
-        alive: &std::collections::HashSet<String>,
-        store_lost_data: bool,
-    ) -> Result<usize, String> {
-        // What this replica wrote while it could not reach the store goes first (bounded by
-        // the store's timeout; what does not make it is merged from memory by the core).
-        let _ = self.store.flush();
-        let records = self.store.load().map_err(|e| e.to_string())?;
-        let n = records.len();
-        // Written as leader: the lease is this replica's from here (the lease thread makes it
-        // lead right after), so the records the takeover changes go to the store.
-        let out = self.with_core(|st, now, _| {
-            st.gate.adopt_ledger(records, now, alive, store_lost_data);
-            st.gate.take_ledger_records()
-        });
-        if !out.is_empty() {
-            self.store.write(out);
-        }
-        Ok(n)
-    }
-
-    /// Cluster mode, after Redis lost its data: write back every record of this replica's
-    /// ledger that it placed itself. Returns how many.
-    pub fn republish_own_records(&self) -> usize {
-        let Some(c) = &self.cluster else {
-            return 0;
-        };
-        let me = c.owner.as_str();
-        let records: Vec<slackgate_core::HoldRecord> = self.with_core(|st, _, _| {
-            st.gate
-                .ledger()
-                .records()
-                .filter(|r| r.owner.as_deref() == Some(me))
-                .cloned()
-                .collect()
-        });
-        let n = records.len();
-        if n > 0 {
-            self.store.write(records);
-        }
-        n
-    }
-
-    /// After a flush: whether the shared ledger refused the hold of `job` (its client's
-    /// idempotency key is held or done there by another hold). Returns the key if so.
-    pub fn hold_refused(&self, job: JobId) -> Option<String> {
-        // Only a shared store refuses; a gate alone skips the lookups.
-        self.cluster.as_ref()?;
-        let key = self.with_core(|st, _, _| st.waiting.get(&job)?.meta.idempotency_key.clone())?;
-        self.hold_refused_key(&key).then_some(key)
-    }
-
-    /// [`Shared::hold_refused`] by key (the reservation API's holds).
-    pub fn hold_refused_key(&self, key: &str) -> bool {
-        if self.cluster.is_none() {
-            return false;
-        }
-        let created = self.with_core(|st, _, _| st.gate.ledger().get(key).map(|r| r.created_at_ms));
-        created.is_some_and(|c| self.store.hold_refused(key, c))
-    }
-
-    /// Cluster mode, on the leader: expire the proxied holds of replicas no longer in
-    /// `alive` (their requests died with them). Returns how many.
-    pub fn expire_orphans(&self, alive: &std::collections::HashSet<String>) -> usize {
-        self.with_core(|st, now, _| st.gate.expire_orphans(now, alive))
-    }
-
-    /// Split every pool's slots `parts` ways on this replica (cluster mode; 1 on the leader).
-    pub fn set_share(&self, parts: u32) {
-        self.with_core(|st, _, _| st.gate.set_capacity_share(parts));
-    }
-
     /// Record a ledger store failure (the request proceeds: fail open, counted in metrics).
     pub fn note_store_error(&self, e: &str) {
         self.metrics.decision("none", "error", "ledger_store_error");
@@ -676,11 +425,7 @@ impl Shared {
                 },
             );
             Admission::Queued {
-                guard: JobGuard {
-                    shared: Arc::clone(self),
-                    id: d.job_id,
-                    done: false,
-                },
+                guard: JobGuard::new(Arc::clone(self), d.job_id),
                 decision: d,
                 signal: rx,
                 hold_write: None,
@@ -758,420 +503,94 @@ impl Shared {
     ) {
         self.emit(&mut [unqueued_line(action, reason, status, path, label)]);
     }
-
-    /// End job `id` in the core and log its end line; `message` (why an upstream request
-    /// failed) goes in the line's `message` field.
-    fn end(
-        &self,
-        id: JobId,
-        outcome: Option<Outcome>,
-        wasted: u64,
-        cancel_reason: Reason,
-        message: Option<String>,
-    ) {
-        self.with_core(|st, now, lines| {
-            let ended = match outcome {
-                Some(o) => st.gate.on_complete(
-                    now,
-                    id,
-                    Completion {
-                        ok: o.ok,
-                        prompt_tokens: o.prompt_tokens,
-                        completion_tokens: o.completion_tokens,
-                    },
-                ),
-                None => st.gate.cancel_wasted(now, id, wasted),
-            };
-            // Only a job the core really ended loses its waiter: if the core did not know the
-            // job (already dropped, or ended by another path) the entry is not ours to touch.
-            let Some(c) = ended else { return };
-            if let Some(w) = st.waiting.remove(&id) {
-                let mut line = end_line(&c, &w.meta, outcome, wasted, cancel_reason);
-                line.message = message;
-                lines.push(line);
-            }
-        });
-    }
 }
 
-/// Releases a job exactly once: on completion, on error, or (by `Drop`) when the request or
-/// its response body is dropped because the client went away.
-pub struct JobGuard {
-    shared: Arc<Shared>,
-    id: JobId,
-    done: bool,
-}
-
-impl JobGuard {
-    /// The job.
-    pub fn id(&self) -> JobId {
-        self.id
-    }
-
-    /// The shared state (for first-token notes).
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
-    }
-
-    /// The response ended (normally or not).
-    pub fn finish(mut self, outcome: Outcome) {
-        self.done = true;
-        self.shared
-            .end(self.id, Some(outcome), 0, Reason::ClientCancelled, None);
-    }
-
-    /// The request failed upstream (no response, or none in time): `message` says why, on
-    /// the end line as in the answer to the client.
-    pub fn fail(mut self, outcome: Outcome, message: &str) {
-        self.done = true;
-        self.shared.end(
-            self.id,
-            Some(outcome),
-            0,
-            Reason::ClientCancelled,
-            Some(message.to_string()),
-        );
-    }
-
-    /// The client went away after `wasted` tokens were generated for it.
-    pub fn cancel(self, wasted: u64) {
-        self.cancel_with(Reason::ClientCancelled, wasted);
-    }
-
-    /// The gate cancelled the job (`drained`, `shutting_down`) after `wasted` tokens were
-    /// generated for it.
-    pub fn cancel_with(mut self, reason: Reason, wasted: u64) {
-        self.done = true;
-        self.shared.end(self.id, None, wasted, reason, None);
-    }
-}
-
-impl Drop for JobGuard {
-    fn drop(&mut self) {
-        if !self.done {
-            self.done = true;
-            // Past the shutdown grace period the gate closes connections itself: that is
-            // not the client leaving.
-            let reason = if self.shared.control.cutting_off() {
-                Reason::ShuttingDown
-            } else {
-                Reason::ClientCancelled
-            };
-            self.shared.end(self.id, None, 0, reason, None);
+/// Load the ledger from the store into a new gate: holds still inside their TTL keep
+/// counting, holds past it expire (tokens wasted), done keys still answer duplicates.
+fn restore_ledger(
+    cfg: &Config,
+    store: &dyn LedgerStore,
+    gate: &mut Gate,
+    clock: &Clock,
+) -> Result<(), String> {
+    let records = match store.load() {
+        Ok(r) => r,
+        // A replica may start while Redis is out of reach: it decides by its classes' fail
+        // modes until Redis answers, and the ledger is loaded when it takes the lease.
+        Err(e) if cfg.cluster.is_some() => {
+            eprintln!(
+                "slackgate: cluster: cannot load the shared ledger yet ({e}); starting \
+                 without it (it is loaded when this replica takes the lease)"
+            );
+            Vec::new()
         }
-    }
-}
-
-/// The base URL of a pool's first endpoint that takes work (not ejected, drained or
-/// retired), else its first endpoint with a URL: where pass-through routes go.
-fn first_endpoint(st: &CoreState, pool: PoolId) -> Option<UpstreamBase> {
-    let urls = st.upstreams.get(pool.0)?;
-    let views = st.gate.endpoints(0, pool);
-    let usable = views
-        .iter()
-        .enumerate()
-        .filter(|(_, v)| !v.ejected && !v.draining && !v.retired)
-        .find_map(|(i, _)| urls.get(i).cloned().flatten());
-    usable.or_else(|| urls.iter().find_map(Clone::clone))
-}
-
-/// Perform the core's events: wake dispatched jobs, tell dropped ones.
-pub(crate) fn pump(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) {
-    while let Some(ev) = st.gate.poll(now) {
-        match ev {
-            Event::Dispatch {
-                job_id,
-                pool,
-                endpoint,
-                queue_wait_ms,
-                deadline_slack_ms,
-                est_service_ms,
-                in_flight,
-                pool_depth,
-                ..
-            } => {
-                let Some(w) = st.waiting.get_mut(&job_id) else {
-                    // Nobody waits for this job (its request is gone): a slot must not stay
-                    // taken by it, so end it in the core at once. Its end line went out with
-                    // whichever path removed the waiter.
-                    let _ = st.gate.cancel(now, job_id);
-                    continue;
-                };
-                let endpoint_name = st
-                    .gate
-                    .endpoint_name(pool, endpoint)
-                    .unwrap_or_default()
-                    .to_string();
-                w.meta.endpoint = Some(endpoint_name.clone());
-                let mut line = base_line(job_id, &w.meta, Action::Dispatch, Reason::SlotFree);
-                line.queue_wait_ms = Some(queue_wait_ms);
-                line.deadline_slack_ms = deadline_slack_ms;
-                line.est_service_ms = Some(est_service_ms);
-                line.in_flight = Some(in_flight);
-                line.pool_depth = Some(pool_depth);
-                lines.push(line);
-                if w.reservation {
-                    // The worker holds the slot from now until it commits or cancels.
-                    continue;
-                }
-                let upstream = st
-                    .upstreams
-                    .get(pool.0)
-                    .and_then(|e| e.get(endpoint))
-                    .cloned()
-                    .flatten();
-                let (abort_tx, abort) = oneshot::channel();
-                w.abort = Some(abort_tx);
-                let sent = match (w.tx.take(), upstream) {
-                    (Some(tx), Some(upstream)) => tx
-                        .send(Signal::Go(Go {
-                            pool,
-                            pool_name: st.gate.pool_name(pool).to_string(),
-                            endpoint,
-                            endpoint_name,
-                            upstream,
-                            queue_wait_ms,
-                            abort,
-                        }))
-                        .is_ok(),
-                    // No upstream for its pool (cannot happen with a validated config):
-                    // dropping the sender answers the request with an error.
-                    _ => false,
-                };
-                if !sent {
-                    // The client left between admission and dispatch: give the slot back now.
-                    if let (Some(c), Some(w)) =
-                        (st.gate.cancel(now, job_id), st.waiting.remove(&job_id))
-                    {
-                        lines.push(end_line(&c, &w.meta, None, 0, Reason::ClientCancelled));
-                    }
-                }
-            }
-            Event::Drop {
-                job_id,
-                reason,
-                queue_wait_ms,
-                deadline_slack_ms,
-                projected_wait_ms,
-                in_flight,
-                pool_depth,
-                retry_after_ms,
-                should_retry,
-                ..
-            } => {
-                let Some(mut w) = st.waiting.remove(&job_id) else {
-                    continue;
-                };
-                let mut line = base_line(job_id, &w.meta, Action::Drop, reason);
-                line.queue_wait_ms = Some(queue_wait_ms);
-                line.deadline_slack_ms = deadline_slack_ms;
-                line.projected_wait_ms = Some(projected_wait_ms);
-                line.in_flight = Some(in_flight);
-                line.pool_depth = Some(pool_depth);
-                line.tokens_held = Some(w.meta.tokens_held);
-                lines.push(line);
-                if let Some(tx) = w.tx.take() {
-                    let advice = retry_after_ms.map(|after_ms| RetryAdvice {
-                        after_ms,
-                        should_retry,
-                    });
-                    let _ = tx.send(Signal::Dropped(
-                        reason,
-                        AdmissionBody {
-                            action: Action::Drop.as_str(),
-                            reason: reason.as_str(),
-                            queue_age_ms: None,
-                            queue_wait_ms: Some(queue_wait_ms),
-                            deadline_slack_ms,
-                            projected_wait_ms,
-                            forecast_wait_ms: None,
-                            est_service_ms: 0,
-                            in_flight,
-                            queued_ahead: None,
-                            pool_depth: Some(pool_depth),
-                            retry_hint: None,
-                            retry_after_ms,
-                            job_id: job_id.0,
-                            class: Some(w.meta.class.clone()),
-                            idempotency_key: w.meta.idempotency_key.clone(),
-                            ledger: None,
-                        },
-                        advice,
-                    ));
-                }
-            }
-        }
-    }
-}
-
-/// Classify against the live class table, decide, and fill in the facts the log needs.
-fn decide(
-    st: &mut CoreState,
-    now: Millis,
-    label: Option<&str>,
-    req: &mut Request,
-    meta: &mut JobMeta,
-) -> Decision {
-    req.class = st.gate.classify(label);
-    let d = st.gate.offer(now, req.clone());
-    meta.class = d
-        .class
-        .map(|c| st.gate.class_name(c).to_string())
-        .unwrap_or_default();
-    meta.pool = d
-        .pool
-        .map(|p| st.gate.pool_name(p).to_string())
-        .unwrap_or_default();
-    if meta.arrived_epoch_ms == 0 {
-        meta.arrived_epoch_ms = epoch_ms();
-    }
-    meta.tokens_held = d.tokens_held;
-    meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
-    d
-}
-
-fn base_line(id: JobId, meta: &JobMeta, action: Action, reason: Reason) -> LogLine {
-    LogLine {
-        ts_ms: epoch_ms(),
-        job_id: id.0,
-        class: (!meta.class.is_empty()).then(|| meta.class.clone()),
-        class_label: meta.label.clone(),
-        tenant: meta.tenant.clone(),
-        idempotency_key: meta.idempotency_key.clone(),
-        enqueued_at_ms: Some(meta.arrived_epoch_ms),
-        action: action.as_str(),
-        reason: reason.as_str(),
-        pool: (!meta.pool.is_empty()).then(|| meta.pool.clone()),
-        endpoint: meta.endpoint.clone(),
-        path: Some(meta.path.clone()),
-        attempt: meta.attempt,
-        ..LogLine::default()
-    }
-}
-
-fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
-    let mut line = base_line(d.job_id, meta, d.action, d.reason);
-    line.queue_age_ms = Some(d.queue_age_ms);
-    line.deadline_slack_ms = d.deadline_slack_ms;
-    line.projected_wait_ms = Some(d.projected_wait_ms);
-    line.forecast_wait_ms = Some(d.forecast_wait_ms);
-    line.est_service_ms = Some(d.est_service_ms);
-    line.in_flight = Some(d.in_flight);
-    line.queued_ahead = Some(d.queued_ahead);
-    // A rejection holds nothing: `null`, on the proxy's and the reservation API's alike.
-    line.tokens_held = d.admitted().then_some(meta.tokens_held);
-    line.displaced_job_id = d.displaced.map(|id| id.0);
-    if !d.admitted() {
-        // The status the client is answered: a duplicate is a conflict, the rest "not now".
-        line.status = Some(if d.reason == Reason::RejectDuplicate {
-            409
-        } else {
-            429
-        });
-    }
-    line
-}
-
-/// The decision-log line of a request that ended before it reached the core.
-fn unqueued_line(
-    action: Action,
-    reason: &'static str,
-    status: Option<u16>,
-    path: &str,
-    label: Option<String>,
-) -> LogLine {
-    LogLine {
-        ts_ms: epoch_ms(),
-        action: action.as_str(),
-        reason,
-        status,
-        path: Some(path.to_string()),
-        class_label: label,
-        ..LogLine::default()
-    }
-}
-
-fn end_line(
-    c: &Completed,
-    meta: &JobMeta,
-    outcome: Option<Outcome>,
-    wasted: u64,
-    cancel_reason: Reason,
-) -> LogLine {
-    let (action, reason) = match outcome {
-        Some(o) => (
-            Action::Complete,
-            o.reason.unwrap_or(if o.ok {
-                Reason::Completed
-            } else {
-                Reason::UpstreamError
-            }),
-        ),
-        None => (Action::Cancel, cancel_reason),
+        Err(e) => return Err(format!("cannot load the ledger: {e}")),
     };
-    let mut line = base_line(c.job_id, meta, action, reason);
-    line.queue_wait_ms = Some(c.queue_wait_ms);
-    line.deadline_slack_ms = c.deadline_slack_ms;
-    line.in_flight = Some(c.in_flight);
-    line.pool_depth = Some(c.pool_depth);
-    line.turnaround_ms = Some(c.turnaround_ms);
-    line.ttft_ms = c.time_to_first_token_ms;
-    line.tokens_held = Some(meta.tokens_held);
-    if c.dispatched {
-        line.est_service_ms = Some(c.est_service_ms);
-        line.service_ms = Some(c.service_ms);
-        line.concurrency = Some((c.concurrency * 100.0).round() / 100.0);
-        if outcome.is_some_and(|o| o.ok) {
-            let actual = c.service_ms.max(1) as f64;
-            let e = (c.est_service_ms as f64 - actual) / actual;
-            line.est_error = Some((e * 1000.0).round() / 1000.0);
-        }
+    // Generated keys carry the start time, so they never collide with an earlier run's.
+    gate.set_key_run_tag(&format!("{:x}", clock.now_ms()));
+    gate.restore_ledger(records, clock.now_ms());
+    let restored = gate.take_ledger_records();
+    // In a cluster the leader owns the shared ledger: what a replica's restore changed
+    // (the leader's live holds expired in its stale view) must not reach the store.
+    if cfg.cluster.is_none() {
+        store.write(restored);
     }
-    if let Some(o) = outcome {
-        line.status = Some(o.status);
-    }
-    // The ledger's settlement is the truth for tokens; without one (never reserved), fall
-    // back to what the response reported.
-    match &c.hold {
-        Some(h) => {
-            line.tokens_spent = Some(h.tokens_spent);
-            line.tokens_wasted = Some(h.tokens_wasted);
-            if h.state == slackgate_core::HoldState::Expired {
-                line.reason = Reason::HoldExpired.as_str();
-            }
-        }
-        None => {
-            let spent = outcome.map_or(0, |o| {
-                u64::from(o.prompt_tokens.unwrap_or(0))
-                    + u64::from(o.completion_tokens.unwrap_or(0))
-            });
-            line.tokens_spent = Some(spent);
-            line.tokens_wasted = Some(if outcome.is_some() { 0 } else { wasted });
-        }
-    }
-    line
+    Ok(())
 }
 
-fn admission_body(d: &Decision, meta: &JobMeta, retry_hint: Option<String>) -> AdmissionBody {
-    AdmissionBody {
-        action: d.action.as_str(),
-        reason: d.reason.as_str(),
-        queue_age_ms: Some(d.queue_age_ms),
-        queue_wait_ms: None,
-        deadline_slack_ms: d.deadline_slack_ms,
-        projected_wait_ms: d.projected_wait_ms,
-        forecast_wait_ms: Some(d.forecast_wait_ms),
-        est_service_ms: d.est_service_ms,
-        in_flight: d.in_flight,
-        queued_ahead: Some(d.queued_ahead),
-        pool_depth: None,
-        retry_hint,
-        retry_after_ms: d.retry_after_ms,
-        job_id: d.job_id.0,
-        class: (!meta.class.is_empty()).then(|| meta.class.clone()),
-        idempotency_key: (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.clone()),
-        ledger: d.ledger.clone(),
+/// Every pool's upstream URLs parse (a validated config's do; a hand-built one may not).
+fn check_upstreams(cfg: &Config) -> Result<(), String> {
+    for (i, p) in cfg.gate.pools.iter().enumerate() {
+        let endpoints = p.endpoint_list();
+        if endpoints.is_empty() {
+            return Err(format!("pools[{i}].upstream: missing"));
+        }
+        for (j, e) in endpoints.iter().enumerate() {
+            let at = if p.endpoints.is_empty() {
+                format!("pools[{i}].upstream")
+            } else {
+                format!("pools[{i}].endpoints[{j}].url")
+            };
+            crate::upstream::parse_base(&e.url).map_err(|err| format!("{at}: {err}"))?;
+        }
     }
+    Ok(())
+}
+
+/// The key tenant ids are hashed with: configured, or the store's own (shared by a cluster).
+fn tenant_key(
+    cfg: &Config,
+    store: &dyn LedgerStore,
+) -> Result<[u8; crate::support::tenant::KEY_BYTES], String> {
+    let key = match &cfg.server.tenant_hash_key {
+        Some(hex) => crate::support::tenant::parse_key(hex)
+            .map_err(|e| format!("server.tenant_hash_key: {e}"))?,
+        None => store.tenant_hash_key().map_err(|e| {
+            if cfg.cluster.is_some() {
+                format!(
+                    "cannot read the cluster's tenant hash key from Redis: {e} (set \
+                     server.tenant_hash_key on every replica to start without Redis)"
+                )
+            } else {
+                format!("cannot read the tenant hash key: {e}")
+            }
+        })?,
+    };
+    Ok(key)
+}
+
+/// A connection tracker with the server's timeouts and these caps.
+fn conn_tracker(
+    server: &ServerConfig,
+    max_connections: usize,
+    max_connections_per_addr: usize,
+) -> Arc<crate::http::connlimit::ConnTracker> {
+    crate::http::connlimit::ConnTracker::new(crate::http::connlimit::Limits {
+        header_read_timeout: Duration::from_millis(server.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(server.idle_timeout_ms),
+        max_connections,
+        max_connections_per_addr,
+    })
 }
 
 #[cfg(test)]

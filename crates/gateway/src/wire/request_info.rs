@@ -101,6 +101,17 @@ fn relative(name: &str, h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
     Ok(Some(ms))
 }
 
+/// The `X-Job-Class` label: trimmed, cut one character past the longest class name (so an
+/// over-long label matches no class rather than a shorter one), `None` when absent, empty or
+/// not visible ASCII. The one reader of the label: the proxy, the reservation API, the
+/// decision log and a cluster replica deciding alone all see the same class.
+pub fn class_label(h: &HeaderMap) -> Option<String> {
+    h.get("x-job-class")
+        .and_then(|v| v.to_str().ok())
+        .map(|s| s.trim().chars().take(MAX_LABEL_LEN + 1).collect::<String>())
+        .filter(|s| !s.is_empty())
+}
+
 /// Read the gate's headers. `now_epoch_ms` bounds absolute deadlines to a sane window.
 /// Tenant ids are hashed under an all-zero key here: for tests and tools, not for serving.
 pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, BadRequest> {
@@ -139,11 +150,7 @@ pub fn parse_headers_with(
         }
         info.deadline_epoch_ms = Some(at);
     }
-    info.class_label = h
-        .get("x-job-class")
-        .and_then(|v| v.to_str().ok())
-        .map(|s| s.trim().chars().take(MAX_LABEL_LEN + 1).collect::<String>())
-        .filter(|s| !s.is_empty());
+    info.class_label = class_label(h);
     info.tenant = h
         .get("x-tenant")
         .filter(|_| trust_tenant_header)
