@@ -109,3 +109,55 @@ fn lines_are_numbered_in_the_order_the_core_decided() {
     // admit + dispatch, then one error line, then one cancel line.
     assert_eq!(seen, vec![2, 3, 4]);
 }
+
+/// The label a replica deciding alone reads (for its class's fail mode) is the label the core
+/// classifies: padded, it is the same class; one character past the longest class name, it
+/// is no class (the default). The cluster once kept its own copy of the label reader, which
+/// neither trimmed nor cut where the core's did: a padded `interactive` found the default
+/// class's fail mode, and a label longer than a 64-character class name found that class.
+#[test]
+fn a_replica_alone_reads_the_fail_mode_of_the_class_the_core_classifies() {
+    let long_name = "c".repeat(64);
+    let cfg = Config::from_toml(&format!(
+        r#"
+        default_class = "batch"
+        [[pools]]
+        name = "default"
+        slots = 1
+        upstream = "http://127.0.0.1:9"
+        [[classes]]
+        name = "interactive"
+        priority = 100
+        fail_mode = "open"
+        [[classes]]
+        name = "{long_name}"
+        priority = 50
+        fail_mode = "open"
+        [[classes]]
+        name = "batch"
+        priority = 10
+        fail_mode = "closed"
+        "#
+    ));
+    let shared = match cfg
+        .map_err(|e| e.to_string())
+        .and_then(|c| Shared::new(&c, DecisionLog::off()))
+    {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let mode = |label: &str| {
+        let mut h = http::HeaderMap::new();
+        match http::HeaderValue::from_str(label) {
+            Ok(v) => h.insert("x-job-class", v),
+            Err(e) => panic!("{e}"),
+        };
+        shared.fail_mode(crate::wire::request_info::class_label(&h).as_deref())
+    };
+    use slackgate_core::FailMode;
+    assert_eq!(mode("interactive"), FailMode::Open);
+    assert_eq!(mode(" interactive\t"), FailMode::Open);
+    assert_eq!(mode(&long_name), FailMode::Open);
+    assert_eq!(mode(&format!("{long_name}x")), FailMode::Closed);
+    assert_eq!(mode("   "), FailMode::Closed);
+}
