@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const SEED001: &str = r#"
     default_class = "interactive"
@@ -45,11 +45,14 @@ async fn admit(g: &TestGate, key: &str, attempt: u32) -> Resp {
     .await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// On tokio's paused clock: the gate reads time through `support::clock::Clock`, which follows
+// it, so the twenty seconds until job-18's hold expires pass at once (`advance`), and every
+// figure is exact (no real time passes between the calls).
+#[tokio::test(start_paused = true)]
 async fn seed001_reservation_drill() {
     let stub = stub(1, "fixed:10ms").await;
     let g = TestGate::start(SEED001, stub.local_addr(), "seed001").await;
-    let t0 = Instant::now();
+    let t0 = tokio::time::Instant::now();
 
     // job-17 reserves inside the slack: it would finish in 12 s.
     let r = admit(&g, "job-17", 0).await;
@@ -134,7 +137,7 @@ async fn seed001_reservation_drill() {
     // job-18's worker never commits. Twenty seconds after it reserved, its hold expires: the
     // slot is released and its tokens count as wasted.
     let wait = Duration::from_millis(20_300).saturating_sub(t0.elapsed());
-    tokio::time::sleep(wait).await;
+    tokio::time::advance(wait).await;
     let r = post(&g.url("/admission/v1/expire"), &[], "").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["action"], "expire");
