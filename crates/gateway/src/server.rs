@@ -196,7 +196,7 @@ impl Gateway {
             Some(c) => {
                 // Until the first heartbeat this replica neither leads nor knows a leader:
                 // its classes follow their fail mode, on a share of one.
-                Some(crate::engine::replica::start_lease(&shared, c)?)
+                Some(crate::engine::replica::start_lease(&shared, c).map_err(|e| e.to_string())?)
             }
             None => None,
         };

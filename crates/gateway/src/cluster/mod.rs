@@ -29,6 +29,7 @@
 
 use crate::engine::replica::{Cluster, Route};
 use crate::engine::state::Shared;
+use crate::upstream::UpstreamBase;
 use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER};
 use crate::wire::request_info::class_label;
 use crate::wire::response::{self, ResBody};
@@ -77,53 +78,7 @@ pub async fn serve<L: Local>(
     match cluster.route(forwarded) {
         Route::Local => local.serve(shared, req, target).await,
         Route::NotLeader => not_leader(),
-        Route::Forward(url) => {
-            let arrived = Instant::now();
-            let (parts, bytes) = match read_whole(&shared, req).await {
-                Ok(r) => r,
-                Err(resp) => return resp,
-            };
-            let bound = Duration::from_millis(shared.server.upstream_timeout_ms);
-            let mut url = url;
-            for attempt in 0..2 {
-                match forward(&cluster, &url, &parts, bytes.clone(), arrived, bound).await {
-                    Ok(resp) => {
-                        cluster.counters.forwarded.fetch_add(1, Ordering::Relaxed);
-                        return resp;
-                    }
-                    Err(()) => {
-                        cluster
-                            .counters
-                            .forward_failed
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-                if attempt > 0 {
-                    break;
-                }
-                // The lease may just have changed hands (the old leader answered that it no
-                // longer leads, or is gone): ask Redis now, and go where the answer says.
-                match cluster.route_after_next_beat().await {
-                    Route::Forward(next) => url = next,
-                    Route::Local => {
-                        let body = http_body_util::Full::new(bytes);
-                        return local
-                            .serve(shared, Request::from_parts(parts, body), target)
-                            .await;
-                    }
-                    Route::Degraded | Route::NotLeader => break,
-                }
-            }
-            cluster.suspect_leader();
-            degraded(
-                local,
-                shared,
-                cluster,
-                Request::from_parts(parts, bytes),
-                target,
-            )
-            .await
-        }
+        Route::Forward(url) => via_leader(local, shared, cluster, req, target, url).await,
         Route::Degraded => match read_whole(&shared, req).await {
             Ok((parts, bytes)) => {
                 degraded(
@@ -138,6 +93,53 @@ pub async fn serve<L: Local>(
             Err(resp) => resp,
         },
     }
+}
+
+/// Forward a request to the leader at `url`; when it does not decide it, once more to where
+/// a fresh heartbeat says the lease is; then by the class's fail mode.
+async fn via_leader<L: Local>(
+    local: L,
+    shared: Arc<Shared>,
+    cluster: Arc<Cluster>,
+    req: Request<hyper::body::Incoming>,
+    target: Target,
+    url: String,
+) -> Response<ResBody> {
+    let arrived = Instant::now();
+    let (parts, bytes) = match read_whole(&shared, req).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    let bound = Duration::from_millis(shared.server.upstream_timeout_ms);
+    let forward_to = |url| forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound);
+    if let Ok(resp) = forward_to(url).await {
+        return resp;
+    }
+    // The lease may just have changed hands (the old leader answered that it no longer
+    // leads, or is gone): ask Redis now, and go where the answer says.
+    match cluster.route_after_next_beat().await {
+        Route::Forward(next) => {
+            if let Ok(resp) = forward_to(next).await {
+                return resp;
+            }
+        }
+        Route::Local => {
+            let body = http_body_util::Full::new(bytes);
+            return local
+                .serve(shared, Request::from_parts(parts, body), target)
+                .await;
+        }
+        Route::Degraded | Route::NotLeader => {}
+    }
+    cluster.suspect_leader();
+    degraded(
+        local,
+        shared,
+        cluster,
+        Request::from_parts(parts, bytes),
+        target,
+    )
+    .await
 }
 
 /// Read a request's whole body (within the gate's limits), or answer why not.
@@ -218,6 +220,28 @@ async fn degraded<L: Local>(
     }
 }
 
+/// A forward the leader did not decide: it never reached it, or the replica there no longer
+/// leads and refused it before any work. Deciding it on this replica is then safe.
+struct NotDecided;
+
+/// [`forward`], counted in `/metrics`.
+async fn forward_counted(
+    cluster: &Cluster,
+    base: String,
+    parts: &http::request::Parts,
+    bytes: Bytes,
+    arrived: Instant,
+    bound: Duration,
+) -> Result<Response<ResBody>, NotDecided> {
+    let r = forward(cluster, &base, parts, bytes, arrived, bound).await;
+    let counter = match r {
+        Ok(_) => &cluster.counters.forwarded,
+        Err(NotDecided) => &cluster.counters.forward_failed,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
+    r
+}
+
 /// Send a request to the leader. `Err` when it could not be delivered or the replica there
 /// no longer leads: the caller then decides by fail mode (the leader never saw it, or
 /// refused it before any work).
@@ -228,19 +252,62 @@ async fn forward(
     bytes: Bytes,
     arrived: Instant,
     bound: Duration,
-) -> Result<Response<ResBody>, ()> {
-    use http_body_util::BodyExt;
-    let Ok(base) = crate::upstream::parse_base(base) else {
-        return Err(());
+) -> Result<Response<ResBody>, NotDecided> {
+    let base = crate::upstream::parse_base(base).map_err(|_| NotDecided)?;
+    let up = leader_request(cluster, &base, parts, bytes, arrived)?;
+    // No timeout on the response head beyond the connect's: the leader holds a queued request
+    // as long as its deadline allows, and answers once it is dispatched or refused. A client
+    // that gives up drops this future, which closes the connection: the leader cancels.
+    let resp = match tokio::time::timeout(bound, cluster.client().request(up)).await {
+        Err(_) => return Ok(leader_timed_out(&base, bound)),
+        Ok(Ok(r)) => r,
+        // Never delivered: the leader did not see it, so deciding it here is safe.
+        Ok(Err(e)) if e.is_connect() => return Err(NotDecided),
+        // Sent, then broken (the leader died mid-request): it may have been admitted and
+        // sent upstream there, so it is not decided a second time here; the client is told.
+        Ok(Err(e)) => return Ok(leader_broke(&base, &e)),
     };
-    let Ok(uri) = base.target(parts.uri.path_and_query()) else {
-        return Err(());
-    };
-    let secret = cluster.secret().ok_or(())?;
+    if resp.status() == StatusCode::SERVICE_UNAVAILABLE
+        && resp.headers().contains_key(NOT_LEADER_HEADER)
+    {
+        return Err(NotDecided);
+    }
+    Ok(relay(resp))
+}
+
+/// The request as the leader at `base` gets it: this cluster's headers on it, and its
+/// relative budgets less the time spent here.
+fn leader_request(
+    cluster: &Cluster,
+    base: &UpstreamBase,
+    parts: &http::request::Parts,
+    bytes: Bytes,
+    arrived: Instant,
+) -> Result<Request<http_body_util::Full<Bytes>>, NotDecided> {
+    let uri = base
+        .target(parts.uri.path_and_query())
+        .map_err(|_| NotDecided)?;
+    let secret = cluster.secret().ok_or(NotDecided)?;
     // Hop-by-hop headers, Host and Content-Length go (and the cluster's own headers).
     let mut headers = crate::wire::headers::upstream_request_headers(parts.headers.clone());
-    // Relative budgets run from the request's arrival here, not at the leader: the time its
-    // body took and the forwarding so far come out of them.
+    charge_time_spent(&mut headers, arrived);
+    headers.insert(
+        FORWARDED_HEADER,
+        HeaderValue::from_str(&secret).map_err(|_| NotDecided)?,
+    );
+    if let Ok(v) = HeaderValue::from_str(&cluster.replica_id) {
+        headers.insert(REPLICA_HEADER, v);
+    }
+    let mut up = Request::new(http_body_util::Full::new(bytes));
+    *up.method_mut() = parts.method.clone();
+    *up.uri_mut() = uri;
+    *up.headers_mut() = headers;
+    Ok(up)
+}
+
+/// Relative budgets run from the request's arrival here, not at the leader: the time its
+/// body took and the forwarding so far come out of them.
+fn charge_time_spent(headers: &mut HeaderMap, arrived: Instant) {
     let spent = u64::try_from(arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
     for name in ["x-deadline-ms", "x-slo-ttft-ms"] {
         let left = headers
@@ -252,65 +319,45 @@ async fn forward(
             headers.insert(name, HeaderValue::from(left));
         }
     }
-    headers.insert(
-        FORWARDED_HEADER,
-        HeaderValue::from_str(&secret).map_err(|_| ())?,
+}
+
+/// The leader did not answer within `bound`.
+fn leader_timed_out(base: &UpstreamBase, bound: Duration) -> Response<ResBody> {
+    response::error(
+        StatusCode::GATEWAY_TIMEOUT,
+        Reason::ClusterUnavailable,
+        &format!(
+            "the leader replica {base} did not answer within {} ms",
+            bound.as_millis()
+        ),
+        None,
+        None,
+    )
+}
+
+/// The leader took the request, then the exchange broke.
+fn leader_broke(base: &UpstreamBase, e: &hyper_util::client::legacy::Error) -> Response<ResBody> {
+    let msg = format!(
+        "the leader replica {base} broke the exchange: {}",
+        crate::upstream::cause::chain(e)
     );
-    if let Ok(v) = HeaderValue::from_str(&cluster.replica_id) {
-        headers.insert(REPLICA_HEADER, v);
-    }
-    let mut up = Request::new(http_body_util::Full::new(bytes));
-    *up.method_mut() = parts.method.clone();
-    *up.uri_mut() = uri;
-    *up.headers_mut() = headers;
-    // No timeout on the response head beyond the connect's: the leader holds a queued request
-    // as long as its deadline allows, and answers once it is dispatched or refused. A client
-    // that gives up drops this future, which closes the connection: the leader cancels.
-    let resp = match tokio::time::timeout(bound, cluster.client().request(up)).await {
-        Err(_) => {
-            return Ok(response::error(
-                StatusCode::GATEWAY_TIMEOUT,
-                Reason::ClusterUnavailable,
-                &format!(
-                    "the leader replica {base} did not answer within {} ms",
-                    bound.as_millis()
-                ),
-                None,
-                None,
-            ))
-        }
-        Ok(r) => r,
-    };
-    let resp = match resp {
-        Ok(r) => r,
-        // Never delivered: the leader did not see it, so deciding it here is safe.
-        Err(e) if e.is_connect() => return Err(()),
-        // Sent, then broken (the leader died mid-request): it may have been admitted and
-        // sent upstream there, so it is not decided a second time here; the client is told.
-        Err(e) => {
-            let msg = format!(
-                "the leader replica {base} broke the exchange: {}",
-                crate::upstream::cause::chain(&e)
-            );
-            eprintln!("slackgate: {msg}");
-            return Ok(response::error(
-                StatusCode::BAD_GATEWAY,
-                Reason::ClusterUnavailable,
-                &msg,
-                None,
-                None,
-            ));
-        }
-    };
-    if resp.status() == StatusCode::SERVICE_UNAVAILABLE
-        && resp.headers().contains_key(NOT_LEADER_HEADER)
-    {
-        return Err(());
-    }
+    eprintln!("slackgate: {msg}");
+    response::error(
+        StatusCode::BAD_GATEWAY,
+        Reason::ClusterUnavailable,
+        &msg,
+        None,
+        None,
+    )
+}
+
+/// The leader's answer, streamed back to the client without its hop-by-hop headers.
+fn relay(resp: Response<hyper::body::Incoming>) -> Response<ResBody> {
+    use http_body_util::BodyExt;
     let (mut rparts, body) = resp.into_parts();
     crate::wire::headers::strip_hop_by_hop(&mut rparts.headers);
-    Ok(Response::from_parts(
+    Response::from_parts(
         rparts,
         body.map_err(|e| Box::new(e) as response::BoxError).boxed(),
-    ))
+    )
 }

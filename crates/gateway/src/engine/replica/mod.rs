@@ -2,6 +2,7 @@
 //! of the slots when it must decide alone, and the lease thread that keeps that view current
 //! through Redis. The request path reads it; cluster forwarding (the layer above the pipeline) acts on it.
 
+mod beat;
 mod lease;
 
 use crate::config::ClusterConfig;
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 pub use crate::wire::headers::{
     strip_cluster_headers, FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER,
 };
-pub use lease::start as start_lease;
+pub use lease::{start as start_lease, LeaseStartError};
 
 /// The leader as this replica last saw it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
