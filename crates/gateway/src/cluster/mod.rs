@@ -34,7 +34,7 @@ use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER};
 use crate::wire::request_info::class_label;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use slackgate_core::{FailMode, Reason};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
