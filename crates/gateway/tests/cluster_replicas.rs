@@ -291,7 +291,10 @@ async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_whe
     let a = replica(&redis.url(), &name, "a", stub.local_addr())
         .await
         .unwrap();
-    assert_eq!(a.status().role, "degraded");
+    assert_eq!(
+        a.status().role,
+        slackgate_gateway::engine::replica::Role::Degraded
+    );
     // Its share: two expected replicas, 2 slots -> 1.
     wait_until(Duration::from_secs(5), "share of one slot", || {
         std::future::ready(a.gate.shared().snapshot().pools[0].slots == 1)

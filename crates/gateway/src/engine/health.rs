@@ -55,7 +55,50 @@ pub enum Verdict {
     /// It answered (any status below 500, 429 included).
     Healthy,
     /// It refused or broke the connection, or answered 5xx: why, for the log.
-    Failed(&'static str),
+    Failed(Failure),
+}
+
+/// Why an exchange with an endpoint failed (its name is what the log and stderr say).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// A proxied request could not connect.
+    Connect,
+    /// A proxied request's connection broke.
+    Connection,
+    /// The endpoint answered a proxied request with a 5xx.
+    Status5xx,
+    /// A health probe's URL could not be built.
+    ProbeUrl,
+    /// A health probe got no answer in time.
+    ProbeTimeout,
+    /// A health probe could not connect.
+    ProbeConnect,
+    /// A health probe's exchange failed otherwise.
+    ProbeError,
+    /// A health probe was answered with a status that is not healthy.
+    ProbeStatus,
+}
+
+impl Failure {
+    /// The stable name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Failure::Connect => "connect",
+            Failure::Connection => "connection",
+            Failure::Status5xx => "status_5xx",
+            Failure::ProbeUrl => "probe_url",
+            Failure::ProbeTimeout => "probe_timeout",
+            Failure::ProbeConnect => "probe_connect",
+            Failure::ProbeError => "probe_error",
+            Failure::ProbeStatus => "probe_status",
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl Health {
@@ -374,13 +417,13 @@ impl Shared {
         // The pool's client and credentials: a hosted API's health path needs its key.
         let transport = self.transports.for_pool(&d.pool_name);
         let verdict = match probe_request(&d) {
-            Err(_) => Verdict::Failed("probe_url"),
+            Err(_) => Verdict::Failed(Failure::ProbeUrl),
             Ok(mut req) => {
                 transport.auth.apply(req.headers_mut(), None);
                 match tokio::time::timeout(d.timeout, transport.client.request(req)).await {
-                    Err(_) => Verdict::Failed("probe_timeout"),
-                    Ok(Err(e)) if e.is_connect() => Verdict::Failed("probe_connect"),
-                    Ok(Err(_)) => Verdict::Failed("probe_error"),
+                    Err(_) => Verdict::Failed(Failure::ProbeTimeout),
+                    Ok(Err(e)) if e.is_connect() => Verdict::Failed(Failure::ProbeConnect),
+                    Ok(Err(_)) => Verdict::Failed(Failure::ProbeError),
                     // A rate-limited provider is alive: its 429 ejects nothing.
                     Ok(Ok(resp))
                         if resp.status().is_success()
@@ -388,7 +431,7 @@ impl Shared {
                     {
                         Verdict::Healthy
                     }
-                    Ok(Ok(_)) => Verdict::Failed("probe_status"),
+                    Ok(Ok(_)) => Verdict::Failed(Failure::ProbeStatus),
                 }
             }
         };

@@ -272,7 +272,7 @@ impl Shared {
             // In a cluster, every decision line says whether the leader made it or a replica
             // that could reach none (its class failing open).
             if let Some(c) = &self.cluster {
-                let mode = c.local_mode();
+                let mode = c.local_mode().as_str();
                 for line in lines
                     .iter_mut()
                     .filter(|l| matches!(l.action, "admit" | "reject" | "shadow_reject"))
@@ -366,7 +366,7 @@ impl Shared {
             status: Some(503),
             path: Some(path.to_string()),
             class_label: label,
-            cluster: Some("degraded"),
+            cluster: Some(crate::engine::replica::Role::Degraded.as_str()),
             ..LogLine::default()
         }];
         self.emit(&mut lines);

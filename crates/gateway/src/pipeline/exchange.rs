@@ -3,7 +3,7 @@
 //! queued again when it cannot connect, until the upstream answers or the attempt ends.
 
 use super::slot::{self, SlotRefused};
-use crate::engine::health::Verdict;
+use crate::engine::health::{Failure, Verdict};
 use crate::engine::state::{Go, Shared};
 use crate::ledger_store::WriteSeq;
 use crate::upstream::cause;
@@ -135,7 +135,12 @@ pub(super) async fn run(
             Attempt::Done(ending) => return ending,
             Attempt::ConnectFailed(e) => e,
         };
-        shared.endpoint_verdict(up.pool, up.endpoint, Verdict::Failed("connect"), false);
+        shared.endpoint_verdict(
+            up.pool,
+            up.endpoint,
+            Verdict::Failed(Failure::Connect),
+            false,
+        );
         // The request never reached the endpoint: at most once per other endpoint.
         moves += 1;
         if moves < MAX_ENDPOINT_MOVES {
@@ -204,7 +209,12 @@ async fn send_once(shared: &Shared, up: &mut Upstream) -> Attempt {
         Ok(Ok(r)) => Attempt::Done(Ending::Answered(r)),
         Ok(Err(e)) if e.is_connect() => Attempt::ConnectFailed(e),
         Ok(Err(e)) => {
-            shared.endpoint_verdict(up.pool, up.endpoint, Verdict::Failed("connection"), false);
+            shared.endpoint_verdict(
+                up.pool,
+                up.endpoint,
+                Verdict::Failed(Failure::Connection),
+                false,
+            );
             let again = match retried {
                 Some(RetryReason::ConnectionClosed) => {
                     " (sent again on a new connection after the reused one closed)"

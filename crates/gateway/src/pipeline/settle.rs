@@ -7,7 +7,7 @@
 use super::exchange::{Ending, Upstream};
 use super::slot::SlotRefused;
 use crate::engine::body::TrackedBody;
-use crate::engine::health::Verdict;
+use crate::engine::health::{Failure, Verdict};
 use crate::engine::state::{JobGuard, Outcome, Shared};
 use crate::support::clock::epoch_ms;
 use crate::wire::headers::strip_hop_by_hop;
@@ -70,7 +70,7 @@ fn answered(
         return throttled(shared, guard, up.pool, up.endpoint, resp.headers());
     }
     let verdict = if resp.status().is_server_error() {
-        Verdict::Failed("status_5xx")
+        Verdict::Failed(Failure::Status5xx)
     } else {
         Verdict::Healthy
     };

@@ -260,11 +260,11 @@ impl Cluster {
     }
 
     /// `leader` or `degraded` for a decision made here (`None` when this replica forwards).
-    pub fn local_mode(&self) -> &'static str {
+    pub fn local_mode(&self) -> Role {
         if self.leads() {
-            "leader"
+            Role::Leader
         } else {
-            "degraded"
+            Role::Degraded
         }
     }
 
@@ -328,16 +328,16 @@ impl Cluster {
             advertise: self.advertise.clone(),
             name: self.cfg.name.clone(),
             role: if leads {
-                "leader"
+                Role::Leader
             } else if view
                 .leader
                 .as_ref()
                 .is_some_and(|l| l.id != self.replica_id && !self.held_off(&view, l, now))
             {
                 // Forwarding (see `route`).
-                "follower"
+                Role::Follower
             } else {
-                "degraded"
+                Role::Degraded
             },
             leader: view.leader.clone(),
             lease_left_ms: view
@@ -370,7 +370,7 @@ impl Cluster {
             (
                 "slackgate_cluster_leader",
                 "1 while this replica holds the gate's lease and decides for the cluster.",
-                u64::from(s.role == "leader"),
+                u64::from(s.role == Role::Leader),
             ),
             (
                 "slackgate_cluster_redis_up",
@@ -380,7 +380,7 @@ impl Cluster {
             (
                 "slackgate_cluster_degraded",
                 "1 while this replica can reach no leader: requests follow their class's fail_mode.",
-                u64::from(s.role == "degraded"),
+                u64::from(s.role == Role::Degraded),
             ),
             (
                 "slackgate_cluster_replicas",
@@ -422,6 +422,30 @@ impl Cluster {
     }
 }
 
+/// A replica's part in its cluster now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Holds the gate's lease and decides for the cluster.
+    Leader,
+    /// Forwards to the leader it last saw.
+    Follower,
+    /// Reaches no leader: requests follow their class's `fail_mode` (decided here on this
+    /// replica's share of the slots, or refused).
+    Degraded,
+}
+
+impl Role {
+    /// The stable name (`/stats`, the decision log's `cluster` field).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Leader => "leader",
+            Role::Follower => "follower",
+            Role::Degraded => "degraded",
+        }
+    }
+}
+
 /// The cluster as one replica sees it (`/stats`, `GET /admin/cluster`).
 #[derive(Clone, Debug, Serialize)]
 pub struct ClusterStatus {
@@ -432,7 +456,7 @@ pub struct ClusterStatus {
     /// The cluster's name.
     pub name: String,
     /// `leader`, `follower` or `degraded` (no leader within reach).
-    pub role: &'static str,
+    pub role: Role,
     /// The lease holder last seen.
     pub leader: Option<Leader>,
     /// While leading: how long the lease still holds without a renewal.

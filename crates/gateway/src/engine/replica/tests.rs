@@ -163,12 +163,12 @@ fn a_replica_decides_only_while_its_lease_holds_and_forwards_otherwise() {
         Route::Forward("http://10.0.0.2:8080".into())
     );
     assert_eq!(c.share_parts(), 2);
-    assert_eq!(c.status().role, "follower");
+    assert_eq!(c.status().role, Role::Follower);
     // A forward that failed: the leader is forgotten until a heartbeat names one again,
     // and not tried again for a while.
     c.suspect_leader();
     assert_eq!(c.route(false), Route::Degraded);
-    assert_eq!(c.status().role, "degraded");
+    assert_eq!(c.status().role, Role::Degraded);
     assert!(c.status().leader.is_none());
     {
         let mut v = lock(&c.view);
@@ -205,13 +205,13 @@ fn a_replica_decides_only_while_its_lease_holds_and_forwards_otherwise() {
     assert_eq!(c.route(false), Route::Local);
     assert_eq!(c.route(true), Route::Local);
     assert_eq!(c.share_parts(), 1);
-    assert_eq!(c.local_mode(), "leader");
+    assert_eq!(c.local_mode(), Role::Leader);
     // The lease lapsed (no renewal in time): it stops deciding at once, even before the
     // lease thread notices.
     lock(&c.view).lead_until = Some(Instant::now() - Duration::from_millis(1));
     assert_eq!(c.route(false), Route::Degraded);
     assert_eq!(c.route(true), Route::NotLeader);
-    assert_eq!(c.local_mode(), "degraded");
+    assert_eq!(c.local_mode(), Role::Degraded);
 }
 
 #[test]
