@@ -17,7 +17,7 @@
 use crate::cluster::Target;
 use crate::config::Config;
 use crate::engine::state::Shared;
-use crate::http::connlimit::{guard_body, ConnGuard, ResponseGuard, Tracked};
+use crate::http::connlimit::ConnGuard;
 use crate::http::stall::WriteStallGuard;
 use crate::ledger_store::{LedgerStore, MemoryStore, SqliteOptions, SqliteStore};
 use crate::observe::telemetry::DecisionLog;
@@ -28,8 +28,6 @@ use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -384,28 +382,17 @@ async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stopped: watch::R
     // Header and idle timeouts, off the request path (see `crate::http::connlimit`).
     let reaper = tokio::spawn(Arc::clone(&shared.conns).reaper());
     let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = stopped.changed() => break,
-            // Reap finished connection tasks so the set does not grow with every connection.
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
-            accepted = listener.accept() => {
-                let (stream, peer) = match accepted {
-                    Ok(a) => a,
-                    // Out of file descriptors and the like: back off briefly, keep serving.
-                    Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                        continue;
-                    }
-                };
-                // Over a connection cap: dropping the stream closes it at once (counted).
-                let Ok(guard) = shared.conns.admit(peer.ip()) else {
-                    continue;
-                };
-                conns.spawn(connection(stream, guard, Arc::clone(&shared), stopped.clone()));
-            }
-        }
-    }
+    let tracker = Arc::clone(&shared.conns);
+    // Each connection watches for the stop on its own receiver.
+    let conn_stop = stopped.clone();
+    crate::http::accept::accept_until_stopped(
+        &listener,
+        &tracker,
+        &mut stopped,
+        &mut conns,
+        |stream, _, guard| connection(stream, guard, Arc::clone(&shared), conn_stop.clone()),
+    )
+    .await;
     // Stop accepting: new connections are refused from here on.
     drop(listener);
     // Stop admitting, and tell queued requests that cannot finish in the grace period now.
@@ -515,56 +502,25 @@ impl Debounce {
 }
 
 /// Serve one client connection until it closes, until the connection limits close it, or
-/// until shutdown once its response is done.
+/// until shutdown once its response is done. Its writes are guarded against a client that
+/// stops reading (`client_write_timeout_ms`).
 async fn connection(
     stream: tokio::net::TcpStream,
     guard: ConnGuard,
     shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
     let write_timeout = Duration::from_millis(shared.server.client_write_timeout_ms);
-    let state = Arc::clone(guard.state());
-    let io = TokioIo::new(Tracked::new(
-        WriteStallGuard::new(stream, write_timeout),
-        Arc::clone(&state),
-    ));
-    let svc_state = Arc::clone(&state);
-    let svc = service_fn(move |req| {
-        let shared = Arc::clone(&shared);
-        // Busy from the moment the headers are in until the response body is dropped.
-        let busy = ResponseGuard::new(Arc::clone(&svc_state));
-        async move {
-            let resp = route(shared, req).await;
-            Ok::<_, std::convert::Infallible>(resp.map(|b| guard_body(b, busy)))
-        }
-    });
-    // Header and idle timeouts are the tracker's (they shrink under overload); hyper's own
-    // fixed one is off.
-    let conn = hyper::server::conn::http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(None)
-        .serve_connection(io, svc);
-    tokio::pin!(conn);
-    // A connection accepted just as the stop signal went out may never see the change.
-    if *stop.borrow_and_update() {
-        conn.as_mut().graceful_shutdown();
-        let _ = conn.await;
-        return;
-    }
-    tokio::select! {
-        _ = conn.as_mut() => {}
-        // Closed by a limit: dropping the connection closes the socket.
-        _ = state.closed() => {}
-        _ = stop.changed() => {
-            conn.as_mut().graceful_shutdown();
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = state.closed() => {}
-            }
-        }
-    }
-    drop(guard);
+    let io = WriteStallGuard::new(stream, write_timeout);
+    let ending = crate::http::accept::Ending {
+        stop: Some(stop),
+        lifetime: None,
+    };
+    crate::http::accept::serve_connection(io, guard, ending, move |req| {
+        route(Arc::clone(&shared), req)
+    })
+    .await;
 }
 
 async fn tick_loop(shared: Arc<Shared>) {

@@ -24,15 +24,13 @@
 //! through Redis; drains and reloads apply to the replica called.
 
 use crate::engine::state::Shared;
-use crate::http::connlimit::{guard_body, ResponseGuard, Tracked};
+use crate::http::accept::{accept_until_stopped, serve_connection, Ending};
 use crate::ops::control::ControlError;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::Deserialize;
 use serde_json::json;
 use std::net::SocketAddr;
@@ -55,45 +53,30 @@ const MAX_DRAIN_CLASSES: usize = 256;
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     let mut conns = JoinSet::new();
     // The same connection limits as the proxy's, with the admin listener's own caps.
-    let reaper = tokio::spawn(Arc::clone(&shared.admin_conns).reaper());
-    loop {
-        tokio::select! {
-            _ = stop.changed() => break,
-            Some(_) = conns.join_next(), if !conns.is_empty() => {}
-            accepted = listener.accept() => {
-                let Ok((stream, peer)) = accepted else {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
+    let tracker = Arc::clone(&shared.admin_conns);
+    let reaper = tokio::spawn(Arc::clone(&tracker).reaper());
+    accept_until_stopped(
+        &listener,
+        &tracker,
+        &mut stop,
+        &mut conns,
+        |stream, peer, guard| {
+            let shared = Arc::clone(&shared);
+            async move {
+                let _ = stream.set_nodelay(true);
+                let ending = Ending {
+                    stop: None,
+                    lifetime: Some(ADMIN_CONNECTION_LIMIT),
                 };
-                let Ok(guard) = shared.admin_conns.admit(peer.ip()) else {
-                    continue;
-                };
-                let shared = Arc::clone(&shared);
-                conns.spawn(async move {
-                    let _ = stream.set_nodelay(true);
-                    let state = Arc::clone(guard.state());
-                    let svc_state = Arc::clone(&state);
-                    let svc = service_fn(move |req| {
-                        let shared = Arc::clone(&shared);
-                        let busy = ResponseGuard::new(Arc::clone(&svc_state));
-                        async move {
-                            let resp = route(&shared, req, peer).await;
-                            Ok::<_, std::convert::Infallible>(resp.map(|b| guard_body(b, busy)))
-                        }
-                    });
-                    let conn = hyper::server::conn::http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(None)
-                        .serve_connection(TokioIo::new(Tracked::new(stream, Arc::clone(&state))), svc);
-                    tokio::select! {
-                        _ = tokio::time::timeout(ADMIN_CONNECTION_LIMIT, conn) => {}
-                        _ = state.closed() => {}
-                    }
-                    drop(guard);
-                });
+                serve_connection(stream, guard, ending, move |req| {
+                    let shared = Arc::clone(&shared);
+                    async move { route(&shared, req, peer).await }
+                })
+                .await;
             }
-        }
-    }
+        },
+    )
+    .await;
     reaper.abort();
     conns.shutdown().await;
 }
