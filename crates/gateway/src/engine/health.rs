@@ -102,6 +102,24 @@ impl std::fmt::Display for Failure {
 }
 
 impl Health {
+    /// Whether a diagnostic note from `source` is worth writing: a repeat of its last note is
+    /// left out for [`NOTE_EVERY`]; a different one is written at once.
+    fn worth_noting(&self, source: &str, message: &str) -> bool {
+        let now = std::time::Instant::now();
+        let mut noted = self.noted.lock().unwrap_or_else(|p| p.into_inner());
+        // Bounded by the sources of the configs loaded: a long-lived gate forgets the rest.
+        if noted.len() > 1024 {
+            noted.clear();
+        }
+        match noted.get(source) {
+            Some((last, at)) if last == message && now.duration_since(*at) < NOTE_EVERY => false,
+            _ => {
+                noted.insert(source.to_string(), (message.to_string(), now));
+                true
+            }
+        }
+    }
+
     fn with<R>(&self, f: impl FnOnce(&mut HashMap<(usize, usize), Watch>) -> R) -> R {
         let mut m = self.watches.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut m)
@@ -207,25 +225,18 @@ impl Shared {
     /// decision log. A repeat of the last failure of the same upstream is left out for
     /// [`NOTE_EVERY`]; a different one is written at once.
     pub fn note_upstream_failure(&self, pool: &str, upstream: &str, message: &str) {
-        let now = std::time::Instant::now();
-        let write = {
-            let mut noted = self.health.noted.lock().unwrap_or_else(|p| p.into_inner());
-            // Bounded by the URLs of the configs loaded: a long-lived gate forgets the rest.
-            if noted.len() > 1024 {
-                noted.clear();
-            }
-            match noted.get(upstream) {
-                Some((last, at)) if last == message && now.duration_since(*at) < NOTE_EVERY => {
-                    false
-                }
-                _ => {
-                    noted.insert(upstream.to_string(), (message.to_string(), now));
-                    true
-                }
-            }
-        };
-        if write {
+        if self.health.worth_noting(upstream, message) {
             eprintln!("slackgate: pool {pool}, upstream {upstream}: {message}");
+        }
+    }
+
+    /// Record a ledger store failure: counted in `/metrics` (`ledger_store_error`), and the
+    /// store's error on stderr (a repeat of the same error left out for [`NOTE_EVERY`]). The
+    /// caller decides what the request does (its class's fail mode).
+    pub fn note_store_error(&self, e: &str) {
+        self.metrics.decision("none", "error", "ledger_store_error");
+        if self.health.worth_noting("ledger store", e) {
+            eprintln!("slackgate: ledger store: {e}");
         }
     }
 
@@ -463,5 +474,22 @@ pub(crate) async fn probe_loop(shared: Arc<Shared>) {
         for d in shared.due_probes() {
             tokio::spawn(Arc::clone(&shared).probe(d));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store's error is no longer dropped: each new one is written, a repeat of the last is
+    /// held back for a while, and each source keeps its own last note.
+    #[test]
+    fn a_note_is_written_once_a_while_per_source_and_message() {
+        let h = Health::default();
+        assert!(h.worth_noting("ledger store", "disk full"));
+        assert!(!h.worth_noting("ledger store", "disk full"));
+        assert!(h.worth_noting("ledger store", "database is locked"));
+        assert!(h.worth_noting("http://10.0.0.7:8000", "disk full"));
+        assert!(!h.worth_noting("http://10.0.0.7:8000", "disk full"));
     }
 }

@@ -386,12 +386,6 @@ impl Shared {
         }
     }
 
-    /// Record a ledger store failure (the request proceeds: fail open, counted in metrics).
-    pub fn note_store_error(&self, e: &str) {
-        self.metrics.decision("none", "error", "ledger_store_error");
-        let _ = e;
-    }
-
     /// Decide on a request with the client's class label (resolved against the live class
     /// table). Rejections are logged here; admitted jobs are queued.
     pub fn admit_labeled(
