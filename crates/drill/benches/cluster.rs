@@ -344,7 +344,10 @@ async fn bench() -> Res<Vec<Phase>> {
     .await?;
     loop {
         let st = r1.shared().cluster.as_ref().map(|c| c.status());
-        if st.is_some_and(|s| s.role == "follower" && s.leader.is_some_and(|l| l.id == "r0")) {
+        if st.is_some_and(|s| {
+            s.role == slackgate_gateway::engine::replica::Role::Follower
+                && s.leader.is_some_and(|l| l.id == "r0")
+        }) {
             break;
         }
         if Instant::now() > deadline {

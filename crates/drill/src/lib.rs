@@ -37,6 +37,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use slackgate_gateway::config::LogTarget;
+use slackgate_gateway::engine::replica::Role;
 use slackgate_gateway::{Config, DecisionLog, Gateway};
 use slackgate_sim::engine::{self, RequestResult, RunResult};
 use slackgate_sim::policies::slackgate::gate_config as sim_gate_config;
@@ -721,8 +722,10 @@ async fn start(
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(start_err("gate"))?;
-    let gate = Gateway::spawn(listener, &cfg, log.clone())
-        .map_err(|why| DrillError::Start { what: "gate", why })?;
+    let gate = Gateway::spawn(listener, &cfg, log.clone()).map_err(|why| DrillError::Start {
+        what: "gate",
+        why: why.to_string(),
+    })?;
     let target = format!("http://{}", gate.local_addr());
     Ok((
         Started {
@@ -767,7 +770,12 @@ async fn start_cluster(
         slackgate_gateway::support::clock::epoch_ms(),
         std::process::id()
     );
-    let start_err = |what: &'static str| move |why: String| DrillError::Start { what, why };
+    let start_err = |what: &'static str| {
+        move |why: slackgate_gateway::engine::start::StartError| DrillError::Start {
+            what,
+            why: why.to_string(),
+        }
+    };
     let mut gates = Vec::with_capacity(opts.replicas);
     let mut logs = Vec::with_capacity(opts.replicas);
     for i in 0..opts.replicas {
@@ -848,14 +856,14 @@ async fn wait_for_leader(gates: &[Gateway]) -> Option<usize> {
             .filter_map(|g| g.shared().cluster.as_ref().map(|c| c.status()))
             .collect();
         let leaders: Vec<usize> = (0..status.len())
-            .filter(|&i| status[i].role == "leader")
+            .filter(|&i| status[i].role == Role::Leader)
             .collect();
         if let ([l], true) = (leaders.as_slice(), status.len() == gates.len()) {
             let id = &status[*l].replica_id;
             let agreed = status.iter().all(|st| {
                 st.replicas.len() == gates.len()
-                    && (st.role == "leader"
-                        || (st.role == "follower"
+                    && (st.role == Role::Leader
+                        || (st.role == Role::Follower
                             && st.leader.as_ref().is_some_and(|x| &x.id == id)))
             });
             if agreed {

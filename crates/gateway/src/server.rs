@@ -16,6 +16,7 @@
 
 use crate::cluster::Target;
 use crate::config::Config;
+use crate::engine::start::StartError;
 use crate::engine::state::Shared;
 use crate::http::connlimit::ConnGuard;
 use crate::http::stall::WriteStallGuard;
@@ -147,7 +148,11 @@ pub struct GatewayOptions {
 
 impl Gateway {
     /// Start serving on `listener` with `cfg` (validated here) and `log`.
-    pub fn spawn(listener: TcpListener, cfg: &Config, log: DecisionLog) -> Result<Gateway, String> {
+    pub fn spawn(
+        listener: TcpListener,
+        cfg: &Config,
+        log: DecisionLog,
+    ) -> Result<Gateway, StartError> {
         Gateway::spawn_with_store(listener, cfg, log, Arc::new(MemoryStore::new()))
     }
 
@@ -157,7 +162,7 @@ impl Gateway {
         cfg: &Config,
         log: DecisionLog,
         store: Arc<dyn LedgerStore>,
-    ) -> Result<Gateway, String> {
+    ) -> Result<Gateway, StartError> {
         Gateway::start(listener, cfg, log, store, GatewayOptions::default())
     }
 
@@ -168,13 +173,15 @@ impl Gateway {
         log: DecisionLog,
         store: Arc<dyn LedgerStore>,
         opts: GatewayOptions,
-    ) -> Result<Gateway, String> {
-        cfg.validate().map_err(|e| e.to_string())?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    ) -> Result<Gateway, StartError> {
+        cfg.validate()?;
+        let addr = listener.local_addr()?;
         let env = opts.env.unwrap_or_else(crate::upstream::process_env);
         let mut shared = Shared::with_store_env(cfg, log, store, env)?;
         let cluster = match &cfg.cluster {
-            Some(c) => Some(Arc::new(crate::engine::replica::Cluster::new(c, addr)?)),
+            Some(c) => Some(Arc::new(
+                crate::engine::replica::Cluster::new(c, addr).map_err(StartError::Cluster)?,
+            )),
             None => None,
         };
         if let Some(c) = &cluster {
@@ -194,18 +201,21 @@ impl Gateway {
             Some(c) => {
                 // Until the first heartbeat this replica neither leads nor knows a leader:
                 // its classes follow their fail mode, on a share of one.
-                Some(crate::engine::replica::start_lease(&shared, c).map_err(|e| e.to_string())?)
+                Some(crate::engine::replica::start_lease(&shared, c)?)
             }
             None => None,
         };
-        shared.control.set_env_token(opts.env_token)?;
+        shared
+            .control
+            .set_env_token(opts.env_token)
+            .map_err(StartError::AdminToken)?;
         let watch_source = opts.source.clone();
         shared.control.set_source(opts.source);
         let (stop, stopped) = watch::channel(false);
         let mut helpers = Vec::new();
         let mut admin_addr = None;
         if let Some(admin) = opts.admin {
-            admin_addr = Some(admin.local_addr().map_err(|e| e.to_string())?);
+            admin_addr = Some(admin.local_addr()?);
             helpers.push(tokio::spawn(crate::ops::admin::serve(
                 admin,
                 Arc::clone(&shared),
@@ -284,7 +294,7 @@ pub async fn run(
     cfg: &Config,
     log: DecisionLog,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     run_with(listener, cfg, log, GatewayOptions::default(), shutdown).await
 }
 
@@ -295,7 +305,7 @@ pub async fn run_with(
     log: DecisionLog,
     opts: GatewayOptions,
     shutdown: impl Future<Output = ()>,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     let gw = Gateway::start(listener, cfg, log, open_configured_store(cfg)?, opts)?;
     shutdown.await;
     gw.shutdown().await;
@@ -305,7 +315,7 @@ pub async fn run_with(
 /// Open the ledger store `cfg` names: with `[cluster]`, the replicas' shared ledger in Redis
 /// (`server.ledger` is then not used: a file per replica would let a key or a grant be spent
 /// once per replica); otherwise `server.ledger` (a SQLite file, pruned, or `memory`).
-pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, String> {
+pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, StartError> {
     match &cfg.cluster {
         Some(c) => open_cluster_store(c, cfg.gate.ledger.retention_ms),
         None => open_store_pruned(
@@ -322,14 +332,14 @@ pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, Strin
 pub fn open_cluster_store(
     c: &crate::config::ClusterConfig,
     retention_ms: u64,
-) -> Result<Arc<dyn LedgerStore>, String> {
+) -> Result<Arc<dyn LedgerStore>, StartError> {
     let store = crate::ledger_store::RedisStore::open(crate::ledger_store::RedisOptions {
         url: c.redis.clone(),
         prefix: format!("slackgate:{}", c.name),
         timeout: Duration::from_millis(c.redis_timeout_ms),
         retention_ms,
     })
-    .map_err(|e| format!("cannot open the cluster's ledger: {e}"))?;
+    .map_err(|e| StartError::OpenClusterLedger(Box::new(e)))?;
     Ok(Arc::new(store))
 }
 
@@ -337,7 +347,7 @@ pub fn open_cluster_store(
 pub fn open_store(
     spec: &str,
     synchronous: crate::ledger_store::Synchronous,
-) -> Result<Arc<dyn LedgerStore>, String> {
+) -> Result<Arc<dyn LedgerStore>, StartError> {
     open_store_pruned(
         spec,
         synchronous,
@@ -356,7 +366,7 @@ pub fn open_store_pruned(
     retention_ms: Option<u64>,
     prune_interval_ms: u64,
     flush_timeout_ms: u64,
-) -> Result<Arc<dyn LedgerStore>, String> {
+) -> Result<Arc<dyn LedgerStore>, StartError> {
     if spec == "memory" {
         return Ok(Arc::new(MemoryStore::new()));
     }
@@ -367,8 +377,12 @@ pub fn open_store_pruned(
         flush_timeout_ms,
         ..SqliteOptions::default()
     };
-    let store = SqliteStore::open(std::path::Path::new(spec), opts)
-        .map_err(|e| format!("cannot open the ledger {spec:?}: {e}"))?;
+    let store = SqliteStore::open(std::path::Path::new(spec), opts).map_err(|why| {
+        StartError::OpenLedger {
+            spec: spec.to_string(),
+            why: Box::new(why),
+        }
+    })?;
     Ok(Arc::new(store))
 }
 

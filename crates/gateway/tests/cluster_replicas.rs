@@ -362,7 +362,14 @@ async fn without_redis_or_a_tenant_key_a_replica_refuses_to_start_and_says_what_
     let err = Gateway::start(listener, &cfg, log, store, GatewayOptions::default())
         .err()
         .expect("no tenant hash key without Redis");
-    assert!(err.contains("server.tenant_hash_key"), "{err}");
+    assert!(
+        matches!(
+            err,
+            slackgate_gateway::engine::start::StartError::ClusterTenantKey(_)
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("server.tenant_hash_key"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -147,7 +147,7 @@ async fn a_remote_admin_listener_needs_tls_or_an_explicit_insecure_remote() {
         Arc::new(slackgate_gateway::ledger_store::MemoryStore::new()),
         GatewayOptions::default(),
     );
-    let err = started.err().unwrap_or_default();
+    let err = started.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("insecure_remote"), "{err}");
 }
 

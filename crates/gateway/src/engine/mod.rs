@@ -9,5 +9,6 @@ pub mod ledger;
 pub mod lines;
 pub mod pump;
 pub mod replica;
+pub mod start;
 pub mod state;
 pub mod unqueued;

@@ -10,6 +10,7 @@ use crate::config::{Config, ServerConfig};
 pub use crate::engine::job::JobGuard;
 use crate::engine::lines::{admission_body, decision_line, unqueued_line};
 use crate::engine::pump::{decide, first_endpoint, pump};
+use crate::engine::start::StartError;
 use crate::ledger_store::{LedgerStore, MemoryStore};
 use crate::observe::metrics::Metrics;
 use crate::observe::telemetry::{DecisionLog, LogLine};
@@ -182,7 +183,7 @@ pub enum Admission {
 
 impl Shared {
     /// Build the shared state for a validated configuration.
-    pub fn new(cfg: &Config, log: DecisionLog) -> Result<Shared, String> {
+    pub fn new(cfg: &Config, log: DecisionLog) -> Result<Shared, StartError> {
         Shared::with_store(cfg, log, Arc::new(MemoryStore::new()))
     }
 
@@ -193,7 +194,7 @@ impl Shared {
         cfg: &Config,
         log: DecisionLog,
         store: Arc<dyn LedgerStore>,
-    ) -> Result<Shared, String> {
+    ) -> Result<Shared, StartError> {
         Shared::with_store_env(cfg, log, store, crate::upstream::process_env())
     }
 
@@ -203,13 +204,14 @@ impl Shared {
         log: DecisionLog,
         store: Arc<dyn LedgerStore>,
         env: EnvLookup,
-    ) -> Result<Shared, String> {
+    ) -> Result<Shared, StartError> {
         let transports = Transports::build(
             &cfg.gate.pools,
             Duration::from_millis(cfg.server.upstream_idle_timeout_ms),
             env,
-        )?;
-        let mut gate = Gate::new(cfg.gate.clone()).map_err(|e| e.to_string())?;
+        )
+        .map_err(StartError::Transports)?;
+        let mut gate = Gate::new(cfg.gate.clone())?;
         let clock = Clock::new();
         restore_ledger(cfg, store.as_ref(), &mut gate, &clock)?;
         check_upstreams(cfg)?;
@@ -506,7 +508,7 @@ fn restore_ledger(
     store: &dyn LedgerStore,
     gate: &mut Gate,
     clock: &Clock,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     let records = match store.load() {
         Ok(r) => r,
         // A replica may start while Redis is out of reach: it decides by its classes' fail
@@ -518,7 +520,7 @@ fn restore_ledger(
             );
             Vec::new()
         }
-        Err(e) => return Err(format!("cannot load the ledger: {e}")),
+        Err(e) => return Err(StartError::LoadLedger(Box::new(e))),
     };
     // Generated keys carry the start time, so they never collide with an earlier run's.
     gate.set_key_run_tag(&format!("{:x}", clock.now_ms()));
@@ -533,11 +535,14 @@ fn restore_ledger(
 }
 
 /// Every pool's upstream URLs parse (a validated config's do; a hand-built one may not).
-fn check_upstreams(cfg: &Config) -> Result<(), String> {
+fn check_upstreams(cfg: &Config) -> Result<(), StartError> {
     for (i, p) in cfg.gate.pools.iter().enumerate() {
         let endpoints = p.endpoint_list();
         if endpoints.is_empty() {
-            return Err(format!("pools[{i}].upstream: missing"));
+            return Err(StartError::Upstream {
+                at: format!("pools[{i}].upstream"),
+                why: "missing".into(),
+            });
         }
         for (j, e) in endpoints.iter().enumerate() {
             let at = if p.endpoints.is_empty() {
@@ -545,7 +550,7 @@ fn check_upstreams(cfg: &Config) -> Result<(), String> {
             } else {
                 format!("pools[{i}].endpoints[{j}].url")
             };
-            crate::upstream::parse_base(&e.url).map_err(|err| format!("{at}: {err}"))?;
+            crate::upstream::parse_base(&e.url).map_err(|why| StartError::Upstream { at, why })?;
         }
     }
     Ok(())
@@ -555,18 +560,14 @@ fn check_upstreams(cfg: &Config) -> Result<(), String> {
 fn tenant_key(
     cfg: &Config,
     store: &dyn LedgerStore,
-) -> Result<[u8; crate::support::tenant::KEY_BYTES], String> {
+) -> Result<[u8; crate::support::tenant::KEY_BYTES], StartError> {
     let key = match &cfg.server.tenant_hash_key {
-        Some(hex) => crate::support::tenant::parse_key(hex)
-            .map_err(|e| format!("server.tenant_hash_key: {e}"))?,
+        Some(hex) => crate::support::tenant::parse_key(hex).map_err(StartError::TenantKey)?,
         None => store.tenant_hash_key().map_err(|e| {
             if cfg.cluster.is_some() {
-                format!(
-                    "cannot read the cluster's tenant hash key from Redis: {e} (set \
-                     server.tenant_hash_key on every replica to start without Redis)"
-                )
+                StartError::ClusterTenantKey(Box::new(e))
             } else {
-                format!("cannot read the tenant hash key: {e}")
+                StartError::StoreTenantKey(Box::new(e))
             }
         })?,
     };

@@ -19,7 +19,7 @@ fn shared() -> Arc<Shared> {
     );
     let cfg = cfg.map_err(|e| e.to_string());
     assert!(cfg.is_ok(), "{cfg:?}");
-    let shared = cfg.and_then(|c| Shared::new(&c, DecisionLog::off()));
+    let shared = cfg.and_then(|c| Shared::new(&c, DecisionLog::off()).map_err(String::from));
     match shared {
         Ok(s) => Arc::new(s),
         Err(e) => panic!("{e}"),
@@ -141,7 +141,7 @@ fn a_replica_alone_reads_the_fail_mode_of_the_class_the_core_classifies() {
     ));
     let shared = match cfg
         .map_err(|e| e.to_string())
-        .and_then(|c| Shared::new(&c, DecisionLog::off()))
+        .and_then(|c| Shared::new(&c, DecisionLog::off()).map_err(String::from))
     {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
