@@ -11,6 +11,7 @@
 //! - `slackgate calibrate --upstream URL [--model NAME] [--slots N] [--quick]`
 
 mod calibrate;
+mod diagnostics;
 mod drill;
 mod sim;
 
@@ -197,6 +198,7 @@ struct StubArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    diagnostics::init();
     // The simulator is plain CPU work: no runtime.
     let cli = match cli.command {
         Command::Sim(a) => return sim::run(a),

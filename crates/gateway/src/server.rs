@@ -275,14 +275,14 @@ impl Gateway {
         if let (Some(c), Some(h)) = (&self.shared.cluster, self.lease) {
             // The last settlements reach Redis first: the next leader loads them.
             if let Err(e) = self.shared.durable().await {
-                eprintln!("slackgate: ledger flush before giving the lease up failed: {e}");
+                tracing::error!("ledger flush before giving the lease up failed: {e}");
             }
             c.stop();
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
         self.shared.log.flush().await;
         if let Err(e) = self.shared.durable().await {
-            eprintln!("slackgate: ledger flush at shutdown failed: {e}");
+            tracing::error!("ledger flush at shutdown failed: {e}");
         }
     }
 }

@@ -341,7 +341,7 @@ fn leader_broke(base: &UpstreamBase, e: &hyper_util::client::legacy::Error) -> R
         "the leader replica {base} broke the exchange: {}",
         crate::upstream::cause::chain(e)
     );
-    eprintln!("slackgate: {msg}");
+    tracing::warn!("{msg}");
     response::error(
         StatusCode::BAD_GATEWAY,
         Reason::ClusterUnavailable,

@@ -204,8 +204,8 @@ impl Shared {
                     });
                     self.metrics
                         .endpoint_event(&pool_name, &endpoint_name, "ejected");
-                    eprintln!(
-                        "slackgate: endpoint {endpoint_name} of pool {pool_name} ejected after \
+                    tracing::warn!(
+                        "endpoint {endpoint_name} of pool {pool_name} ejected after \
                          {failures} consecutive failures (last: {why})"
                     );
                     self.endpoint_event(
@@ -226,7 +226,7 @@ impl Shared {
     /// [`NOTE_EVERY`]; a different one is written at once.
     pub fn note_upstream_failure(&self, pool: &str, upstream: &str, message: &str) {
         if self.health.worth_noting(upstream, message) {
-            eprintln!("slackgate: pool {pool}, upstream {upstream}: {message}");
+            tracing::warn!("pool {pool}, upstream {upstream}: {message}");
         }
     }
 
@@ -236,7 +236,7 @@ impl Shared {
     pub fn note_store_error(&self, e: &str) {
         self.metrics.decision("none", "error", "ledger_store_error");
         if self.health.worth_noting("ledger store", e) {
-            eprintln!("slackgate: ledger store: {e}");
+            tracing::error!("ledger store: {e}");
         }
     }
 

@@ -514,8 +514,8 @@ fn restore_ledger(
         // A replica may start while Redis is out of reach: it decides by its classes' fail
         // modes until Redis answers, and the ledger is loaded when it takes the lease.
         Err(e) if cfg.cluster.is_some() => {
-            eprintln!(
-                "slackgate: cluster: cannot load the shared ledger yet ({e}); starting \
+            tracing::warn!(
+                "cluster: cannot load the shared ledger yet ({e}); starting \
                  without it (it is loaded when this replica takes the lease)"
             );
             Vec::new()

@@ -322,8 +322,8 @@ impl RedisStore {
                         let now = crate::support::clock::epoch_ms();
                         if let Err(e) = prune(&shared, &upkeep, now, retention) {
                             if !std::mem::replace(&mut logged, true) {
-                                eprintln!(
-                                    "slackgate: ledger store {}: pruning failed: {e} [later \
+                                tracing::warn!(
+                                    "ledger store {}: pruning failed: {e} [later \
                                      failures are only counted]",
                                     shared.shown
                                 );
@@ -847,10 +847,11 @@ impl Writer {
         }
         if let Some(why) = first_bad {
             Counters::add(&self.shared.counters.rows_skipped, skipped);
-            eprintln!(
-                "slackgate: ledger store {}: skipped {skipped} unreadable entries of {} at \
+            tracing::warn!(
+                "ledger store {}: skipped {skipped} unreadable entries of {} at \
                  load (first: {why})",
-                self.shared.shown, self.shared.keys.holds
+                self.shared.shown,
+                self.shared.keys.holds
             );
         }
         // HSCAN may return an entry twice (if the hash was resized mid-scan).
@@ -896,8 +897,8 @@ impl Writer {
 
     fn log_once(&mut self, kind: &str, message: &str) {
         if self.logged.insert(kind.to_owned()) {
-            eprintln!(
-                "slackgate: ledger store {}: {message} [{kind}; later ones are only counted \
+            tracing::warn!(
+                "ledger store {}: {message} [{kind}; later ones are only counted \
                  in the store stats]",
                 self.shared.shown
             );

@@ -200,8 +200,8 @@ impl SqliteStore {
                                     Counters::add(&pruner_counters.prune_errors, 1);
                                     if !logged {
                                         logged = true;
-                                        eprintln!(
-                                            "slackgate: ledger store {}: pruning failed: {e} \
+                                        tracing::warn!(
+                                            "ledger store {}: pruning failed: {e} \
                                              [later failures are only counted]",
                                             prune_path.display()
                                         );
@@ -427,8 +427,8 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
     if !mode.eq_ignore_ascii_case("wal") {
         // Some file systems (network mounts) cannot do WAL; the store still works, with a
         // rollback journal, but an operator should know.
-        eprintln!(
-            "slackgate: ledger store {}: WAL mode unavailable, using journal_mode={mode}",
+        tracing::warn!(
+            "ledger store {}: WAL mode unavailable, using journal_mode={mode}",
             path.display()
         );
     }

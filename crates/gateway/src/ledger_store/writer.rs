@@ -350,8 +350,8 @@ impl Writer {
 
     fn log_once(&mut self, kind: &str, message: &str) {
         if self.logged.insert(kind.to_owned()) {
-            eprintln!(
-                "slackgate: ledger store {}: {message} [{kind}; later ones are only counted \
+            tracing::warn!(
+                "ledger store {}: {message} [{kind}; later ones are only counted \
                  in the store stats]",
                 self.path.display()
             );
@@ -377,8 +377,8 @@ impl Writer {
         }
         if let Some(why) = first_bad {
             Counters::add(&self.counters.rows_skipped, skipped);
-            eprintln!(
-                "slackgate: ledger store {}: skipped {skipped} unreadable rows at load \
+            tracing::warn!(
+                "ledger store {}: skipped {skipped} unreadable rows at load \
                  (first: {why})",
                 self.path.display()
             );

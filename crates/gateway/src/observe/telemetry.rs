@@ -451,10 +451,9 @@ async fn writer(
                         counters.rotations.fetch_add(1, Ordering::Relaxed);
                     }
                     // Keep writing where we are; try again after the next batch.
-                    Err(e) => eprintln!(
-                        "slackgate: cannot rotate the decision log {}: {e}",
-                        f.path.display()
-                    ),
+                    Err(e) => {
+                        tracing::error!("cannot rotate the decision log {}: {e}", f.path.display())
+                    }
                 }
             }
         }

@@ -307,7 +307,7 @@ pub fn reload_text(
     actor: &str,
 ) -> Result<ReloadOutcome, ControlError> {
     for w in crate::Config::deprecations(text) {
-        eprintln!("slackgate: warning: {}: {w}", source.path.display());
+        tracing::warn!("warning: {}: {w}", source.path.display());
     }
     match (source.parse)(text) {
         Ok(cfg) => reload(shared, cfg, actor),
@@ -321,7 +321,7 @@ pub fn reload_text(
 
 /// Log (and print) a refused reload: the previous config stays in force.
 pub fn reload_refused_text(shared: &Shared, why: &str, actor: &str) {
-    eprintln!("slackgate: config reload refused, the previous config stays in force: {why}");
+    tracing::warn!("config reload refused, the previous config stays in force: {why}");
     let mut line = Shared::event_line("reload", "config_rejected", actor);
     line.message = Some(why.to_string());
     shared.log_events(vec![line]);
@@ -401,8 +401,8 @@ pub fn reload(shared: &Shared, cfg: Config, actor: &str) -> Result<ReloadOutcome
     line.message = serde_json::to_string(&outcome).ok();
     shared.log_events(vec![line]);
     if !outcome.restart_required.is_empty() {
-        eprintln!(
-            "slackgate: config reloaded (generation {generation}); changes to {} apply after a restart",
+        tracing::info!(
+            "config reloaded (generation {generation}); changes to {} apply after a restart",
             outcome.restart_required.join(", ")
         );
     }

@@ -93,9 +93,10 @@ async fn ask_pool(shared: &Shared, pool: &slackgate_core::config::PoolConfig, kn
             Ok(Some(n)) => {
                 known.failed.remove(&key);
                 if known.said.insert(key, n) != Some(n) {
-                    eprintln!(
-                        "slackgate: pool {:?} endpoint {:?} serves a context window of {n} tokens",
-                        pool.name, e.name
+                    tracing::info!(
+                        "pool {:?} endpoint {:?} serves a context window of {n} tokens",
+                        pool.name,
+                        e.name
                     );
                 }
             }
@@ -106,10 +107,11 @@ async fn ask_pool(shared: &Shared, pool: &slackgate_core::config::PoolConfig, kn
             // Not answered now: keep what it said last (health ejects it if it is gone).
             Err(why) => {
                 if known.failed.get(&key) != Some(&why) {
-                    eprintln!(
-                        "slackgate: pool {:?} endpoint {:?}: cannot read its context window \
+                    tracing::warn!(
+                        "pool {:?} endpoint {:?}: cannot read its context window \
                          ({why}); keeping the last figure",
-                        pool.name, e.name
+                        pool.name,
+                        e.name
                     );
                     known.failed.insert(key, why);
                 }

@@ -56,7 +56,7 @@ fn start(shared: &Arc<Shared>) -> Vec<Scrapers> {
             Ok(jobs) => jobs,
             Err(e) => {
                 // Validated with the config; a job that still cannot be built is reported.
-                eprintln!("slackgate: not reading the server's metrics: {e}");
+                tracing::warn!("not reading the server's metrics: {e}");
                 continue;
             }
         };
