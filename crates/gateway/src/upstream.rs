@@ -20,10 +20,10 @@ pub mod throttle;
 mod tls;
 mod transports;
 
-pub use crate::wire::url::{parse_base, UpstreamBase};
+pub use crate::wire::url::{parse_base, UpstreamBase, UrlError};
 pub use auth::{process_env, EnvLookup, UpstreamAuth};
 pub use tls::TlsError;
-pub use transports::{Transport, Transports};
+pub use transports::{Transport, TransportError, Transports};
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -220,7 +220,10 @@ mod tests {
         assert!(parse_base("127.0.0.1:9000").is_err());
         assert!(parse_base("").is_err());
         assert!(parse_base("http://h:1/?q=1").is_err());
-        assert!(parse_base("ftp://h").is_err());
+        assert_eq!(
+            parse_base("ftp://h"),
+            Err(UrlError::UnsupportedScheme("ftp://h".into()))
+        );
         assert!(parse_base("wss://h").is_err());
         assert!(parse_base("https://:443").is_err());
     }
@@ -228,7 +231,8 @@ mod tests {
     #[test]
     fn credentials_in_the_url_are_refused_and_not_echoed() {
         let e = parse_base("https://user:sk-secret@api.example.com/v1").err();
-        let msg = e.unwrap_or_default();
+        assert!(matches!(e, Some(UrlError::Credentials(_))), "{e:?}");
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
         assert!(
             msg.contains("[pools.auth]") && !msg.contains("sk-secret"),
             "{msg}"

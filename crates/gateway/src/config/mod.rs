@@ -558,11 +558,11 @@ impl Config {
             }
             if let Some(u) = &p.upstream {
                 crate::wire::url::parse_base(u)
-                    .map_err(|e| err(&format!("pools[{i}].upstream"), &e))?;
+                    .map_err(|e| err(&format!("pools[{i}].upstream"), &e.to_string()))?;
             }
             for (j, e) in p.endpoints.iter().enumerate() {
                 crate::wire::url::parse_base(&e.url)
-                    .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m))?;
+                    .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m.to_string()))?;
             }
         }
         Ok(())
@@ -673,11 +673,11 @@ impl Config {
         for (i, p) in self.gate.pools.iter().enumerate() {
             if let Some(u) = &p.upstream {
                 crate::wire::url::parse_base(u)
-                    .map_err(|m| err(&format!("pools[{i}].upstream"), &m))?;
+                    .map_err(|m| err(&format!("pools[{i}].upstream"), &m.to_string()))?;
             }
             for (j, e) in p.endpoints.iter().enumerate() {
                 crate::wire::url::parse_base(&e.url)
-                    .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m))?;
+                    .map_err(|m| err(&format!("pools[{i}].endpoints[{j}].url"), &m.to_string()))?;
             }
         }
         Ok(())

@@ -23,6 +23,22 @@ use std::sync::{Arc, Mutex};
 /// Turns the text of the config file into a config: the CLI's version also applies its
 /// command-line overrides (`--upstream`, `--slots`, ...), so a reload sees what a restart
 /// with the same command would.
+/// Why the admin token in force could not be set.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    /// `admin.token_file` names a file that cannot be read.
+    #[error("admin.token_file: cannot read {}: {source}", path.display())]
+    Unreadable {
+        /// The file as configured.
+        path: std::path::PathBuf,
+        /// The read's error.
+        source: std::io::Error,
+    },
+    /// The token is shorter than `MIN_TOKEN_LEN` (its length given).
+    #[error("admin token: at least {MIN_TOKEN_LEN} characters are required (got {0})")]
+    TooShort(usize),
+}
+
 pub type ConfigParser = Arc<dyn Fn(&str) -> Result<Config, String> + Send + Sync>;
 
 /// Where reloads read the configuration from.
@@ -142,29 +158,28 @@ impl Control {
     }
 
     /// Set the environment's admin token and (re)read the token in force.
-    pub fn set_env_token(&self, token: Option<String>) -> Result<(), String> {
+    pub fn set_env_token(&self, token: Option<String>) -> Result<(), TokenError> {
         *lock(&self.env_token) = token.filter(|t| !t.trim().is_empty());
         let file = lock(&self.file).clone();
         self.load_token(&file)
     }
 
     /// Read the admin token for `cfg`: its `token_file`, else the environment's token.
-    pub(crate) fn load_token(&self, cfg: &Config) -> Result<(), String> {
+    pub(crate) fn load_token(&self, cfg: &Config) -> Result<(), TokenError> {
         let token = match &cfg.admin.token_file {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| {
-                    format!("admin.token_file: cannot read {}: {e}", path.display())
-                })?;
+                let text =
+                    std::fs::read_to_string(path).map_err(|source| TokenError::Unreadable {
+                        path: path.clone(),
+                        source,
+                    })?;
                 Some(text.trim().to_string())
             }
             None => lock(&self.env_token).clone(),
         };
         if let Some(t) = &token {
             if t.len() < MIN_TOKEN_LEN {
-                return Err(format!(
-                    "admin token: at least {MIN_TOKEN_LEN} characters are required (got {})",
-                    t.len()
-                ));
+                return Err(TokenError::TooShort(t.len()));
             }
         }
         *lock(&self.token) = token;

@@ -136,6 +136,22 @@ struct Due {
     timeout: Duration,
 }
 
+/// An endpoint the admin API named that the gate does not have.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum UnknownEndpoint {
+    /// No pool of that name.
+    #[error("no pool named {0:?}")]
+    Pool(String),
+    /// The pool has no endpoint of that name.
+    #[error("pool {pool:?} has no endpoint {endpoint:?}")]
+    Endpoint {
+        /// The pool named.
+        pool: String,
+        /// The endpoint named.
+        endpoint: String,
+    },
+}
+
 impl Shared {
     /// Count an exchange with an endpoint. `eject_after` consecutive failures eject it; a
     /// successful `probe` of an ejected endpoint readmits it (a proxied request never reaches
@@ -233,9 +249,9 @@ impl Shared {
     /// Record a ledger store failure: counted in `/metrics` (`ledger_store_error`), and the
     /// store's error on stderr (a repeat of the same error left out for [`NOTE_EVERY`]). The
     /// caller decides what the request does (its class's fail mode).
-    pub fn note_store_error(&self, e: &str) {
+    pub fn note_store_error(&self, e: &crate::ledger_store::StoreError) {
         self.metrics.decision("none", "error", "ledger_store_error");
-        if self.health.worth_noting("ledger store", e) {
+        if self.health.worth_noting("ledger store", &e.to_string()) {
             tracing::error!("ledger store: {e}");
         }
     }
@@ -327,17 +343,19 @@ impl Shared {
         endpoint_name: &str,
         draining: bool,
         actor: &str,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, UnknownEndpoint> {
         let changed = self.with_core(|st, now, _| {
             let pool = st
                 .gate
                 .pool_id(pool_name)
-                .ok_or_else(|| format!("no pool named {pool_name:?}"))?;
-            let endpoint = st
-                .gate
-                .endpoint_id(pool, endpoint_name)
-                .ok_or_else(|| format!("pool {pool_name:?} has no endpoint {endpoint_name:?}"))?;
-            Ok::<_, String>(st.gate.set_endpoint_draining(now, pool, endpoint, draining))
+                .ok_or_else(|| UnknownEndpoint::Pool(pool_name.to_string()))?;
+            let endpoint = st.gate.endpoint_id(pool, endpoint_name).ok_or_else(|| {
+                UnknownEndpoint::Endpoint {
+                    pool: pool_name.to_string(),
+                    endpoint: endpoint_name.to_string(),
+                }
+            })?;
+            Ok::<_, UnknownEndpoint>(st.gate.set_endpoint_draining(now, pool, endpoint, draining))
         })?;
         if changed {
             let event = if draining { "drained" } else { "undrained" };

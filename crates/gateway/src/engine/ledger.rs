@@ -143,11 +143,11 @@ impl Shared {
         &self,
         alive: &std::collections::HashSet<String>,
         store_lost_data: bool,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, crate::ledger_store::StoreError> {
         // What this replica wrote while it could not reach the store goes first (bounded by
         // the store's timeout; what does not make it is merged from memory by the core).
         let _ = self.store.flush();
-        let records = self.store.load().map_err(|e| e.to_string())?;
+        let records = self.store.load()?;
         let n = records.len();
         // Written as leader: the lease is this replica's from here (the lease thread makes it
         // lead right after), so the records the takeover changes go to the store.

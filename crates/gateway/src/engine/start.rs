@@ -16,17 +16,20 @@ pub enum StartError {
     Listener(#[from] std::io::Error),
     /// A pool's upstream clients could not be built (TLS roots, credentials).
     #[error("{0}")]
-    Transports(String),
+    Transports(crate::upstream::TransportError),
     /// The ledger store could not be read at start.
     #[error("cannot load the ledger: {0}")]
     LoadLedger(Box<StoreError>),
+    /// A pool names no upstream at all (the config field given).
+    #[error("{0}: missing")]
+    NoUpstream(String),
     /// A pool's upstream URL does not parse (`at` names the field).
     #[error("{at}: {why}")]
     Upstream {
         /// The config field.
         at: String,
         /// Why it does not parse.
-        why: String,
+        why: crate::wire::url::UrlError,
     },
     /// `server.tenant_hash_key` is not a key.
     #[error("server.tenant_hash_key: {0}")]
@@ -42,13 +45,13 @@ pub enum StartError {
     StoreTenantKey(Box<StoreError>),
     /// The `[cluster]` section cannot work on this listener.
     #[error("{0}")]
-    Cluster(String),
+    Cluster(slackgate_core::ConfigError),
     /// The cluster's lease thread could not start.
     #[error(transparent)]
     Lease(#[from] LeaseStartError),
     /// The admin token from the environment is unusable.
     #[error("{0}")]
-    AdminToken(String),
+    AdminToken(crate::engine::controls::TokenError),
     /// The cluster's shared ledger could not be opened.
     #[error("cannot open the cluster's ledger: {0}")]
     OpenClusterLedger(Box<StoreError>),

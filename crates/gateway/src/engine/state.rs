@@ -11,7 +11,7 @@ pub use crate::engine::job::JobGuard;
 use crate::engine::lines::{admission_body, decision_line, unqueued_line};
 use crate::engine::pump::{decide, first_endpoint, pump};
 use crate::engine::start::StartError;
-use crate::ledger_store::{LedgerStore, MemoryStore};
+use crate::ledger_store::{LedgerStore, MemoryStore, StoreError};
 use crate::observe::metrics::Metrics;
 use crate::observe::telemetry::{DecisionLog, LogLine};
 use crate::support::clock::{epoch_ms, Clock};
@@ -309,11 +309,8 @@ impl Shared {
 
     /// Wait until every ledger record written so far is durable (group commit: concurrent
     /// callers share one transaction). Runs the blocking flush off the async workers.
-    pub async fn durable(&self) -> Result<(), String> {
-        Arc::clone(&self.store)
-            .flush_async()
-            .await
-            .map_err(|e| e.to_string())
+    pub async fn durable(&self) -> Result<(), StoreError> {
+        Arc::clone(&self.store).flush_async().await
     }
 
     /// Wait, as [`Shared::durable`] does, for everything written so far, but answer for the
@@ -323,11 +320,8 @@ impl Shared {
     pub async fn durable_for(
         &self,
         write: Option<crate::ledger_store::WriteSeq>,
-    ) -> Result<(), String> {
-        Arc::clone(&self.store)
-            .flush_write_async(write)
-            .await
-            .map_err(|e| e.to_string())
+    ) -> Result<(), StoreError> {
+        Arc::clone(&self.store).flush_write_async(write).await
     }
 
     /// The ceiling of every Retry-After (`retry.max_retry_after_ms`) in force.
@@ -539,10 +533,7 @@ fn check_upstreams(cfg: &Config) -> Result<(), StartError> {
     for (i, p) in cfg.gate.pools.iter().enumerate() {
         let endpoints = p.endpoint_list();
         if endpoints.is_empty() {
-            return Err(StartError::Upstream {
-                at: format!("pools[{i}].upstream"),
-                why: "missing".into(),
-            });
+            return Err(StartError::NoUpstream(format!("pools[{i}].upstream")));
         }
         for (j, e) in endpoints.iter().enumerate() {
             let at = if p.endpoints.is_empty() {

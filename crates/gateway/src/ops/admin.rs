@@ -376,7 +376,11 @@ pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) ->
                 Ok(changed) => response::json(&json!({
                     "pool": pool, "endpoint": endpoint, "draining": draining, "changed": changed,
                 })),
-                Err(e) => error(StatusCode::NOT_FOUND, "not_found", &truncate(&e)),
+                Err(e) => error(
+                    StatusCode::NOT_FOUND,
+                    "not_found",
+                    &truncate(&e.to_string()),
+                ),
             }
         }
         ["admin", "queues"] if method == Method::GET => response::json(&queues(shared)),

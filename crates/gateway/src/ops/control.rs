@@ -341,7 +341,7 @@ pub fn reload(shared: &Shared, cfg: Config, actor: &str) -> Result<ReloadOutcome
     let old = lock(&shared.control.file).clone();
     if cfg.admin.token_file != old.admin.token_file || cfg.admin.token_file.is_some() {
         if let Err(e) = shared.control.load_token(&cfg) {
-            return refuse(e);
+            return refuse(e.to_string());
         }
     }
     // Read CA files and API keys before touching the core: a reload that cannot build

@@ -198,7 +198,11 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
                 // The worker would call the model with no durable hold: a class failing
                 // closed is told no (its hold released), as the proxy's requests are.
                 if shared.fail_mode_of(d.class) == slackgate_core::FailMode::Closed {
-                    return Ok(ledger_unavailable(shared, &d.idempotency_key, &e));
+                    return Ok(ledger_unavailable(
+                        shared,
+                        &d.idempotency_key,
+                        &e.to_string(),
+                    ));
                 }
                 false
             }

@@ -175,7 +175,7 @@ fn duplicate_in_store(guard: JobGuard, key: &str) -> Response<ResBody> {
 
 /// The ledger store could not record the hold and the class fails closed: 503
 /// `ledger_unavailable`.
-fn ledger_unavailable(guard: JobGuard, why: &str) -> Response<ResBody> {
+fn ledger_unavailable(guard: JobGuard, why: &crate::ledger_store::StoreError) -> Response<ResBody> {
     refuse_dispatched(
         guard,
         StatusCode::SERVICE_UNAVAILABLE,

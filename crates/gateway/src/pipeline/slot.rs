@@ -27,7 +27,7 @@ pub(super) enum SlotRefused {
     /// The gate answered for it (dropped, shutting down).
     Answer(Response<ResBody>),
     /// Its hold could not be made durable and its class fails closed.
-    LedgerDown(String),
+    LedgerDown(crate::ledger_store::StoreError),
     /// The shared ledger refused its hold: another replica holds or has done the key.
     Duplicate(String),
 }

@@ -39,7 +39,10 @@ impl std::fmt::Display for ProbeReport {
 
 /// Probe every endpoint of `pools` at once (see the module). `Err`: the pools' transports
 /// cannot be built (a CA file or API key that cannot be read), with the field path.
-pub async fn probe_pools(pools: &[PoolConfig], env: EnvLookup) -> Result<Vec<ProbeReport>, String> {
+pub async fn probe_pools(
+    pools: &[PoolConfig],
+    env: EnvLookup,
+) -> Result<Vec<ProbeReport>, super::TransportError> {
     // No idle connection is kept: each probe shows a whole connection (TCP, TLS) being made.
     let transports = Transports::build(pools, Duration::ZERO, env)?;
     let probes = pools.iter().flat_map(|pool| {
@@ -67,7 +70,7 @@ pub async fn probe_pools(pools: &[PoolConfig], env: EnvLookup) -> Result<Vec<Pro
 
 /// The URL `GET path` goes to on the endpoint at `base`.
 fn probe_uri(base: &str, path: &str) -> Result<http::Uri, String> {
-    let base = parse_base(base)?;
+    let base = parse_base(base).map_err(|e| e.to_string())?;
     let pq: http::uri::PathAndQuery = path
         .parse()
         .map_err(|e| format!("health.path {path:?} is not a path: {e}"))?;

@@ -68,6 +68,33 @@ fn needs_tls(pool: &PoolConfig) -> bool {
         .any(|e| super::parse_base(&e.url).is_ok_and(|b| b.is_https()))
 }
 
+/// Why a pool's transport could not be built; the message names the field
+/// (`pools[1].auth.api_key_env: ...`).
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The plain HTTP client could not be built.
+    #[error("{0}")]
+    Client(TlsError),
+    /// A pool's `[pools.tls]` is unusable.
+    #[error("pools[{pool}].{field}: {source}")]
+    Tls {
+        /// The pool's index in the config.
+        pool: usize,
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong.
+        source: TlsError,
+    },
+    /// A pool's `[pools.auth]` is unusable.
+    #[error("pools[{pool}].{source}")]
+    Auth {
+        /// The pool's index in the config.
+        pool: usize,
+        /// What is wrong (its message starts with the field).
+        source: super::auth::AuthError,
+    },
+}
+
 impl Transports {
     /// Build the transports of `pools` (reading CA files and API keys now). `idle_timeout`:
     /// `server.upstream_idle_timeout_ms`; `env` looks up `auth.api_key_env` now and on reloads.
@@ -75,8 +102,8 @@ impl Transports {
         pools: &[PoolConfig],
         idle_timeout: Duration,
         env: EnvLookup,
-    ) -> Result<Transports, String> {
-        let plain = UpstreamClient::new(idle_timeout).map_err(|e| e.to_string())?;
+    ) -> Result<Transports, TransportError> {
+        let plain = UpstreamClient::new(idle_timeout).map_err(TransportError::Client)?;
         let t = Transports {
             by_pool: RwLock::new(Arc::new(Map::new())),
             fallback: Arc::new(Transport {
@@ -94,7 +121,7 @@ impl Transports {
 
     /// Build the transports of a new config without putting them in force; an error names
     /// the field (`pools[1].auth.api_key_env: ...`).
-    pub fn prepare(&self, pools: &[PoolConfig]) -> Result<Prepared, String> {
+    pub fn prepare(&self, pools: &[PoolConfig]) -> Result<Prepared, TransportError> {
         let current = self.snapshot();
         let mut clients: Vec<(TlsKey, UpstreamClient)> = current
             .values()
@@ -102,10 +129,15 @@ impl Transports {
             .collect();
         let mut next = Map::new();
         for (i, pool) in pools.iter().enumerate() {
-            let tls = TlsSettings::build(&pool.tls, needs_tls(pool))
-                .map_err(|e| format!("pools[{i}].{}: {e}", tls_field(&e)))?;
+            let tls = TlsSettings::build(&pool.tls, needs_tls(pool)).map_err(|e| {
+                TransportError::Tls {
+                    pool: i,
+                    field: tls_field(&e),
+                    source: e,
+                }
+            })?;
             let auth = UpstreamAuth::from_config(&pool.auth, &self.env)
-                .map_err(|e| format!("pools[{i}].{e}"))?;
+                .map_err(|e| TransportError::Auth { pool: i, source: e })?;
             let client = match clients.iter().find(|(k, _)| *k == tls.key) {
                 Some((_, c)) => c.clone(),
                 None => {
@@ -177,13 +209,13 @@ mod tests {
         let mut b = pool("b", "https://127.0.0.1:2");
         b.auth.api_key_env = Some("SLACKGATE_TEST_UNSET_KEY".into());
         let e = Transports::build(&[a.clone(), b.clone()], Duration::ZERO, env(&[])).err();
-        let msg = e.unwrap_or_default();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.starts_with("pools[1].auth.api_key_env"), "{msg}");
 
         b.auth.api_key_env = None;
         b.tls.ca_file = Some("/nonexistent/slackgate/ca.pem".into());
         let e = Transports::build(&[a.clone(), b.clone()], Duration::ZERO, env(&[])).err();
-        let msg = e.unwrap_or_default();
+        let msg = e.map(|e| e.to_string()).unwrap_or_default();
         assert!(
             msg.starts_with("pools[1].tls.ca_file: cannot read"),
             "{msg}"
@@ -193,13 +225,13 @@ mod tests {
         b.tls.ca_file = None;
         b.tls.system_roots = false;
         let e = Transports::build(&[b.clone()], Duration::ZERO, env(&[])).err();
-        assert!(e.is_some_and(|m| m.starts_with("pools[0].tls.system_roots")));
+        assert!(e.is_some_and(|m| m.to_string().starts_with("pools[0].tls.system_roots")));
         a.tls.system_roots = false;
         assert!(Transports::build(&[a], Duration::ZERO, env(&[])).is_ok());
     }
 
     #[test]
-    fn a_reload_keeps_unchanged_clients_and_retired_pools() -> Result<(), String> {
+    fn a_reload_keeps_unchanged_clients_and_retired_pools() -> Result<(), TransportError> {
         let mut a = pool("a", "http://127.0.0.1:1");
         a.auth.api_key_env = Some("K".into());
         let b = pool("b", "http://127.0.0.1:2");

@@ -13,38 +13,63 @@ pub struct UpstreamBase {
     prefix: String,
 }
 
+/// Why a string is not an upstream base URL. The messages name the URL as given, except
+/// one with credentials in it, whose user and password are never shown.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    /// Not a URI at all.
+    #[error("not a URL ({reason}): {url:?}")]
+    NotAUrl {
+        /// The text as given.
+        url: String,
+        /// The URI parser's words.
+        reason: String,
+    },
+    /// No `http://` or `https://`.
+    #[error("missing http:// or https:// in {0:?}")]
+    MissingScheme(String),
+    /// A scheme other than `http` or `https`.
+    #[error("only http:// and https:// upstreams are supported, got {0:?}")]
+    UnsupportedScheme(String),
+    /// No host.
+    #[error("missing host in {0:?}")]
+    MissingHost(String),
+    /// `user:password@` in the authority (shown redacted).
+    #[error("an upstream URL takes no user:password@ (use [pools.auth]): {0}")]
+    Credentials(String),
+    /// A `?query` on a base URL.
+    #[error("an upstream base URL takes no query: {0:?}")]
+    Query(String),
+}
+
 /// Parse `http://host[:port][/prefix]` or `https://host[:port][/prefix]`.
-pub fn parse_base(url: &str) -> Result<UpstreamBase, String> {
+pub fn parse_base(url: &str) -> Result<UpstreamBase, UrlError> {
     let uri: Uri = url
         .trim()
         .parse()
-        .map_err(|e| format!("not a URL ({e}): {url:?}"))?;
+        .map_err(|e: http::uri::InvalidUri| UrlError::NotAUrl {
+            url: url.to_string(),
+            reason: e.to_string(),
+        })?;
     let scheme = uri
         .scheme()
         .cloned()
-        .ok_or_else(|| format!("missing http:// or https:// in {url:?}"))?;
+        .ok_or_else(|| UrlError::MissingScheme(url.to_string()))?;
     if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
-        return Err(format!(
-            "only http:// and https:// upstreams are supported, got {url:?}"
-        ));
+        return Err(UrlError::UnsupportedScheme(url.to_string()));
     }
     let authority = uri
         .authority()
         .cloned()
-        .ok_or_else(|| format!("missing host in {url:?}"))?;
-    if authority.host().is_empty() {
-        return Err(format!("missing host in {url:?}"));
-    }
+        .filter(|a| !a.host().is_empty())
+        .ok_or_else(|| UrlError::MissingHost(url.to_string()))?;
     // Credentials in the URL would be sent nowhere (hyper does not turn them into a header)
     // and shown everywhere the URL is (logs, /stats): `[pools.auth]` is the place for a key.
     if authority.as_str().contains('@') {
-        return Err(format!(
-            "an upstream URL takes no user:password@ (use [pools.auth]): {}",
-            redact_userinfo(url)
-        ));
+        return Err(UrlError::Credentials(redact_userinfo(url)));
     }
     if uri.query().is_some() {
-        return Err(format!("an upstream base URL takes no query: {url:?}"));
+        return Err(UrlError::Query(url.to_string()));
     }
     let prefix = uri.path().trim_end_matches('/').to_string();
     Ok(UpstreamBase {

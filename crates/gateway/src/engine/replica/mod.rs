@@ -149,8 +149,11 @@ pub fn default_replica_id() -> String {
 
 impl Cluster {
     /// A replica of the cluster `cfg` describes; `listen` is its proxy listener's address.
-    pub fn new(cfg: &ClusterConfig, listen: std::net::SocketAddr) -> Result<Cluster, String> {
-        cfg.validate(listen).map_err(|e| e.to_string())?;
+    pub fn new(
+        cfg: &ClusterConfig,
+        listen: std::net::SocketAddr,
+    ) -> Result<Cluster, slackgate_core::ConfigError> {
+        cfg.validate(listen)?;
         let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(cfg.forward_connect_timeout_ms)));
         connector.set_nodelay(true);

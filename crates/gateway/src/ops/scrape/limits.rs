@@ -99,7 +99,7 @@ async fn get(
     headers: &HeaderMap,
     timeout: Duration,
 ) -> Result<Option<Bytes>, String> {
-    let base = parse_base(base_url)?;
+    let base = parse_base(base_url).map_err(|e| e.to_string())?;
     let uri = base
         .target(Some(&PathAndQuery::from_static(path)))
         .map_err(|e| e.to_string())?;

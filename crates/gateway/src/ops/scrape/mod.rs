@@ -182,7 +182,7 @@ impl ScrapeJob {
         let (running, waiting) = metrics
             .gauges()
             .ok_or("kind = \"custom\" needs both `running` and `waiting` gauge names")?;
-        let base = parse_base(base_url)?;
+        let base = parse_base(base_url).map_err(|e| e.to_string())?;
         let path: PathAndQuery = metrics
             .path
             .parse()
