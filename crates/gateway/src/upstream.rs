@@ -14,6 +14,7 @@
 pub mod auth;
 pub mod cause;
 mod conn;
+pub mod failure;
 pub mod probe;
 pub mod retry;
 pub mod throttle;

@@ -29,6 +29,7 @@
 
 use crate::engine::replica::{Cluster, Route};
 use crate::engine::state::Shared;
+use crate::upstream::failure::{self, Peer, SendFailure};
 use crate::upstream::UpstreamBase;
 use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER};
 use crate::wire::request_info::class_label;
@@ -255,17 +256,28 @@ async fn forward(
 ) -> Result<Response<ResBody>, NotDecided> {
     let base = crate::upstream::parse_base(base).map_err(|_| NotDecided)?;
     let up = leader_request(cluster, &base, parts, bytes, arrived)?;
-    // No timeout on the response head beyond the connect's: the leader holds a queued request
-    // as long as its deadline allows, and answers once it is dispatched or refused. A client
-    // that gives up drops this future, which closes the connection: the leader cancels.
+    // The response head is awaited up to `bound` (`server.upstream_timeout_ms`): the leader
+    // holds a queued request as long as its deadline allows, and answers once it is
+    // dispatched or refused. A client that gives up drops this future, which closes the
+    // connection: the leader cancels.
     let resp = match tokio::time::timeout(bound, cluster.client().request(up)).await {
-        Err(_) => return Ok(leader_timed_out(&base, bound)),
         Ok(Ok(r)) => r,
-        // Never delivered: the leader did not see it, so deciding it here is safe.
-        Ok(Err(e)) if e.is_connect() => return Err(NotDecided),
-        // Sent, then broken (the leader died mid-request): it may have been admitted and
-        // sent upstream there, so it is not decided a second time here; the client is told.
-        Ok(Err(e)) => return Ok(leader_broke(&base, &e)),
+        Ok(Err(e)) => match SendFailure::of(&e, "") {
+            // Never delivered: the leader did not see it, so deciding it here is safe.
+            SendFailure::NotConnected(_) => return Err(NotDecided),
+            // Sent, then broken (the leader died mid-request): it may have been admitted and
+            // sent upstream there, so it is not decided a second time here; the client is
+            // told.
+            broken => return Ok(leader_failed(&base, &broken)),
+        },
+        Err(_) => {
+            let limit_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
+            let no_answer = SendFailure::NoAnswer {
+                limit_ms,
+                limit: "server.upstream_timeout_ms",
+            };
+            return Ok(leader_failed(&base, &no_answer));
+        }
     };
     if resp.status() == StatusCode::SERVICE_UNAVAILABLE
         && resp.headers().contains_key(NOT_LEADER_HEADER)
@@ -321,34 +333,13 @@ fn charge_time_spent(headers: &mut HeaderMap, arrived: Instant) {
     }
 }
 
-/// The leader did not answer within `bound`.
-fn leader_timed_out(base: &UpstreamBase, bound: Duration) -> Response<ResBody> {
-    response::error(
-        StatusCode::GATEWAY_TIMEOUT,
-        Reason::ClusterUnavailable,
-        &format!(
-            "the leader replica {base} did not answer within {} ms",
-            bound.as_millis()
-        ),
-        None,
-        None,
-    )
-}
-
-/// The leader took the request, then the exchange broke.
-fn leader_broke(base: &UpstreamBase, e: &hyper_util::client::legacy::Error) -> Response<ResBody> {
-    let msg = format!(
-        "the leader replica {base} broke the exchange: {}",
-        crate::upstream::cause::chain(e)
-    );
-    tracing::warn!("{msg}");
-    response::error(
-        StatusCode::BAD_GATEWAY,
-        Reason::ClusterUnavailable,
-        &msg,
-        None,
-        None,
-    )
+/// The leader took the request and then broke the exchange, or did not answer in time.
+fn leader_failed(base: &UpstreamBase, failure: &SendFailure<'_>) -> Response<ResBody> {
+    let told = failure::tell(Peer::Leader(base), failure);
+    if matches!(failure, SendFailure::Broken(..)) {
+        tracing::warn!("{}", told.message);
+    }
+    response::error(told.status, told.reason, &told.message, None, None)
 }
 
 /// The leader's answer, streamed back to the client without its hop-by-hop headers.

@@ -6,7 +6,7 @@ use super::slot::{self, SlotRefused};
 use crate::engine::health::{Failure, Verdict};
 use crate::engine::state::{Go, Shared};
 use crate::ledger_store::WriteSeq;
-use crate::upstream::cause;
+use crate::upstream::failure::{self, Peer, SendFailure, Told};
 use crate::upstream::retry::RetryReason;
 use crate::upstream::{Transport, UpstreamBase};
 use crate::wire::headers::upstream_request_headers;
@@ -159,12 +159,13 @@ pub(super) async fn run(
                 }
             }
         }
-        let (reason, message) = upstream_failure(shared, &up.pool_name, &up.base, &failure, "");
-        return Ending::Failed {
-            status: StatusCode::BAD_GATEWAY,
-            reason,
-            message,
-        };
+        return upstream_failure(
+            shared,
+            &up.pool_name,
+            &up.base,
+            &SendFailure::NotConnected(&failure),
+        )
+        .into();
     }
 }
 
@@ -224,44 +225,39 @@ async fn send_once(shared: &Shared, up: &mut Upstream) -> Attempt {
                 }
                 None => "",
             };
-            let (reason, message) = upstream_failure(shared, &up.pool_name, &up.base, &e, again);
-            Attempt::Done(Ending::Failed {
-                status: StatusCode::BAD_GATEWAY,
-                reason,
-                message,
-            })
+            let failure = SendFailure::Broken(&e, again);
+            Attempt::Done(upstream_failure(shared, &up.pool_name, &up.base, &failure).into())
         }
-        Err(_) => Attempt::Done(Ending::Failed {
-            status: StatusCode::GATEWAY_TIMEOUT,
-            reason: Reason::UpstreamTimeout,
-            message: format!(
-                "upstream {} sent no response within {} ms (the request's deadline)",
-                up.base, up.limit_ms
-            ),
-        }),
+        Err(_) => {
+            let failure = SendFailure::NoAnswer {
+                limit_ms: up.limit_ms,
+                limit: "the request's deadline",
+            };
+            Attempt::Done(failure::tell(Peer::Upstream(&up.base), &failure).into())
+        }
     }
 }
 
-/// Why a request to the upstream at `base` failed, as the client, the decision log and the
-/// gate's own log (once per upstream a while: [`Shared::note_upstream_failure`]) are told:
-/// a connection never made is `upstream_unavailable`, anything else `upstream_error`, with
-/// the error's whole cause chain (`again`: how the request was sent a second time, if it was).
+impl From<Told> for Ending {
+    fn from(told: Told) -> Ending {
+        Ending::Failed {
+            status: told.status,
+            reason: told.reason,
+            message: told.message,
+        }
+    }
+}
+
+/// Why a request to the upstream at `base` failed, as the client and the decision log are
+/// told ([`failure::tell`]), and noted in the gate's own log (once per upstream a while:
+/// [`Shared::note_upstream_failure`]).
 pub(super) fn upstream_failure(
     shared: &Shared,
     pool: &str,
     base: &impl std::fmt::Display,
-    e: &hyper_util::client::legacy::Error,
-    again: &str,
-) -> (Reason, String) {
-    let (reason, at) = if e.is_connect() {
-        (Reason::UpstreamUnavailable, "connecting to")
-    } else {
-        (Reason::UpstreamError, "on")
-    };
-    let msg = format!(
-        "upstream request failed{again}: {} ({at} {base})",
-        cause::chain(e)
-    );
-    shared.note_upstream_failure(pool, &base.to_string(), &msg);
-    (reason, msg)
+    failure: &SendFailure<'_>,
+) -> Told {
+    let told = failure::tell(Peer::Upstream(base), failure);
+    shared.note_upstream_failure(pool, &base.to_string(), &told.message);
+    told
 }

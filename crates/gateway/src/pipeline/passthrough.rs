@@ -5,6 +5,7 @@ use super::exchange::upstream_failure;
 use super::settle::hold_relayed_retry;
 use crate::engine::state::Shared;
 use crate::engine::unqueued::{body_failure, read_body};
+use crate::upstream::failure::{self, Peer, SendFailure, Told};
 use crate::upstream::{Transport, UpstreamBase};
 use crate::wire::headers::{strip_hop_by_hop, upstream_request_headers};
 use crate::wire::response::{self, ResBody};
@@ -45,25 +46,27 @@ pub async fn passthrough(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     {
         Ok(Ok(r)) => relay(&shared, r),
         Ok(Err(e)) => {
-            let (reason, msg) = upstream_failure(&shared, &pool, &base, &e, "");
-            shared.log_upstream_error(reason, 502, &path, &msg);
-            response::error(StatusCode::BAD_GATEWAY, reason, &msg, None, None)
+            let told = upstream_failure(&shared, &pool, &base, &SendFailure::of(&e, ""));
+            failed(&shared, &path, told)
         }
         Err(_) => {
-            let msg = format!(
-                "upstream {base} sent no response within {} ms (server.upstream_timeout_ms)",
-                limit.as_millis()
-            );
-            shared.log_upstream_error(Reason::UpstreamTimeout, 504, &path, &msg);
-            response::error(
-                StatusCode::GATEWAY_TIMEOUT,
-                Reason::UpstreamTimeout,
-                &msg,
-                None,
-                None,
+            let failure = SendFailure::NoAnswer {
+                limit_ms: shared.server.upstream_timeout_ms,
+                limit: "server.upstream_timeout_ms",
+            };
+            failed(
+                &shared,
+                &path,
+                failure::tell(Peer::Upstream(&base), &failure),
             )
         }
     }
+}
+
+/// The upstream failed: logged as an `error` line and told to the client.
+fn failed(shared: &Shared, path: &str, told: Told) -> Response<ResBody> {
+    shared.log_upstream_error(told.reason, told.status.as_u16(), path, &told.message);
+    response::error(told.status, told.reason, &told.message, None, None)
 }
 
 /// The request as it goes upstream.
