@@ -25,8 +25,8 @@ fn temp_dir(name: &str) -> PathBuf {
 fn line(seq: u64) -> LogLine {
     LogLine {
         seq,
-        action: "admit",
-        reason: "within_slack",
+        action: slackgate_core::Action::Admit.into(),
+        reason: slackgate_core::Reason::WithinSlack.into(),
         ..LogLine::default()
     }
 }

@@ -10,6 +10,7 @@
 
 use crate::config::Config;
 use crate::engine::state::Shared;
+use crate::observe::codes::{Event, LineAction, LineReason};
 use crate::observe::telemetry::LogLine;
 use crate::support::clock::epoch_ms;
 use crate::upstream::UpstreamBase;
@@ -255,11 +256,11 @@ impl Shared {
         &self,
         pool: &str,
         endpoint: &str,
-        event: &'static str,
+        event: Event,
         actor: &str,
         message: Option<String>,
     ) {
-        let mut line = Self::event_line("flag", event, actor);
+        let mut line = Self::event_line(LineAction::Flag, event, actor);
         line.flag = Some("endpoint".to_string());
         line.pool = Some(pool.to_string());
         line.endpoint = Some(endpoint.to_string());
@@ -269,8 +270,8 @@ impl Shared {
 
     /// Log a cluster event (`action: "flag"`, `flag: "cluster"`): this replica took or lost
     /// the gate's lease, or Redis went out of reach or came back.
-    pub(crate) fn cluster_event(&self, event: &'static str, message: Option<String>) {
-        let mut line = Self::event_line("flag", event, "gate");
+    pub(crate) fn cluster_event(&self, event: Event, message: Option<String>) {
+        let mut line = Self::event_line(LineAction::Flag, event, "gate");
         line.flag = Some("cluster".to_string());
         line.message = message;
         self.log_events(vec![line]);
@@ -280,11 +281,15 @@ impl Shared {
         self.emit(&mut lines);
     }
 
-    pub(crate) fn event_line(action: &'static str, reason: &'static str, actor: &str) -> LogLine {
+    pub(crate) fn event_line(
+        action: LineAction,
+        reason: impl Into<LineReason>,
+        actor: &str,
+    ) -> LogLine {
         LogLine {
             ts_ms: epoch_ms(),
             action,
-            reason,
+            reason: reason.into(),
             actor: Some(actor.to_string()),
             ..LogLine::default()
         }
@@ -292,13 +297,13 @@ impl Shared {
 
     pub(crate) fn flag_line(
         &self,
-        flag: &'static str,
+        flag: Event,
         class: Option<&str>,
         value: serde_json::Value,
         actor: &str,
     ) {
-        let mut line = Self::event_line("flag", flag, actor);
-        line.flag = Some(flag.to_string());
+        let mut line = Self::event_line(LineAction::Flag, flag, actor);
+        line.flag = Some(flag.as_str().to_string());
         line.class = class.map(str::to_string);
         line.value = Some(value);
         self.log_events(vec![line]);
@@ -327,14 +332,14 @@ impl Shared {
             lock(&self.control.overrides).admit_always = new.admit_always;
             let effective = new.admit_always.unwrap_or(config);
             self.with_core(|st, _, _| st.gate.set_admit_always(effective));
-            self.flag_line("admit_always", None, json_flag(new.admit_always), actor);
+            self.flag_line(Event::AdmitAlways, None, json_flag(new.admit_always), actor);
         }
         if new.shadow != old.shadow {
             let config = lock(&self.control.file).gate.shadow;
             lock(&self.control.overrides).shadow = new.shadow;
             let effective = new.shadow.unwrap_or(config);
             self.with_core(|st, _, _| st.gate.set_shadow(effective));
-            self.flag_line("shadow", None, json_flag(new.shadow), actor);
+            self.flag_line(Event::Shadow, None, json_flag(new.shadow), actor);
         }
         let classes: std::collections::BTreeSet<&String> =
             new.enabled.keys().chain(old.enabled.keys()).collect();
@@ -367,7 +372,7 @@ impl Shared {
                     None => o.enabled.remove(class),
                 };
             }
-            self.flag_line("enabled", Some(class), json_flag(value), actor);
+            self.flag_line(Event::Enabled, Some(class), json_flag(value), actor);
         }
     }
 
@@ -394,7 +399,7 @@ impl Shared {
             if !first && !idle_now {
                 return;
             }
-            let mut line = Self::event_line("flag", "drain_idle", "gate");
+            let mut line = Self::event_line(LineAction::Flag, Event::DrainIdle, "gate");
             line.flag = Some("drain".into());
             line.value = Some(serde_json::json!({
                 "drained": true,

@@ -17,6 +17,7 @@
 //! `slackgate_endpoint_events_total`.
 
 use crate::engine::state::Shared;
+use crate::observe::codes::Event;
 use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::Full;
@@ -182,7 +183,7 @@ impl Shared {
                     self.endpoint_event(
                         &pool_name,
                         &endpoint_name,
-                        "endpoint_readmitted",
+                        Event::EndpointReadmitted,
                         "gate",
                         Some("a health probe succeeded".into()),
                     );
@@ -227,7 +228,7 @@ impl Shared {
                     self.endpoint_event(
                         &pool_name,
                         &endpoint_name,
-                        "endpoint_ejected",
+                        Event::EndpointEjected,
                         "gate",
                         Some(format!("{failures} consecutive failures, the last: {why}")),
                     );
@@ -275,7 +276,7 @@ impl Shared {
         self.endpoint_event(
             &pool_name,
             &endpoint_name,
-            "upstream_throttled",
+            Event::UpstreamThrottled,
             "gate",
             Some(format!(
                 "the provider answered 429; paused {after} ms, slots halved"
@@ -364,9 +365,9 @@ impl Shared {
                 pool_name,
                 endpoint_name,
                 if draining {
-                    "endpoint_drain"
+                    Event::EndpointDrain
                 } else {
-                    "endpoint_undrain"
+                    Event::EndpointUndrain
                 },
                 actor,
                 Some(if draining {

@@ -2,6 +2,7 @@
 //! or dropped request is answered with.
 
 use crate::engine::state::{JobMeta, Outcome};
+use crate::observe::codes::LineReason;
 use crate::observe::telemetry::LogLine;
 use crate::support::clock::epoch_ms;
 use crate::wire::response::AdmissionBody;
@@ -16,8 +17,8 @@ pub(crate) fn base_line(id: JobId, meta: &JobMeta, action: Action, reason: Reaso
         tenant: meta.tenant.clone(),
         idempotency_key: meta.idempotency_key.clone(),
         enqueued_at_ms: Some(meta.arrived_epoch_ms),
-        action: action.as_str(),
-        reason: reason.as_str(),
+        action: action.into(),
+        reason: reason.into(),
         pool: (!meta.pool.is_empty()).then(|| meta.pool.clone()),
         endpoint: meta.endpoint.clone(),
         path: Some(meta.path.clone()),
@@ -52,14 +53,14 @@ pub(crate) fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
 /// The decision-log line of a request that ended before it reached the core.
 pub(crate) fn unqueued_line(
     action: Action,
-    reason: &'static str,
+    reason: LineReason,
     status: Option<u16>,
     path: &str,
     label: Option<String>,
 ) -> LogLine {
     LogLine {
         ts_ms: epoch_ms(),
-        action: action.as_str(),
+        action: action.into(),
         reason,
         status,
         path: Some(path.to_string()),
@@ -114,7 +115,7 @@ pub(crate) fn end_line(
             line.tokens_spent = Some(h.tokens_spent);
             line.tokens_wasted = Some(h.tokens_wasted);
             if h.state == slackgate_core::HoldState::Expired {
-                line.reason = Reason::HoldExpired.as_str();
+                line.reason = Reason::HoldExpired.into();
             }
         }
         None => {

@@ -12,6 +12,7 @@ use crate::engine::lines::{admission_body, decision_line, unqueued_line};
 use crate::engine::pump::{decide, first_endpoint, pump};
 use crate::engine::start::StartError;
 use crate::ledger_store::{LedgerStore, MemoryStore, StoreError};
+use crate::observe::codes::LineReason;
 use crate::observe::metrics::Metrics;
 use crate::observe::telemetry::{DecisionLog, LogLine};
 use crate::support::clock::{epoch_ms, Clock};
@@ -111,7 +112,7 @@ impl CoreState {
             self.seq += 1;
             line.seq = self.seq;
             // Where tokens are settled, the ledger-wide amplification after the settlement.
-            if matches!(line.action, "complete" | "cancel" | "drop") {
+            if line.action.settles() {
                 line.amplification = amplification;
             }
         }
@@ -275,10 +276,7 @@ impl Shared {
             // that could reach none (its class failing open).
             if let Some(c) = &self.cluster {
                 let mode = c.local_mode().as_str();
-                for line in lines
-                    .iter_mut()
-                    .filter(|l| matches!(l.action, "admit" | "reject" | "shadow_reject"))
-                {
+                for line in lines.iter_mut().filter(|l| l.action.decides()) {
                     line.cluster = Some(mode);
                 }
             }
@@ -357,8 +355,8 @@ impl Shared {
         let mut lines = vec![LogLine {
             class,
             ts_ms: epoch_ms(),
-            action: Action::Reject.as_str(),
-            reason: Reason::ClusterUnavailable.as_str(),
+            action: Action::Reject.into(),
+            reason: Reason::ClusterUnavailable.into(),
             status: Some(503),
             path: Some(path.to_string()),
             class_label: label,
@@ -467,7 +465,7 @@ impl Shared {
 
     /// Log and count a request refused before it reached the core (bad input).
     pub fn log_error(&self, reason: Reason, status: u16, path: &str, label: Option<String>) {
-        self.log_unqueued(Action::Error, reason.as_str(), Some(status), path, label);
+        self.log_unqueued(Action::Error, reason.into(), Some(status), path, label);
     }
 
     /// Log a pass-through request the upstream failed (`status` 502 or 504), with `message`,
@@ -475,18 +473,17 @@ impl Shared {
     pub fn log_upstream_error(&self, reason: Reason, status: u16, path: &str, message: &str) {
         self.emit(&mut [LogLine {
             message: Some(message.to_string()),
-            ..unqueued_line(Action::Error, reason.as_str(), Some(status), path, None)
+            ..unqueued_line(Action::Error, reason.into(), Some(status), path, None)
         }]);
     }
 
     /// Log and count a request that ended before it reached the core: `action` is `error`
     /// (bad input, with the `status` answered) or `cancel` (the client vanished mid-upload).
-    /// `reason` is a reason code; the few codes that are not core reasons (such as
-    /// `body_read_timeout`) are defined in [`crate::wire::response`].
+    /// `reason`: a core reason, or `body_read_timeout`.
     pub fn log_unqueued(
         &self,
         action: Action,
-        reason: &'static str,
+        reason: LineReason,
         status: Option<u16>,
         path: &str,
         label: Option<String>,

@@ -3,6 +3,7 @@
 
 use crate::engine::state::Shared;
 use crate::http::body::BodyError;
+use crate::observe::codes::LineReason;
 use crate::wire::request_info::BadRequest;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
@@ -37,7 +38,7 @@ pub fn body_failure(
         BodyError::TimedOut(ms) => {
             shared.log_unqueued(
                 Action::Error,
-                response::BODY_READ_TIMEOUT,
+                LineReason::BodyReadTimeout,
                 Some(StatusCode::REQUEST_TIMEOUT.as_u16()),
                 path,
                 label,
@@ -48,7 +49,7 @@ pub fn body_failure(
             // Nobody will read this answer; the line is what matters: a cancel, not bad input.
             shared.log_unqueued(
                 Action::Cancel,
-                Reason::ClientCancelled.as_str(),
+                Reason::ClientCancelled.into(),
                 None,
                 path,
                 label,

@@ -5,8 +5,11 @@
 //! scrape time, so they are exact rather than sampled. Names are stable: the alert rules and
 //! dashboards in `deploy/` use them.
 
+use crate::observe::codes::{LineAction, LineReason};
 use crate::observe::telemetry::LogCounters;
-use slackgate_core::{ClassSnapshot, EndpointView, ErrorSummary, GateSnapshot, PoolSnapshot};
+use slackgate_core::{
+    Action, ClassSnapshot, EndpointView, ErrorSummary, GateSnapshot, PoolSnapshot, Reason,
+};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -148,9 +151,9 @@ impl Metrics {
     /// including reservations and holds that expire, which no line of this kind settles.
     pub fn observe(&self, line: &crate::observe::telemetry::LogLine) {
         let class = line.class.as_deref().unwrap_or("none");
-        self.decision(class, line.action, line.reason);
+        self.decision(class, line.action.as_str(), line.reason.as_str());
         match line.action {
-            "complete" => {
+            LineAction::Job(Action::Complete) => {
                 self.tokens(class, line.tokens_spent.unwrap_or(0), 0);
                 self.finished(
                     class,
@@ -160,14 +163,16 @@ impl Metrics {
                     // Completed past its deadline, or cut off by the gate's timeout at the
                     // deadline (whose slack reads 0 or -1 ms depending on timer jitter).
                     line.deadline_slack_ms.is_some_and(|s| s < 0)
-                        || (line.reason == slackgate_core::Reason::UpstreamTimeout.as_str()
+                        || (line.reason == LineReason::Gate(Reason::UpstreamTimeout)
                             && line.deadline_slack_ms.is_some()),
                 );
                 if let Some(pool) = &line.pool {
                     self.upstream_status(pool, line.status.unwrap_or(0));
                 }
             }
-            "cancel" => self.tokens(class, 0, line.tokens_wasted.unwrap_or(0)),
+            LineAction::Job(Action::Cancel) => {
+                self.tokens(class, 0, line.tokens_wasted.unwrap_or(0))
+            }
             _ => {}
         }
     }
@@ -821,20 +826,20 @@ mod tests {
     #[test]
     fn a_timeout_at_the_deadline_is_a_breach_whatever_the_jitter() {
         let m = Metrics::default();
-        let line = |reason: &'static str, slack: Option<i64>| crate::observe::telemetry::LogLine {
+        let line = |reason: Reason, slack: Option<i64>| crate::observe::telemetry::LogLine {
             class: Some("interactive".into()),
-            action: "complete",
-            reason,
+            action: Action::Complete.into(),
+            reason: reason.into(),
             deadline_slack_ms: slack,
             ..Default::default()
         };
-        m.observe(&line("completed", Some(0))); // just in time: no breach
-        m.observe(&line("completed", Some(5)));
-        m.observe(&line("completed", None)); // best effort: never a breach
+        m.observe(&line(Reason::Completed, Some(0))); // just in time: no breach
+        m.observe(&line(Reason::Completed, Some(5)));
+        m.observe(&line(Reason::Completed, None)); // best effort: never a breach
         let breaches = |m: &Metrics| m.with(|i| i.slo_breaches.get("interactive").copied());
         assert_eq!(breaches(&m), None);
-        m.observe(&line("upstream_timeout", Some(0))); // cut off at the deadline
-        m.observe(&line("completed", Some(-1))); // late
+        m.observe(&line(Reason::UpstreamTimeout, Some(0))); // cut off at the deadline
+        m.observe(&line(Reason::Completed, Some(-1))); // late
         assert_eq!(breaches(&m), Some(2));
     }
 

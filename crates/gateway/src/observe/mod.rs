@@ -1,4 +1,5 @@
 //! Observability: the JSON decision log and the Prometheus metrics.
 
+pub mod codes;
 pub mod metrics;
 pub mod telemetry;

@@ -11,6 +11,7 @@
 //! itself renames the file to `<path>.1`, replacing an older one, and starts a new one).
 
 use crate::config::LogTarget;
+use crate::observe::codes::{LineAction, LineReason};
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -73,9 +74,9 @@ pub struct LogLine {
     pub pool_depth: Option<u32>,
     /// `admit`, `reject`, `shadow_reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`,
     /// and the operator events `flag`, `reload`, `shutdown`.
-    pub action: &'static str,
+    pub action: LineAction,
     /// Stable reason code.
-    pub reason: &'static str,
+    pub reason: LineReason,
     /// Pool name.
     pub pool: Option<String>,
     /// On `dispatch`, `complete` and `cancel` lines of a dispatched job: the endpoint of the

@@ -10,6 +10,7 @@ pub use crate::engine::controls::{
 };
 use crate::engine::controls::{json_flag, lock, pool_upstreams};
 use crate::engine::state::Shared;
+use crate::observe::codes::{Event, LineAction};
 use serde::Serialize;
 use slackgate_core::{DrainStatus, Gate, Reason, ReconfigureReport};
 use std::collections::BTreeMap;
@@ -122,7 +123,7 @@ pub fn set_admit_always(shared: &Shared, value: Option<bool>, actor: &str) -> Fl
     lock(&shared.control.overrides).admit_always = value;
     let effective = value.unwrap_or(config);
     shared.with_core(|st, _, _| st.gate.set_admit_always(effective));
-    shared.flag_line("admit_always", None, json_flag(value), actor);
+    shared.flag_line(Event::AdmitAlways, None, json_flag(value), actor);
     shared.publish_overrides();
     FlagView {
         value: effective,
@@ -138,7 +139,7 @@ pub fn set_shadow(shared: &Shared, value: Option<bool>, actor: &str) -> FlagView
     lock(&shared.control.overrides).shadow = value;
     let effective = value.unwrap_or(config);
     shared.with_core(|st, _, _| st.gate.set_shadow(effective));
-    shared.flag_line("shadow", None, json_flag(value), actor);
+    shared.flag_line(Event::Shadow, None, json_flag(value), actor);
     shared.publish_overrides();
     FlagView {
         value: effective,
@@ -178,7 +179,7 @@ pub fn set_class_enabled(
             None => o.enabled.remove(class),
         };
     }
-    shared.flag_line("enabled", Some(class), json_flag(value), actor);
+    shared.flag_line(Event::Enabled, Some(class), json_flag(value), actor);
     shared.publish_overrides();
     Ok(FlagView {
         value: effective,
@@ -218,7 +219,7 @@ pub fn drain(
         }
         shared.control.drain_pending.store(true, Ordering::Relaxed);
         shared.control.idle_pending.store(true, Ordering::Relaxed);
-        let mut line = Shared::event_line("flag", "drain", actor);
+        let mut line = Shared::event_line(LineAction::Flag, Event::Drain, actor);
         line.flag = Some("drain".into());
         line.value = Some(serde_json::json!({
             "classes": classes, "cancel": cancel, "unlabeled": unlabeled,
@@ -270,7 +271,7 @@ pub fn end_drain(
             shared.control.drain_pending.store(false, Ordering::Relaxed);
             shared.control.idle_pending.store(false, Ordering::Relaxed);
         }
-        let mut line = Shared::event_line("flag", "undrain", actor);
+        let mut line = Shared::event_line(LineAction::Flag, Event::Undrain, actor);
         line.flag = Some("undrain".into());
         line.value = Some(serde_json::json!({ "classes": ending, "unlabeled": unlabeled }));
         lines.push(line);
@@ -322,7 +323,7 @@ pub fn reload_text(
 /// Log (and print) a refused reload: the previous config stays in force.
 pub fn reload_refused_text(shared: &Shared, why: &str, actor: &str) {
     tracing::warn!("config reload refused, the previous config stays in force: {why}");
-    let mut line = Shared::event_line("reload", "config_rejected", actor);
+    let mut line = Shared::event_line(LineAction::Reload, Event::ConfigRejected, actor);
     line.message = Some(why.to_string());
     shared.log_events(vec![line]);
 }
@@ -397,7 +398,7 @@ pub fn reload(shared: &Shared, cfg: Config, actor: &str) -> Result<ReloadOutcome
         changes,
         restart_required,
     };
-    let mut line = Shared::event_line("reload", "config_reloaded", actor);
+    let mut line = Shared::event_line(LineAction::Reload, Event::ConfigReloaded, actor);
     line.message = serde_json::to_string(&outcome).ok();
     shared.log_events(vec![line]);
     if !outcome.restart_required.is_empty() {
@@ -414,7 +415,7 @@ pub fn reload(shared: &Shared, cfg: Config, actor: &str) -> Result<ReloadOutcome
 pub fn begin_shutdown(shared: &Shared, grace_ms: u64) {
     shared.with_core(|st, now, lines| {
         st.gate.begin_shutdown(now, now.saturating_add(grace_ms));
-        let mut line = Shared::event_line("shutdown", "shutting_down", "signal");
+        let mut line = Shared::event_line(LineAction::Shutdown, Reason::ShuttingDown, "signal");
         line.message = Some(format!(
             "draining: {} queued or in flight, grace {grace_ms} ms",
             st.gate.live_jobs()

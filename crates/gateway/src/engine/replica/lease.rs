@@ -20,6 +20,7 @@
 use super::beat::{member_owner, split_member, Beat, Conn, Identity};
 use super::{lock, Cluster, Leader, Replica};
 use crate::engine::state::Shared;
+use crate::observe::codes::Event;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -173,7 +174,7 @@ fn beat_ok(
     let ttl = cluster.cfg.lease_ttl_ms;
     exchange_flags(gate, cluster, &beat, flags_out);
     if st.redis_up != Some(true) {
-        gate.cluster_event("redis_up", None);
+        gate.cluster_event(Event::RedisUp, None);
     }
     st.redis_up = Some(true);
     notice_lost_data(gate, st, &beat);
@@ -233,7 +234,7 @@ fn notice_lost_data(gate: &Shared, st: &mut Lease, beat: &Beat) {
             "went back in time (restored from a snapshot)"
         };
         gate.cluster_event(
-            "redis_data_lost",
+            Event::RedisDataLost,
             Some(format!(
                 "Redis {what}: {n} records this replica placed written back"
             )),
@@ -288,7 +289,7 @@ fn others_alive(
     {
         st.duplicate_reported = true;
         gate.cluster_event(
-            "duplicate_replica_id",
+            Event::DuplicateReplicaId,
             Some(format!(
                 "another process checks in as {:?}: give every replica its own cluster.replica_id",
                 cluster.replica_id
@@ -334,7 +335,7 @@ fn take_over(
                 .leader_acquired
                 .fetch_add(1, Ordering::Relaxed);
             gate.cluster_event(
-                "leader_acquired",
+                Event::LeaderAcquired,
                 Some(format!("epoch {epoch}; {n} ledger records adopted")),
             );
         }
@@ -344,7 +345,7 @@ fn take_over(
             st.yield_next = true;
             cluster.wake_lease();
             gate.cluster_event(
-                "leader_adopt_failed",
+                Event::LeaderAdoptFailed,
                 Some(format!("cannot load the shared ledger: {e}")),
             );
         }
@@ -357,7 +358,7 @@ fn write_ledger_back(gate: &Shared, st: &mut Lease, alive: &HashSet<String>) {
     match gate.adopt_shared_ledger(alive, true) {
         Ok(_) => st.lost_data = false,
         Err(e) => gate.cluster_event(
-            "leader_adopt_failed",
+            Event::LeaderAdoptFailed,
             Some(format!("cannot write the ledger back to Redis: {e}")),
         ),
     }
@@ -371,7 +372,7 @@ fn expire_orphans_once_a_ttl(gate: &Shared, st: &mut Lease, alive: &HashSet<Stri
         let n = gate.expire_orphans(alive);
         if n > 0 {
             gate.cluster_event(
-                "orphans_expired",
+                Event::OrphansExpired,
                 Some(format!(
                     "{n} proxied holds of replicas no longer checking in expired"
                 )),
@@ -385,7 +386,7 @@ fn step_down(gate: &Shared, cluster: &Cluster, st: &mut Lease, holder: &str) {
     st.leading = false;
     cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
     gate.cluster_event(
-        "leader_lost",
+        Event::LeaderLost,
         Some(format!("the lease is held by {:?}", split_member(holder).0)),
     );
 }
@@ -443,7 +444,7 @@ fn beat_failed(
         .fetch_add(1, Ordering::Relaxed);
     let reason = format!("{}: {e}", crate::ledger_store::redact(&cluster.cfg.redis));
     if st.redis_up != Some(false) {
-        gate.cluster_event("redis_down", Some(reason.clone()));
+        gate.cluster_event(Event::RedisDown, Some(reason.clone()));
     }
     st.redis_up = Some(false);
     let mut view = lock(&cluster.view);
@@ -456,7 +457,7 @@ fn beat_failed(
         drop(view);
         cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
         gate.cluster_event(
-            "leader_lost",
+            Event::LeaderLost,
             Some("the lease could not be renewed in time (Redis out of reach)".into()),
         );
     }
