@@ -1,5 +1,5 @@
 //! The one accept loop and connection server of the gate's listeners: the proxy listener
-//! (`server.rs`) and the admin listener (`ops/admin.rs`) accept and serve connections through
+//! (`server.rs`) and the admin listener (`ops/admin/`) accept and serve connections through
 //! these, each with its own connection tracker (caps, header and idle timeouts) and routes.
 
 use crate::http::connlimit::{guard_body, ConnGuard, ConnTracker, ResponseGuard, Tracked};
