@@ -17,7 +17,7 @@ use http::{Request, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::json;
 use slackgate_core::ledger::{LedgerReject, SettleError, MAX_KEY_LEN, MAX_TOKENS};
-use slackgate_core::{Reason, Request as CoreRequest};
+use slackgate_core::{Decision, Reason, Request as CoreRequest};
 use std::sync::Arc;
 
 #[derive(Deserialize)]
@@ -136,39 +136,73 @@ pub async fn handle_body(shared: &Arc<Shared>, path: &str, bytes: &[u8]) -> Resp
     result.unwrap_or_else(|e| bad_request(shared, path, None, e))
 }
 
+/// `POST /admission/v1/reserve`, in named phases like the proxy's ([`super::proxy`]):
+///
+/// ```text
+/// parse (body, key, tenant, sizes) -> offer -> decide -> make the hold durable -> answer
+/// ```
+///
+/// Bad input is answered before the core sees it (`Err`, a 400 built by the caller).
 async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>, BadRequest> {
-    let b: ReserveBody = parse(bytes)?;
-    if let Some(k) = &b.idempotency_key {
+    let asked = parse_reserve(shared, bytes)?;
+    let now = shared.clock.now_ms();
+    let (req, meta) = offer(&asked, now);
+    let (d, held, write) = shared.reserve(asked.body.class.as_deref(), req, meta);
+    if d.admitted() {
+        if let Some(refused) = make_durable(shared, &d, write).await {
+            return Ok(refused);
+        }
+        return Ok(reserved(shared, &d, held, now));
+    }
+    Ok(rejected(&d, held, now))
+}
+
+/// A reservation as asked: its checked body and the tenant id it names.
+struct AskedReservation {
+    body: ReserveBody,
+    /// The tenant as an id, hashed like the proxy's `X-Tenant` (`t:<keyed hash>`), so grants
+    /// apply the same way.
+    tenant: Option<String>,
+}
+
+/// Phase **parse**: the JSON body, then its key, tenant, tokens and slack, in that order.
+fn parse_reserve(shared: &Shared, bytes: &[u8]) -> Result<AskedReservation, BadRequest> {
+    let body: ReserveBody = parse(bytes)?;
+    if let Some(k) = &body.idempotency_key {
         check_key(k, false)?;
     }
-    // Tenants are ids, hashed like the proxy's `X-Tenant` (`t:<keyed hash>`), so grants
-    // apply the same way.
-    if b.tenant
+    if body
+        .tenant
         .as_ref()
         .is_some_and(|t| t.is_empty() || t.len() > 256)
     {
         return Err(invalid("tenant must be 1..=256 bytes"));
     }
-    let tenant = b
+    let tenant = body
         .tenant
         .as_deref()
         .map(|t| shared.tenants.id("t", t.as_bytes()));
-    check_tokens("tokens", b.tokens)?;
-    if b.slack_ms
+    check_tokens("tokens", body.tokens)?;
+    if body
+        .slack_ms
         .is_some_and(|s| s == 0 || s > crate::wire::request_info::MAX_DEADLINE_MS)
     {
         return Err(invalid("slack_ms must be between 1 and 86400000"));
     }
-    let now = shared.clock.now_ms();
-    let deadline = b.slack_ms.map(|s| now.saturating_add(s));
+    Ok(AskedReservation { body, tenant })
+}
+
+/// Phase **offer**: the core's request (deadline from `now`) and the job's meta.
+fn offer(asked: &AskedReservation, now: u64) -> (CoreRequest, JobMeta) {
+    let b = &asked.body;
     let req = CoreRequest {
-        deadline,
+        deadline: b.slack_ms.map(|s| now.saturating_add(s)),
         // A reservation's service time is the pool's per-request cost: a worker holds the
         // slot for one call, whatever its size.
         prompt_tokens: 0,
         max_tokens: Some(0),
         idempotency_key: b.idempotency_key.clone(),
-        tenant: tenant.clone(),
+        tenant: asked.tenant.clone(),
         attempt: b.attempt,
         hold_tokens: Some(b.tokens),
         reservation: true,
@@ -176,120 +210,146 @@ async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>
     };
     let meta = JobMeta {
         label: b.class.clone(),
-        tenant,
+        tenant: asked.tenant.clone(),
         attempt: Some(b.attempt),
         path: "/admission/v1/reserve".into(),
         ..JobMeta::default()
     };
-    let (d, held, write) = shared.reserve(b.class.as_deref(), req, meta);
-    // Seed 001 reports when the job would *finish*: the wait for a slot plus its own service.
-    let finish_ms = d.projected_wait_ms.saturating_add(d.est_service_ms);
-    let budget_ms = d.deadline.map(|dl| dl.saturating_sub(now));
+    (req, meta)
+}
+
+/// Phase **make the hold durable**, for an admitted reservation: the hold is durable before
+/// the worker is told to go ahead. `Some` is the answer when it cannot go ahead: the store
+/// failed and the class fails closed (503), or a shared ledger refused the hold (another
+/// replica holds or has done the key: a duplicate after all, 409).
+async fn make_durable(
+    shared: &Shared,
+    d: &Decision,
+    write: Option<crate::ledger_store::WriteSeq>,
+) -> Option<Response<ResBody>> {
+    match shared.durable_for(write).await {
+        Err(e) => {
+            shared.note_store_error(&e);
+            // The worker would call the model with no durable hold: a class failing
+            // closed is told no (its hold released), as the proxy's requests are.
+            (shared.fail_mode_of(d.class) == slackgate_core::FailMode::Closed)
+                .then(|| ledger_unavailable(shared, &d.idempotency_key, &e.to_string()))
+        }
+        Ok(()) if shared.hold_refused_key(&d.idempotency_key) => {
+            Some(duplicate_in_shared_ledger(shared, &d.idempotency_key))
+        }
+        Ok(()) => None,
+    }
+}
+
+/// 409 `reject_duplicate` for a hold the shared ledger refused: the hold is released
+/// (settled as cancelled, nothing spent).
+fn duplicate_in_shared_ledger(shared: &Shared, key: &str) -> Response<ResBody> {
+    let _ = shared.settle_key_because(key, false, 0, Some(Reason::RejectDuplicate));
+    let mut resp = with_status(
+        StatusCode::CONFLICT,
+        response::json(&json!({
+            "action": "reject",
+            "reason": Reason::RejectDuplicate.as_str(),
+            "idempotency_key": key,
+            "message": "the key is already held or done in the shared ledger: a replay never reserves or spends twice",
+        })),
+    );
+    response::add_retry_headers(
+        &mut resp,
+        Reason::RejectDuplicate,
+        Some(response::RetryAdvice {
+            after_ms: 60_000,
+            should_retry: false,
+        }),
+    );
+    resp
+}
+
+/// Seed 001 reports when the job would *finish*: the wait for a slot plus its own service.
+fn finish_ms(d: &Decision) -> u64 {
+    d.projected_wait_ms.saturating_add(d.est_service_ms)
+}
+
+/// What is left of the reservation's deadline budget at `now` (ms), if it has a deadline.
+fn budget_ms(d: &Decision, now: u64) -> Option<u64> {
+    d.deadline.map(|dl| dl.saturating_sub(now))
+}
+
+/// Phase **answer**, admitted: 202 `reserve` with the key, the hold and when it would finish.
+fn reserved(shared: &Shared, d: &Decision, held: u64, now: u64) -> Response<ResBody> {
+    let finish_ms = finish_ms(d);
+    let ttl = shared.hold_ttl_ms();
+    with_status(
+        StatusCode::ACCEPTED,
+        response::json(&json!({
+            "action": "reserve",
+            "idempotency_key": d.idempotency_key,
+            "tokens_held": d.tokens_held,
+            "projected_wait_s": finish_ms as f64 / 1000.0,
+            "projected_wait_ms": finish_ms,
+            "slack_s": budget_ms(d, now).map(|s| s as f64 / 1000.0),
+            "hold_ttl_s": ttl as f64 / 1000.0,
+            "held": held,
+            "job_id": d.job_id.0,
+        })),
+    )
+}
+
+/// Phase **answer**, refused: the ledger's refusal (duplicate, retry cap, tenant budget) or
+/// the core's (`reject_unreserved`), with Retry-After and `x-should-retry`.
+fn rejected(d: &Decision, held: u64, now: u64) -> Response<ResBody> {
+    let key = &d.idempotency_key;
+    let (status, body) = match &d.ledger {
+        Some(LedgerReject::Duplicate { state, tokens_held }) => (
+            StatusCode::CONFLICT,
+            json!({"action": "reject_duplicate", "idempotency_key": key,
+                   "state": state.as_str(), "tokens_held": tokens_held}),
+        ),
+        Some(LedgerReject::RetryCap { attempt, retry_cap }) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            json!({"action": "reject_retry_cap", "idempotency_key": key,
+                   "attempt": attempt, "retry_cap": retry_cap}),
+        ),
+        Some(LedgerReject::BudgetExhausted {
+            remaining,
+            requested,
+        }) => (
+            StatusCode::TOO_MANY_REQUESTS,
+            json!({"action": "budget_exhausted", "idempotency_key": key,
+                   "remaining": remaining, "requested": requested}),
+        ),
+        None => {
+            let finish_ms = finish_ms(d);
+            (
+                unreserved_status(d.reason),
+                json!({"action": "reject_unreserved", "idempotency_key": key,
+                       "projected_wait_s": finish_ms as f64 / 1000.0,
+                       "projected_wait_ms": finish_ms,
+                       "slack_s": budget_ms(d, now).map(|s| s as f64 / 1000.0),
+                       "held": held, "reason": d.reason.as_str()}),
+            )
+        }
+    };
     let advice = d.retry_after_ms.map(|ms| response::RetryAdvice {
         after_ms: ms,
         should_retry: d.should_retry,
     });
-    // The hold is durable before the worker is told to go ahead; a shared ledger may refuse
-    // it there (another replica holds or has done the key): then it is a duplicate after all.
-    let refused = if d.admitted() {
-        match shared.durable_for(write).await {
-            Err(e) => {
-                shared.note_store_error(&e);
-                // The worker would call the model with no durable hold: a class failing
-                // closed is told no (its hold released), as the proxy's requests are.
-                if shared.fail_mode_of(d.class) == slackgate_core::FailMode::Closed {
-                    return Ok(ledger_unavailable(
-                        shared,
-                        &d.idempotency_key,
-                        &e.to_string(),
-                    ));
-                }
-                false
-            }
-            Ok(()) => shared.hold_refused_key(&d.idempotency_key),
-        }
-    } else {
-        false
-    };
-    if refused {
-        let key = d.idempotency_key.clone();
-        let _ = shared.settle_key_because(&key, false, 0, Some(Reason::RejectDuplicate));
-        let mut resp = with_status(
-            StatusCode::CONFLICT,
-            response::json(&json!({
-                "action": "reject",
-                "reason": Reason::RejectDuplicate.as_str(),
-                "idempotency_key": key,
-                "message": "the key is already held or done in the shared ledger: a replay never reserves or spends twice",
-            })),
-        );
-        response::add_retry_headers(
-            &mut resp,
-            Reason::RejectDuplicate,
-            Some(response::RetryAdvice {
-                after_ms: 60_000,
-                should_retry: false,
-            }),
-        );
-        return Ok(resp);
+    let mut r = with_status(status, response::json(&body));
+    response::add_retry_headers(&mut r, d.reason, advice);
+    r
+}
+
+/// The status of a reservation the core refused.
+fn unreserved_status(reason: Reason) -> StatusCode {
+    match reason {
+        // During shutdown: 503 like the proxy's, so a worker tries another replica rather
+        // than waiting for this one.
+        Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        // More tokens than the pool's context window: no retry can succeed.
+        Reason::ContextLengthExceeded => StatusCode::BAD_REQUEST,
+        _ => StatusCode::TOO_MANY_REQUESTS,
     }
-    let resp = if d.admitted() {
-        let ttl = shared.hold_ttl_ms();
-        with_status(
-            StatusCode::ACCEPTED,
-            response::json(&json!({
-                "action": "reserve",
-                "idempotency_key": d.idempotency_key,
-                "tokens_held": d.tokens_held,
-                "projected_wait_s": finish_ms as f64 / 1000.0,
-                "projected_wait_ms": finish_ms,
-                "slack_s": budget_ms.map(|s| s as f64 / 1000.0),
-                "hold_ttl_s": ttl as f64 / 1000.0,
-                "held": held,
-                "job_id": d.job_id.0,
-            })),
-        )
-    } else {
-        let (status, body) = match &d.ledger {
-            Some(LedgerReject::Duplicate { state, tokens_held }) => (
-                StatusCode::CONFLICT,
-                json!({"action": "reject_duplicate", "idempotency_key": d.idempotency_key,
-                       "state": state.as_str(), "tokens_held": tokens_held}),
-            ),
-            Some(LedgerReject::RetryCap { attempt, retry_cap }) => (
-                StatusCode::TOO_MANY_REQUESTS,
-                json!({"action": "reject_retry_cap", "idempotency_key": d.idempotency_key,
-                       "attempt": attempt, "retry_cap": retry_cap}),
-            ),
-            Some(LedgerReject::BudgetExhausted {
-                remaining,
-                requested,
-            }) => (
-                StatusCode::TOO_MANY_REQUESTS,
-                json!({"action": "budget_exhausted", "idempotency_key": d.idempotency_key,
-                       "remaining": remaining, "requested": requested}),
-            ),
-            // During shutdown: 503 like the proxy's, so a worker tries another replica
-            // rather than waiting for this one.
-            None => (
-                match d.reason {
-                    Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
-                    // More tokens than the pool's context window: no retry can succeed.
-                    Reason::ContextLengthExceeded => StatusCode::BAD_REQUEST,
-                    _ => StatusCode::TOO_MANY_REQUESTS,
-                },
-                json!({"action": "reject_unreserved", "idempotency_key": d.idempotency_key,
-                       "projected_wait_s": finish_ms as f64 / 1000.0,
-                       "projected_wait_ms": finish_ms,
-                       "slack_s": budget_ms.map(|s| s as f64 / 1000.0),
-                       "held": held, "reason": d.reason.as_str()}),
-            ),
-        };
-        let mut r = with_status(status, response::json(&body));
-        response::add_retry_headers(&mut r, d.reason, advice);
-        r
-    };
-    Ok(resp)
 }
 
 async fn settle(
