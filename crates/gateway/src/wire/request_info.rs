@@ -126,33 +126,58 @@ pub fn parse_headers(h: &HeaderMap, now_epoch_ms: u64) -> Result<HeaderInfo, Bad
 /// [`parse_headers`], trusting an `X-Tenant` header over the bearer key when
 /// `trust_tenant_header` (set `server.trust_tenant_header` only behind a proxy that sets it:
 /// otherwise any client could pick a fresh tenant and escape its grant); tenant ids are
-/// hashed with `tenants`.
+/// hashed with `tenants`. The headers are read in a fixed order (deadlines, key, size hint),
+/// so the first malformed one is the one reported.
 pub fn parse_headers_with(
     h: &HeaderMap,
     now_epoch_ms: u64,
     trust_tenant_header: bool,
     tenants: &crate::support::tenant::TenantHasher,
 ) -> Result<HeaderInfo, BadRequest> {
-    let mut info = HeaderInfo {
-        deadline_in_ms: relative("x-deadline-ms", h)?,
-        first_token_in_ms: relative("x-slo-ttft-ms", h)?,
-        ..HeaderInfo::default()
+    let deadline_in_ms = relative("x-deadline-ms", h)?;
+    let first_token_in_ms = relative("x-slo-ttft-ms", h)?;
+    let deadline_epoch_ms = absolute_deadline(h, now_epoch_ms)?;
+    let class_label = class_label(h);
+    let tenant = tenant(h, trust_tenant_header, tenants);
+    let idempotency_key = idempotency_key(h)?;
+    let attempt = attempt(h);
+    let expected_output_tokens = expected_output_tokens(h)?;
+    Ok(HeaderInfo {
+        class_label,
+        deadline_in_ms,
+        deadline_epoch_ms,
+        first_token_in_ms,
+        tenant,
+        idempotency_key,
+        attempt,
+        expected_output_tokens,
+    })
+}
+
+/// `X-Deadline`: epoch milliseconds within a day of `now_epoch_ms` either way.
+fn absolute_deadline(h: &HeaderMap, now_epoch_ms: u64) -> Result<Option<u64>, BadRequest> {
+    let Some(v) = header_str(h, "x-deadline")? else {
+        return Ok(None);
     };
-    if let Some(v) = header_str(h, "x-deadline")? {
-        let at = parse_ms("x-deadline", v)?;
-        let lo = now_epoch_ms.saturating_sub(MAX_DEADLINE_MS);
-        let hi = now_epoch_ms.saturating_add(MAX_DEADLINE_MS);
-        if !(lo..=hi).contains(&at) {
-            return Err(bad(
-                Reason::InvalidDeadline,
-                format!("x-deadline: {at} is not an epoch-milliseconds time within a day of now ({now_epoch_ms})"),
-            ));
-        }
-        info.deadline_epoch_ms = Some(at);
+    let at = parse_ms("x-deadline", v)?;
+    let lo = now_epoch_ms.saturating_sub(MAX_DEADLINE_MS);
+    let hi = now_epoch_ms.saturating_add(MAX_DEADLINE_MS);
+    if !(lo..=hi).contains(&at) {
+        return Err(bad(
+            Reason::InvalidDeadline,
+            format!("x-deadline: {at} is not an epoch-milliseconds time within a day of now ({now_epoch_ms})"),
+        ));
     }
-    info.class_label = class_label(h);
-    info.tenant = h
-        .get("x-tenant")
+    Ok(Some(at))
+}
+
+/// The tenant's id: `X-Tenant` when trusted (`t:<hash>`), else the bearer key's (`k:<hash>`).
+fn tenant(
+    h: &HeaderMap,
+    trust_tenant_header: bool,
+    tenants: &crate::support::tenant::TenantHasher,
+) -> Option<String> {
+    h.get("x-tenant")
         .filter(|_| trust_tenant_header)
         .and_then(|v| v.to_str().ok())
         .map(|s| tenants.id("t", s.trim().as_bytes()))
@@ -164,57 +189,70 @@ pub fn parse_headers_with(
                         .or_else(|| s.strip_prefix("bearer "))
                 })
                 .map(|key| tenants.id("k", key.trim().as_bytes()))
-        });
-    // The key a hold is placed under: never truncated (two long keys sharing a prefix must
-    // not collide), so an over-long or non-text key is refused.
-    if let Some(v) = ["idempotency-key", "x-idempotency-key"]
+        })
+}
+
+/// `Idempotency-Key` (or `X-Idempotency-Key`): the key a hold is placed under. Never
+/// truncated (two long keys sharing a prefix must not collide), so an over-long or non-text
+/// key is refused, as is one in the gate's own generated-key space; an empty one is none.
+fn idempotency_key(h: &HeaderMap) -> Result<Option<String>, BadRequest> {
+    let Some(v) = ["idempotency-key", "x-idempotency-key"]
         .iter()
         .find_map(|n| h.get(*n))
-    {
-        let key = v
-            .to_str()
-            .map(str::trim)
-            .map_err(|_| bad(Reason::InvalidRequest, "idempotency-key: not visible ASCII"))?;
-        if key.len() > slackgate_core::ledger::MAX_KEY_LEN {
-            return Err(bad(
-                Reason::InvalidRequest,
-                format!(
-                    "idempotency-key: {} bytes, over the limit of {}",
-                    key.len(),
-                    slackgate_core::ledger::MAX_KEY_LEN
-                ),
-            ));
-        }
-        if key.starts_with(GENERATED_KEY_PREFIX) {
-            return Err(bad(
-                Reason::InvalidRequest,
-                format!(
-                    "idempotency-key: keys starting with {GENERATED_KEY_PREFIX:?} are reserved \
-                     for the gate"
-                ),
-            ));
-        }
-        info.idempotency_key = Some(key.to_string()).filter(|k| !k.is_empty());
+    else {
+        return Ok(None);
+    };
+    let key = v
+        .to_str()
+        .map(str::trim)
+        .map_err(|_| bad(Reason::InvalidRequest, "idempotency-key: not visible ASCII"))?;
+    if key.len() > slackgate_core::ledger::MAX_KEY_LEN {
+        return Err(bad(
+            Reason::InvalidRequest,
+            format!(
+                "idempotency-key: {} bytes, over the limit of {}",
+                key.len(),
+                slackgate_core::ledger::MAX_KEY_LEN
+            ),
+        ));
     }
-    info.attempt = ["x-attempt", "x-stainless-retry-count"]
+    if key.starts_with(GENERATED_KEY_PREFIX) {
+        return Err(bad(
+            Reason::InvalidRequest,
+            format!(
+                "idempotency-key: keys starting with {GENERATED_KEY_PREFIX:?} are reserved \
+                 for the gate"
+            ),
+        ));
+    }
+    Ok(Some(key.to_string()).filter(|k| !k.is_empty()))
+}
+
+/// `X-Attempt`, or the OpenAI SDKs' `x-stainless-retry-count`; unreadable counts as absent.
+fn attempt(h: &HeaderMap) -> Option<u32> {
+    ["x-attempt", "x-stainless-retry-count"]
         .iter()
         .find_map(|n| h.get(*n))
         .and_then(|v| v.to_str().ok())
-        .and_then(|s| s.trim().parse::<u32>().ok());
-    if let Some(v) = h.get("x-expected-output-tokens") {
-        let text = v.to_str().map(str::trim).unwrap_or("<not visible ASCII>");
-        let n = text.parse::<u32>().map_err(|_| {
-            bad(
-                Reason::InvalidRequest,
-                format!(
-                    "x-expected-output-tokens: {text:?} is not a whole number of tokens (0..={})",
-                    u32::MAX
-                ),
-            )
-        })?;
-        info.expected_output_tokens = Some(n);
-    }
-    Ok(info)
+        .and_then(|s| s.trim().parse::<u32>().ok())
+}
+
+/// `X-Expected-Output-Tokens`: a whole number of tokens, or the request is refused.
+fn expected_output_tokens(h: &HeaderMap) -> Result<Option<u32>, BadRequest> {
+    let Some(v) = h.get("x-expected-output-tokens") else {
+        return Ok(None);
+    };
+    let text = v.to_str().map(str::trim).unwrap_or("<not visible ASCII>");
+    let n = text.parse::<u32>().map_err(|_| {
+        bad(
+            Reason::InvalidRequest,
+            format!(
+                "x-expected-output-tokens: {text:?} is not a whole number of tokens (0..={})",
+                u32::MAX
+            ),
+        )
+    })?;
+    Ok(Some(n))
 }
 
 /// What the JSON body says.
