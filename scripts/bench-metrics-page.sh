@@ -10,7 +10,7 @@
 # old then new. Prints every run, then per size the medians and new / old.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OLD=${1:-8b3ad2c}
+OLD=${1:-6b7a48f}
 ROUNDS=${2:-5}
 WORK=$(mktemp -d)
 cleanup() { git worktree remove --force "$WORK/old" >/dev/null 2>&1 || true; rm -rf "$WORK"; }

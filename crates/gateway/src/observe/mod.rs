@@ -1,4 +1,7 @@
-//! Observability: the JSON decision log and the Prometheus metrics.
+//! Observability: the JSON decision log and the Prometheus metrics page.
 
+pub mod exposition;
+pub mod gauges;
+pub mod ledger_gauges;
 pub mod metrics;
 pub mod telemetry;

@@ -204,13 +204,18 @@ pub fn fixture(extra: usize) -> Fixture {
 
 /// The page for `snap` (a copy of `f.snap`), composed as the `/metrics` route composes it.
 pub fn page(f: &Fixture, snap: GateSnapshot) -> String {
-    let mut body = f.metrics.render(&snap, &f.log);
-    slackgate_gateway::observe::metrics::render_ledger(&mut body, Some(&f.ledger), &f.store);
-    slackgate_gateway::observe::metrics::render_controls(&mut body, 3);
-    slackgate_gateway::http::connlimit::render_all(
-        &mut body,
-        &[("proxy", &f.proxy), ("admin", &f.admin)],
-    );
-    f.cluster.render_metrics(&mut body);
-    body
+    use slackgate_gateway::observe::{gauges::GateGauges, ledger_gauges};
+    let mut page = f.metrics.page();
+    page.collect(GateGauges::new(snap, &f.log));
+    page.collect(ledger_gauges::LedgerGauges {
+        totals: Some(f.ledger),
+        store: f.store,
+    });
+    page.collect(ledger_gauges::ConfigGeneration(3));
+    page.collect(slackgate_gateway::http::connlimit::ConnGauges::new(&[
+        ("proxy", &f.proxy),
+        ("admin", &f.admin),
+    ]));
+    page.collect(f.cluster.metrics());
+    page.render()
 }
