@@ -2,7 +2,7 @@
 //! (`scripts/bench-metrics-page.sh` runs an old and a new build alternately).
 //!
 //! The state is the golden test's (`tests/metrics_fixture`): `small` is that page as it is (3
-//! classes, 2 pools, 4 endpoints: about 480 lines), `large` adds 40 classes (about 2,900
+//! classes, 2 pools, 4 endpoints: 482 lines), `large` adds 40 classes (3,562
 //! lines). Each render starts from its own copy of the gate's snapshot, made outside the
 //! clock, as a scrape starts from the snapshot it just took. Prints one line per size:
 //! `metrics_page <size> <µs per page, median of the batches> <lines>`.
