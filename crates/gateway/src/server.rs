@@ -60,6 +60,29 @@ impl crate::cluster::Local for Pipeline {
     }
 }
 
+/// The metrics page: the request path's counters and histograms, then what this scrape reads
+/// of the gate (its core's snapshot, the ledger, the controls, the listeners, the cluster).
+fn metrics_page(shared: &Shared) -> String {
+    use crate::observe::{gauges::GateGauges, ledger_gauges};
+    let (ledger, snap) = shared.ledger_view();
+    let totals = shared.cluster.as_ref().is_none_or(|c| c.leads());
+    let mut page = shared.metrics.page();
+    page.collect(GateGauges::new(snap, shared.log.counters()));
+    page.collect(ledger_gauges::LedgerGauges {
+        totals: totals.then_some(ledger),
+        store: shared.store.stats(),
+    });
+    page.collect(ledger_gauges::ConfigGeneration(shared.control.generation()));
+    page.collect(crate::http::connlimit::ConnGauges::new(&[
+        ("proxy", &shared.conns),
+        ("admin", &shared.admin_conns),
+    ]));
+    if let Some(c) = &shared.cluster {
+        page.collect(c.metrics());
+    }
+    page.render()
+}
+
 /// Route one request.
 ///
 /// Every `POST /v1/...` is admission-controlled: the three OpenAI JSON endpoints require a
@@ -88,25 +111,10 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
     }
     match (req.method(), path) {
         (&Method::GET, "/healthz") => response::text("text/plain", "ok\n".into()),
-        (&Method::GET, "/metrics") => {
-            let (ledger, snap) = shared.ledger_view();
-            let mut body = shared.metrics.render(&snap, shared.log.counters());
-            let totals = shared.cluster.as_ref().is_none_or(|c| c.leads());
-            crate::observe::metrics::render_ledger(
-                &mut body,
-                totals.then_some(&ledger),
-                &shared.store.stats(),
-            );
-            crate::observe::metrics::render_controls(&mut body, shared.control.generation());
-            crate::http::connlimit::render_all(
-                &mut body,
-                &[("proxy", &shared.conns), ("admin", &shared.admin_conns)],
-            );
-            if let Some(c) = &shared.cluster {
-                c.render_metrics(&mut body);
-            }
-            response::text("text/plain; version=0.0.4", body)
-        }
+        (&Method::GET, "/metrics") => response::text(
+            crate::observe::exposition::CONTENT_TYPE,
+            metrics_page(&shared),
+        ),
         (&Method::GET, "/stats") => response::json(&crate::ops::stats::stats(&shared)),
         (_, p) if p.starts_with("/v1/") => {
             crate::pipeline::passthrough::passthrough(shared, req).await

@@ -362,36 +362,45 @@ impl ConnTracker {
     }
 }
 
-/// The connection families' HELP and TYPE lines, then each listener's rows.
-pub fn render_all(o: &mut String, listeners: &[(&str, &ConnTracker)]) {
-    use std::fmt::Write;
-    let _ = writeln!(
-        o,
-        "# HELP slackgate_connections_open Client connections open, by listener."
-    );
-    let _ = writeln!(o, "# TYPE slackgate_connections_open gauge");
-    for (name, t) in listeners {
-        let _ = writeln!(
-            o,
-            "slackgate_connections_open{{listener=\"{name}\"}} {}",
-            t.open()
-        );
+/// The listeners' connection families on the metrics page, as counted at scrape time.
+#[derive(Debug)]
+pub struct ConnGauges(Vec<(&'static str, usize, [u64; CloseReason::ALL.len()])>);
+
+impl ConnGauges {
+    /// Each listener's open connections and closes, by its name (`proxy`, `admin`) now.
+    pub fn new(listeners: &[(&'static str, &ConnTracker)]) -> ConnGauges {
+        ConnGauges(
+            listeners
+                .iter()
+                .map(|(name, t)| (*name, t.open(), CloseReason::ALL.map(|r| t.closed(r))))
+                .collect(),
+        )
     }
-    let _ = writeln!(
-        o,
-        "# HELP slackgate_connections_closed_total Client connections closed or refused by a \
-         connection limit, by listener and reason."
-    );
-    let _ = writeln!(o, "# TYPE slackgate_connections_closed_total counter");
-    for (name, t) in listeners {
-        for r in CloseReason::ALL {
-            let _ = writeln!(
-                o,
-                "slackgate_connections_closed_total{{listener=\"{name}\",reason=\"{}\"}} {}",
-                r.as_str(),
-                t.closed(r)
-            );
-        }
+}
+
+impl prometheus_client::collector::Collector for ConnGauges {
+    fn encode(
+        &self,
+        encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        let mut f = crate::observe::exposition::Families::new(encoder);
+        f.gauge(
+            "slackgate_connections_open",
+            "Client connections open, by listener.",
+            self.0
+                .iter()
+                .map(|(name, open, _)| ([("listener", *name)], *open as f64)),
+        )?;
+        f.counter(
+            "slackgate_connections_closed_total",
+            "Client connections closed or refused by a connection limit, by listener and reason.",
+            self.0.iter().flat_map(|(name, _, closed)| {
+                CloseReason::ALL
+                    .iter()
+                    .zip(closed)
+                    .map(|(r, n)| ([("listener", *name), ("reason", r.as_str())], *n))
+            }),
+        )
     }
 }
 

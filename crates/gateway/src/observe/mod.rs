@@ -1,5 +1,8 @@
-//! Observability: the JSON decision log and the Prometheus metrics.
+//! Observability: the JSON decision log and the Prometheus metrics page.
 
 pub mod codes;
+pub mod exposition;
+pub mod gauges;
+pub mod ledger_gauges;
 pub mod metrics;
 pub mod telemetry;

@@ -363,12 +363,49 @@ impl Cluster {
         }
     }
 
-    /// Append the cluster's metrics (one replica's; see docs/reference.md for aggregation).
-    pub fn render_metrics(&self, out: &mut String) {
-        use crate::observe::metrics::family;
-        let s = self.status();
-        let id = &s.replica_id;
-        let one = |v: u64| std::iter::once((format!("replica=\"{id}\""), v as f64));
+    /// The cluster's metrics (one replica's; see docs/reference.md for aggregation), as
+    /// this replica sees the cluster now.
+    pub fn metrics(&self) -> ClusterGauges {
+        ClusterGauges(self.status())
+    }
+}
+
+/// A replica's part in its cluster now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Holds the gate's lease and decides for the cluster.
+    Leader,
+    /// Forwards to the leader it last saw.
+    Follower,
+    /// Reaches no leader: requests follow their class's `fail_mode` (decided here on this
+    /// replica's share of the slots, or refused).
+    Degraded,
+}
+
+impl Role {
+    /// The stable name (`/stats`, the decision log's `cluster` field).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Leader => "leader",
+            Role::Follower => "follower",
+            Role::Degraded => "degraded",
+        }
+    }
+}
+
+/// The cluster's families on the metrics page, from one reading of [`ClusterStatus`].
+#[derive(Debug)]
+pub struct ClusterGauges(ClusterStatus);
+
+impl prometheus_client::collector::Collector for ClusterGauges {
+    fn encode(
+        &self,
+        encoder: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> std::fmt::Result {
+        let s = &self.0;
+        let replica = [("replica", s.replica_id.as_str())];
+        let mut f = crate::observe::exposition::Families::new(encoder);
         for (name, help, v) in [
             (
                 "slackgate_cluster_leader",
@@ -401,12 +438,10 @@ impl Cluster {
                 s.leader.as_ref().map_or(0, |l| l.epoch),
             ),
         ] {
-            family(out, name, "gauge", help, one(v));
+            f.gauge(name, help, [(replica, v as f64)])?;
         }
-        family(
-            out,
+        f.counter(
             "slackgate_cluster_events_total",
-            "counter",
             "Cluster events on this replica: requests forwarded to the leader, forwards that \
              failed, requests decided by fail mode (fail_open, fail_closed), leases acquired \
              and lost, failed Redis calls.",
@@ -419,33 +454,8 @@ impl Cluster {
                 ("leader_lost", s.leader_lost),
                 ("redis_error", s.redis_errors),
             ]
-            .into_iter()
-            .map(|(event, v)| (format!("replica=\"{id}\",event=\"{event}\""), v as f64)),
-        );
-    }
-}
-
-/// A replica's part in its cluster now.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Holds the gate's lease and decides for the cluster.
-    Leader,
-    /// Forwards to the leader it last saw.
-    Follower,
-    /// Reaches no leader: requests follow their class's `fail_mode` (decided here on this
-    /// replica's share of the slots, or refused).
-    Degraded,
-}
-
-impl Role {
-    /// The stable name (`/stats`, the decision log's `cluster` field).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Leader => "leader",
-            Role::Follower => "follower",
-            Role::Degraded => "degraded",
-        }
+            .map(|(event, n)| ([replica[0], ("event", event)], n)),
+        )
     }
 }
 
