@@ -26,7 +26,6 @@
 mod memory;
 pub mod prune;
 mod redis;
-mod redis_lua;
 mod sqlite;
 mod sqlite_error;
 mod writer;
