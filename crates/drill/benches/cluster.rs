@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
-use slackgate_drill::client::{http_client, HttpClient};
+use slackgate_drill::http_client::{http_client, HttpClient};
 use slackgate_drill::redis::{command_calls, Redis};
 use slackgate_gateway::config::LogTarget;
 use slackgate_gateway::{Config, DecisionLog, Gateway};

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::client::{http_client, HttpClient};
+use crate::http_client::{http_client, HttpClient};
 use crate::realserver::{self, Measured, ServerError};
 
 /// How to calibrate.

@@ -9,26 +9,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use slackgate_core::Reason;
 use slackgate_sim::engine::{size_ms, Outcome, RequestResult};
 use slackgate_sim::scenario::{FaultKind, RetryMode, Scenario, HANG_TAIL_MS};
 use slackgate_sim::workload::Arrival;
 use tokio::time::Instant;
 
-/// The HTTP client every drill request shares.
-pub type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-/// Build the shared client: no idle-connection cap, TCP_NODELAY.
-pub fn http_client() -> HttpClient {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(Duration::from_secs(5)));
-    Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(2))
-        .build(http)
-}
+use crate::http_client::HttpClient;
 
 /// Largest error body read.
 const MAX_ERROR_BODY: usize = 1 << 20;

@@ -20,6 +20,7 @@
 
 pub mod calibrate;
 pub mod client;
+pub mod http_client;
 pub mod joblog;
 pub mod neighbour;
 pub mod progress;
@@ -584,7 +585,7 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
 /// check that a `--config` has a class for each of the scenario's.
 async fn resolve_real(s: &Scenario, r: &RealUpstream) -> Result<RealInfo, DrillError> {
     let url = r.url.trim_end_matches('/').to_string();
-    let http = client::http_client();
+    let http = http_client::http_client();
     let model = match &r.model {
         Some(m) => m.clone(),
         None => realserver::discover_model(&http, &url)
@@ -905,7 +906,7 @@ async fn run_mode(
             (None, target, upstream)
         }
     };
-    let http = client::http_client();
+    let http = http_client::http_client();
     // The upstream's per-request accounting, read over HTTP whether the drill started the stub
     // or not; an upstream that is not a stub has none.
     let accounted = match &started {

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 
-use crate::client::HttpClient;
+use crate::http_client::HttpClient;
 
 /// Characters per token assumed when nothing better is known (English text, common BPE
 /// vocabularies).

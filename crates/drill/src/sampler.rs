@@ -11,7 +11,8 @@ use http_body_util::{BodyExt, Full};
 use slackgate_sim::engine::Series;
 use slackgate_stub::RequestRecord;
 
-use crate::client::{HttpClient, Run};
+use crate::client::Run;
+use crate::http_client::HttpClient;
 
 /// Largest response read from a metrics or stub endpoint (a million request records).
 const MAX_BODY: usize = 192 * 1024 * 1024;

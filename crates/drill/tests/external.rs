@@ -37,7 +37,7 @@ async fn drives_a_running_gate_and_stub_over_http() {
     )
     .unwrap();
     // Leftover records from before the drill must not be counted.
-    let http = slackgate_drill::client::http_client();
+    let http = slackgate_drill::http_client::http_client();
     let req = http::Request::post(format!("{upstream}/v1/chat/completions"))
         .header("x-stub-request-id", "gate-on-0-0")
         .header("x-stub-latency", "fixed:300ms")

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::records::RequestLog;
-use crate::server::{error, json_bytes, json_response, read_body, Refusal};
+use crate::reply::{error, json_bytes, json_response, read_body, Refusal};
 use crate::state::Shared;
 use crate::stream::StubBody;
 

@@ -39,6 +39,7 @@ mod idle;
 mod latency;
 mod openai;
 mod records;
+mod reply;
 mod server;
 mod state;
 mod stream;
@@ -54,8 +55,7 @@ use tokio::task::JoinHandle;
 
 pub use idle::ConnConfig;
 pub use latency::{LatencySpec, SpecError, MAX_SPEC_DURATION};
-pub use records::{RequestLog, RequestRecord, MAX_REQUEST_RECORDS};
-pub use state::Outcome;
+pub use records::{Outcome, RequestLog, RequestRecord, MAX_REQUEST_RECORDS};
 
 /// How the stub behaves when a request does not say otherwise.
 #[derive(Clone, Debug, PartialEq, Eq)]

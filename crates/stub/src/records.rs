@@ -13,13 +13,36 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::state::Outcome;
-
 /// Most records the stub keeps between clears; later ones are only counted as `dropped`.
 pub const MAX_REQUEST_RECORDS: usize = 1_000_000;
 
 /// Longest accepted `x-stub-request-id`, in bytes (all visible ASCII, so also in characters).
 pub(crate) const MAX_REQUEST_ID_LEN: usize = 128;
+
+/// How a request ended; decides which counter its release bumps and what its record says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// The whole response was delivered.
+    Served,
+    /// The stub ended it on purpose (injected fault).
+    Faulted,
+    /// The client went away first, while queued or while holding a slot. This is what a slot
+    /// guard starts with, so any path that forgets to settle it, i.e. a dropped future or body,
+    /// is counted as a cancellation.
+    Cancelled,
+}
+
+impl Outcome {
+    /// The stable name used in `/stub/requests`: `served`, `faulted` or `cancelled`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Served => "served",
+            Outcome::Faulted => "faulted",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
 
 /// What the stub recorded about one request that carried `x-stub-request-id`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

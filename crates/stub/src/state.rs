@@ -15,7 +15,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::latency::{LatencySpec, Prng};
-use crate::records::{Records, RequestLog, RequestRecord, Tag, MAX_REQUEST_RECORDS};
+use crate::records::{Outcome, Records, RequestLog, RequestRecord, Tag, MAX_REQUEST_RECORDS};
 use crate::{StubConfig, StubStats};
 
 /// Most slots a stub may have: far beyond any real server, and small enough that the semaphore
@@ -53,31 +53,6 @@ struct Waiters {
 /// stay consistent even if a holder panicked, and the stub must keep serving.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// How a request ended; decides which counter its release bumps and what its record says.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Outcome {
-    /// The whole response was delivered.
-    Served,
-    /// The stub ended it on purpose (injected fault).
-    Faulted,
-    /// The client went away first, while queued or while holding a slot. This is what a slot
-    /// guard starts with, so any path that forgets to settle it, i.e. a dropped future or body,
-    /// is counted as a cancellation.
-    Cancelled,
-}
-
-impl Outcome {
-    /// The stable name used in `/stub/requests`: `served`, `faulted` or `cancelled`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Served => "served",
-            Outcome::Faulted => "faulted",
-            Outcome::Cancelled => "cancelled",
-        }
-    }
 }
 
 impl Shared {

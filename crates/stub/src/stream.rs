@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use crate::latency::Pacer;
 use crate::openai::{self, Endpoint};
-use crate::state::{Outcome, SlotGuard};
+use crate::records::Outcome;
+use crate::state::SlotGuard;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http_body::{Body, Frame, SizeHint};

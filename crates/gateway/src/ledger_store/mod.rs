@@ -26,8 +26,8 @@
 mod memory;
 pub mod prune;
 mod redis;
-mod redis_lua;
 mod sqlite;
+mod sqlite_error;
 mod writer;
 
 pub use self::redis::{redact, RedisOptions, RedisStore};

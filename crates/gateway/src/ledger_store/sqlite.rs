@@ -34,10 +34,11 @@
 //! refused 503 `ledger_unavailable`, one failing open goes ahead. The writer never panics
 //! and never stops before the store is dropped.
 
+use super::sqlite_error::classify;
 use super::writer::{Covers, Msg, Writer};
 use super::{Counters, LedgerStore, StoreError, StoreStats, WriteSeq};
 use super::{Synchronous, DEFAULT_FLUSH_TIMEOUT_MS};
-use rusqlite::{Connection, ErrorCode, OpenFlags};
+use rusqlite::{Connection, OpenFlags};
 use serde::Deserialize;
 use slackgate_core::ledger::HoldRecord;
 use std::path::{Path, PathBuf};
@@ -159,75 +160,23 @@ impl SqliteStore {
         // separate connection runs a non-blocking PASSIVE checkpoint every 200 ms.
         conn.pragma_update(None, "wal_autocheckpoint", 0)
             .map_err(|e| classify(path, "set wal_autocheckpoint", e))?;
-        let mut checkpoint_conn = open_connection(path, &opts)?;
+        let checkpoint_conn = open_connection(path, &opts)?;
         let counters = Arc::new(Counters::default());
-        let pruner_counters = Arc::clone(&counters);
-        let prune_path = path.to_owned();
         let (checkpoint_stop, stop_rx) = mpsc::channel::<()>();
-        let checkpointer = std::thread::Builder::new()
-            .name("ledger-checkpoint".to_owned())
-            .spawn(move || {
-                // Pruning shares this thread and connection: both are background upkeep
-                // that must never hold up the writer for long.
-                let mut last_prune = std::time::Instant::now();
-                let mut logged = false;
-                while let Err(mpsc::RecvTimeoutError::Timeout) = stop_rx.recv_timeout(
-                    Duration::from_millis(200)
-                        .min(Duration::from_millis(opts.prune_interval_ms.max(1))),
-                ) {
-                    if let Some(retention) = opts.retention_ms {
-                        if last_prune.elapsed() >= Duration::from_millis(opts.prune_interval_ms) {
-                            last_prune = std::time::Instant::now();
-                            let now = crate::support::clock::epoch_ms();
-                            match super::prune::prune_all(&mut checkpoint_conn, now, retention) {
-                                Ok(n) => {
-                                    Counters::add(&pruner_counters.rows_pruned, n);
-                                    if n > 0 {
-                                        // A passive checkpoint never shrinks the WAL: it
-                                        // keeps its high-water mark (up to
-                                        // `journal_size_limit`). After a round that freed
-                                        // rows, copy it back and cut it to zero, so the
-                                        // files' size follows the live rows. It waits for
-                                        // the writer's current batch, a few ms at most.
-                                        let _ = checkpoint_conn.query_row(
-                                            "PRAGMA wal_checkpoint(TRUNCATE)",
-                                            [],
-                                            |_| Ok(()),
-                                        );
-                                    }
-                                }
-                                Err(e) => {
-                                    Counters::add(&pruner_counters.prune_errors, 1);
-                                    if !logged {
-                                        logged = true;
-                                        tracing::warn!(
-                                            "ledger store {}: pruning failed: {e} \
-                                             [later failures are only counted]",
-                                            prune_path.display()
-                                        );
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    let _ =
-                        checkpoint_conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
-                }
-            })
-            .map_err(|e| StoreError::Open {
-                path: path.to_owned(),
-                reason: format!("cannot start the checkpoint thread: {e}"),
-            })?;
+        let upkeep = Upkeep {
+            conn: checkpoint_conn,
+            path: path.to_owned(),
+            counters: Arc::clone(&counters),
+            retention_ms: opts.retention_ms,
+            prune_interval_ms: opts.prune_interval_ms,
+        };
+        let checkpointer = spawn(path, "ledger-checkpoint", "checkpoint", move || {
+            upkeep.run(stop_rx)
+        })?;
         let flush_timeout = Duration::from_millis(opts.flush_timeout_ms.max(1));
         let (tx, rx) = mpsc::channel();
         let writer = Writer::new(conn, path.to_owned(), Arc::clone(&counters), opts.batch_max);
-        let handle = std::thread::Builder::new()
-            .name("ledger-writer".to_owned())
-            .spawn(move || writer.run(rx))
-            .map_err(|e| StoreError::Open {
-                path: path.to_owned(),
-                reason: format!("cannot start the writer thread: {e}"),
-            })?;
+        let handle = spawn(path, "ledger-writer", "writer", move || writer.run(rx))?;
         Ok(SqliteStore {
             path: path.to_owned(),
             queue: Mutex::new(Some(Queue { tx, last_seq: 0 })),
@@ -288,6 +237,85 @@ impl SqliteStore {
                 Err(_) => Err(self.timed_out()),
             }
         })
+    }
+}
+
+/// Start a named store thread, or say which one could not start.
+fn spawn(
+    path: &Path,
+    name: &str,
+    what: &str,
+    body: impl FnOnce() + Send + 'static,
+) -> Result<JoinHandle<()>, StoreError> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(body)
+        .map_err(|e| StoreError::Open {
+            path: path.to_owned(),
+            reason: format!("cannot start the {what} thread: {e}"),
+        })
+}
+
+/// The checkpoint thread's state: its own connection, on which it checkpoints the WAL every
+/// 200 ms and, when a retention is set, prunes every `prune_interval_ms`. Pruning shares
+/// this thread and connection: both are background upkeep that must never hold up the
+/// writer for long.
+struct Upkeep {
+    conn: Connection,
+    path: PathBuf,
+    counters: Arc<Counters>,
+    retention_ms: Option<u64>,
+    prune_interval_ms: u64,
+}
+
+impl Upkeep {
+    /// The thread's body: checkpoint (and prune when due) until `stop` is dropped.
+    fn run(mut self, stop: mpsc::Receiver<()>) {
+        let mut last_prune = std::time::Instant::now();
+        let mut logged = false;
+        while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(
+            Duration::from_millis(200).min(Duration::from_millis(self.prune_interval_ms.max(1))),
+        ) {
+            if let Some(retention) = self.retention_ms {
+                if last_prune.elapsed() >= Duration::from_millis(self.prune_interval_ms) {
+                    last_prune = std::time::Instant::now();
+                    self.prune(retention, &mut logged);
+                }
+            }
+            let _ = self
+                .conn
+                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+        }
+    }
+
+    /// One pruning run; the first failure is logged, later ones only counted.
+    fn prune(&mut self, retention: u64, logged: &mut bool) {
+        let now = crate::support::clock::epoch_ms();
+        match super::prune::prune_all(&mut self.conn, now, retention) {
+            Ok(n) => {
+                Counters::add(&self.counters.rows_pruned, n);
+                if n > 0 {
+                    // A passive checkpoint never shrinks the WAL: it keeps its high-water
+                    // mark (up to `journal_size_limit`). After a round that freed rows, copy
+                    // it back and cut it to zero, so the files' size follows the live rows.
+                    // It waits for the writer's current batch, a few ms at most.
+                    let _ = self
+                        .conn
+                        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+                }
+            }
+            Err(e) => {
+                Counters::add(&self.counters.prune_errors, 1);
+                if !*logged {
+                    *logged = true;
+                    tracing::warn!(
+                        "ledger store {}: pruning failed: {e} \
+                         [later failures are only counted]",
+                        self.path.display()
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -460,23 +488,4 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
     )
     .map_err(|e| classify(path, "create the pruning index", e))?;
     Ok(conn)
-}
-
-/// Turn a SQLite error into the store error an operator can act on.
-pub(super) fn classify(path: &Path, op: &'static str, source: rusqlite::Error) -> StoreError {
-    let path = path.to_owned();
-    match source.sqlite_error_code() {
-        Some(ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt) => {
-            StoreError::NotADatabase { path }
-        }
-        Some(ErrorCode::CannotOpen) => StoreError::Open {
-            path,
-            reason: format!("{source} (check the directory exists and is writable)"),
-        },
-        Some(ErrorCode::ReadOnly | ErrorCode::PermissionDenied) => StoreError::Open {
-            path,
-            reason: format!("not writable: {source}"),
-        },
-        _ => StoreError::Sqlite { path, op, source },
-    }
 }

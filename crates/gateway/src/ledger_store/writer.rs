@@ -22,7 +22,7 @@
 //! A flush for a write older than every remembered range, after more ranges than that were
 //! dropped, cannot know and answers with an error (the refusal is the safe side).
 
-use super::sqlite::classify;
+use super::sqlite_error::classify;
 use super::{Ack, Counters, StoreError};
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, Row, TransactionBehavior};

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use slackgate_core::Reason;
 
-use super::fifo::JobQueue;
+use super::job_queue::JobQueue;
 use crate::policy::{Action, Job, Policy, Verdict};
 
 /// Reason code of a job CoDel drops from its queue.

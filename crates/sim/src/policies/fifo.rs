@@ -1,90 +1,23 @@
 //! FIFO gates: no gate at all (`none`, an unbounded FIFO in front of the upstream, which is
 //! what seed 000 ran before its outage), a static cap on queue depth (`max-queue`, the knob
-//! most proxies offer), and seed 000's thresholds (`seed000`, its rule in `seed000.rs`). Also
-//! home of `JobQueue`, the FIFO-plus-in-flight bookkeeping the queue-based baselines share.
-
-use std::collections::{BTreeSet, VecDeque};
+//! most proxies offer), and seed 000's thresholds (`seed000`, its rule in `seed000.rs`). The
+//! queue itself is `JobQueue` (`job_queue.rs`), shared with the other queue-based baselines.
 
 use slackgate_core::Reason;
 
+use super::job_queue::JobQueue;
+use super::seed000::Seed000Rule;
 use crate::policy::{Action, Job, Policy, Verdict};
-
-/// A FIFO of admitted jobs and the set of dispatched ones: each id is queued once, dispatched
-/// at most once and forgotten exactly once (completion or cancellation).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct JobQueue {
-    /// Queued jobs in arrival order: `(id, arrival_ms)`.
-    queued: VecDeque<(u64, u64)>,
-    /// Dispatched jobs that have not completed or been cancelled.
-    in_flight: BTreeSet<u64>,
-}
-
-impl JobQueue {
-    /// Queue an admitted job at the tail.
-    pub(crate) fn push(&mut self, id: u64, arrival_ms: u64) {
-        self.queued.push_back((id, arrival_ms));
-    }
-
-    /// Number of queued (not yet dispatched) jobs.
-    pub(crate) fn len(&self) -> usize {
-        self.queued.len()
-    }
-
-    /// True when nothing is queued.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.queued.is_empty()
-    }
-
-    /// Arrival time of the oldest queued job.
-    pub(crate) fn oldest_arrival(&self) -> Option<u64> {
-        self.queued.front().map(|&(_, arrival)| arrival)
-    }
-
-    /// Take the oldest queued job out of the queue (the caller dispatches or drops it).
-    pub(crate) fn pop_front(&mut self) -> Option<(u64, u64)> {
-        self.queued.pop_front()
-    }
-
-    /// Record that `id` (already taken out of the queue) now runs upstream.
-    pub(crate) fn start(&mut self, id: u64) {
-        self.in_flight.insert(id);
-    }
-
-    /// Dispatch up to `free` jobs in arrival order.
-    pub(crate) fn dispatch_fifo(&mut self, free: u32, out: &mut Vec<Action>) {
-        for _ in 0..free {
-            let Some((id, _)) = self.queued.pop_front() else {
-                break;
-            };
-            self.start(id);
-            out.push(Action::Dispatch(id));
-        }
-    }
-
-    /// A dispatched job finished; unknown ids are ignored.
-    pub(crate) fn complete(&mut self, id: u64) {
-        self.in_flight.remove(&id);
-    }
-
-    /// Forget `id` wherever it is; false if the id is not (or no longer) known.
-    pub(crate) fn cancel(&mut self, id: u64) -> bool {
-        if let Some(pos) = self.queued.iter().position(|&(q, _)| q == id) {
-            self.queued.remove(pos);
-            return true;
-        }
-        self.in_flight.remove(&id)
-    }
-}
 
 /// What a FIFO gate refuses at arrival.
 #[derive(Clone, Debug)]
-pub(crate) enum Rule {
+enum Rule {
     /// Nothing: no gate.
     Unbounded,
     /// A static cap on queued jobs.
     Cap(usize),
     /// Seed 000's age and depth thresholds.
-    Seed000(super::seed000::Seed000Rule),
+    Seed000(Seed000Rule),
 }
 
 /// A FIFO queue in front of the upstream with an arrival rule: no gate (`none`), a static
@@ -98,7 +31,7 @@ pub struct Fifo {
 }
 
 impl Fifo {
-    pub(crate) fn with_rule(name: &'static str, rule: Rule, cancel_abandoned: bool) -> Self {
+    fn with_rule(name: &'static str, rule: Rule, cancel_abandoned: bool) -> Self {
         Fifo {
             name,
             rule,
@@ -116,6 +49,17 @@ impl Fifo {
     /// rejected with `queue_depth_exceeded`.
     pub fn max_queue(cap: usize, cancel_abandoned: bool) -> Self {
         Fifo::with_rule("max-queue", Rule::Cap(cap), cancel_abandoned)
+    }
+
+    /// Seed 000's gate (`seed000`): reject when the oldest queued job is older than
+    /// `max_age_ms`, or when `in_flight >= slots` and more than `depth_factor * slots` jobs are
+    /// queued (seed 000: 25 000, 2.0).
+    pub fn seed000(max_age_ms: u64, depth_factor: f64, slots: u32, cancel_abandoned: bool) -> Self {
+        Fifo::with_rule(
+            "seed000",
+            Rule::Seed000(Seed000Rule::new(max_age_ms, depth_factor, slots)),
+            cancel_abandoned,
+        )
     }
 }
 

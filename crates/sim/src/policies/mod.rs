@@ -5,5 +5,6 @@ pub mod clairvoyant;
 pub mod codel;
 pub mod fifo;
 pub mod gradient;
+pub(crate) mod job_queue;
 pub mod seed000;
 pub mod slackgate;

@@ -6,9 +6,9 @@
 
 use slackgate_core::Reason;
 
-use super::fifo::{Fifo, JobQueue, Rule};
+use super::job_queue::JobQueue;
 
-/// Seed 000's two thresholds, applied by a [`Fifo`] at arrival.
+/// Seed 000's two thresholds, applied by a [`super::fifo::Fifo`] at arrival.
 #[derive(Clone, Debug)]
 pub(crate) struct Seed000Rule {
     max_age_ms: u64,
@@ -17,6 +17,15 @@ pub(crate) struct Seed000Rule {
 }
 
 impl Seed000Rule {
+    /// The rule with seed 000's thresholds in the arguments of [`super::fifo::Fifo::seed000`].
+    pub(crate) fn new(max_age_ms: u64, depth_factor: f64, slots: u32) -> Self {
+        Seed000Rule {
+            max_age_ms,
+            depth_factor,
+            slots,
+        }
+    }
+
     /// Why an arrival is refused, if it is.
     pub(crate) fn refuse(&self, now: u64, jobs: &JobQueue, in_flight: u32) -> Option<Reason> {
         // Age first: it is the runbook's primary signal, and the reason an operator sees.
@@ -32,28 +41,11 @@ impl Seed000Rule {
     }
 }
 
-impl Fifo {
-    /// Seed 000's gate (`seed000`): reject when the oldest queued job is older than
-    /// `max_age_ms`, or when `in_flight >= slots` and more than `depth_factor * slots` jobs are
-    /// queued (seed 000: 25 000, 2.0).
-    pub fn seed000(max_age_ms: u64, depth_factor: f64, slots: u32, cancel_abandoned: bool) -> Self {
-        Fifo::with_rule(
-            "seed000",
-            Rule::Seed000(Seed000Rule {
-                max_age_ms,
-                depth_factor,
-                slots,
-            }),
-            cancel_abandoned,
-        )
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
-    use super::*;
     use crate::policies::fifo::tests::{check_bookkeeping, job};
+    use crate::policies::fifo::Fifo;
     use crate::policy::{Action, Policy, Verdict};
 
     fn reject(reason: &'static str) -> Verdict {

@@ -1,0 +1,108 @@
+//! What the Redis store's threads (the caller's, the writer, the pruner) share: the cluster's
+//! key names, the counters, whether Redis last answered, and the holds the put script
+//! refused, kept for the requests that placed them to ask about.
+
+use super::super::{Counters, StoreError};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Refused holds remembered for their requests to ask about (older ones are forgotten: a
+/// request asks right after its flush).
+const MAX_REFUSED_KEPT: usize = 10_000;
+
+/// The Redis keys of one cluster.
+#[derive(Clone, Debug)]
+pub(super) struct Keys {
+    pub(super) holds: String,
+    pub(super) settled: String,
+    pub(super) tenant: String,
+}
+
+impl Keys {
+    /// The keys under `{prefix}:` (see the module docs for the layout).
+    pub(super) fn new(prefix: &str) -> Keys {
+        Keys {
+            holds: format!("{prefix}:holds"),
+            settled: format!("{prefix}:settled"),
+            tenant: format!("{prefix}:tenant_hash_key"),
+        }
+    }
+}
+
+/// What the store's threads share.
+#[derive(Debug)]
+pub(super) struct Shared {
+    /// The URL without its password.
+    pub(super) shown: String,
+    pub(super) keys: Keys,
+    pub(super) timeout: Duration,
+    pub(super) counters: Counters,
+    pub(super) healthy: AtomicBool,
+    /// New holds the put script refused (the key was held or done by another hold), by key
+    /// and the refused hold's `created_at_ms`, oldest first, bounded: asked by the request
+    /// that placed the hold after its flush ([`crate::ledger_store::LedgerStore::hold_refused`]).
+    refused: Mutex<VecDeque<(String, u64)>>,
+}
+
+impl Shared {
+    /// State for a store at `shown` (the URL without its password) under `keys`.
+    pub(super) fn new(shown: String, keys: Keys, timeout: Duration) -> Shared {
+        Shared {
+            shown,
+            keys,
+            timeout,
+            counters: Counters::default(),
+            // Optimistic until a call says otherwise: nothing has failed yet.
+            healthy: AtomicBool::new(true),
+            refused: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// The error for a call that got no (good) answer from Redis.
+    pub(super) fn unavailable(&self, reason: impl Into<String>) -> StoreError {
+        StoreError::Unavailable {
+            url: self.shown.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Record whether the last Redis call succeeded.
+    pub(super) fn saw(&self, ok: bool) {
+        self.healthy.store(ok, Ordering::Relaxed);
+    }
+
+    /// The refused holds, even if a thread panicked holding the lock (a queue of plain
+    /// values cannot be left half-changed).
+    fn refused(&self) -> std::sync::MutexGuard<'_, VecDeque<(String, u64)>> {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Remember holds the put script refused, forgetting the oldest beyond
+    /// [`MAX_REFUSED_KEPT`].
+    pub(super) fn remember_refused(&self, refused: Vec<(String, u64)>) {
+        if refused.is_empty() {
+            return;
+        }
+        let mut q = self.refused();
+        for r in refused {
+            if q.len() >= MAX_REFUSED_KEPT {
+                q.pop_front();
+            }
+            q.push_back(r);
+        }
+    }
+
+    /// Whether the hold of `key` placed at `created_at_ms` was refused; asking forgets it.
+    pub(super) fn take_refused(&self, key: &str, created_at_ms: u64) -> bool {
+        let mut q = self.refused();
+        match q.iter().position(|(k, t)| k == key && *t == created_at_ms) {
+            Some(i) => {
+                q.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
