@@ -592,6 +592,8 @@ struct Outcome {
 struct Load {
     stop: Arc<AtomicBool>,
     alive: Arc<Mutex<Vec<bool>>>,
+    /// 200 answers so far, by replica: what a test waits on to know the load is being served.
+    served: Arc<Vec<AtomicU64>>,
     tasks: Vec<tokio::task::JoinHandle<Vec<Outcome>>>,
 }
 
@@ -606,10 +608,17 @@ impl Load {
         let stop = Arc::new(AtomicBool::new(false));
         let alive = Arc::new(Mutex::new(vec![true; addrs.len()]));
         let next = Arc::new(AtomicU64::new(0));
+        let served: Arc<Vec<AtomicU64>> =
+            Arc::new(addrs.iter().map(|_| AtomicU64::new(0)).collect());
         let mut tasks = Vec::new();
         for _ in 0..concurrency {
-            let (stop, alive, next, addrs) =
-                (stop.clone(), alive.clone(), next.clone(), addrs.clone());
+            let (stop, alive, next, addrs, served) = (
+                stop.clone(),
+                alive.clone(),
+                next.clone(),
+                addrs.clone(),
+                served.clone(),
+            );
             let tag = tag.to_string();
             tasks.push(tokio::spawn(async move {
                 let mut out = Vec::new();
@@ -632,7 +641,12 @@ impl Load {
                     let r = post_chat(addrs[replica], &key, class, &[]).await;
                     let took = start.elapsed();
                     let (reply, error) = match r {
-                        Ok(r) => (Some(r), String::new()),
+                        Ok(r) => {
+                            if r.status == 200 {
+                                served[replica].fetch_add(1, Ordering::SeqCst);
+                            }
+                            (Some(r), String::new())
+                        }
                         Err(e) => (None, e.to_string()),
                     };
                     out.push(Outcome {
@@ -647,7 +661,35 @@ impl Load {
                 out
             }));
         }
-        Load { stop, alive, tasks }
+        Load {
+            stop,
+            alive,
+            served,
+            tasks,
+        }
+    }
+
+    /// How many 200s replica `i` has answered this load so far.
+    fn served(&self, i: usize) -> u64 {
+        self.served[i].load(Ordering::SeqCst)
+    }
+
+    /// Wait (at most `within`) until each of `replicas` has answered `more` 200s beyond what it
+    /// had when called: the load is being served there, however slow the machine.
+    async fn wait_served(&self, replicas: &[usize], more: u64, within: Duration) -> Res<Duration> {
+        let base: Vec<u64> = replicas.iter().map(|&i| self.served(i)).collect();
+        wait_until(
+            within,
+            &format!("{more} more 200s of the load from each of replicas {replicas:?}"),
+            || {
+                let done = replicas
+                    .iter()
+                    .zip(&base)
+                    .all(|(&i, &b)| self.served(i) >= b + more);
+                std::future::ready(done)
+            },
+        )
+        .await
     }
 
     /// Send no more requests to replica `i`.
@@ -964,7 +1006,9 @@ async fn kill_leader_scenario(redis: RedisServer, strict: bool) -> Res {
         let survivors: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
 
         let load = Load::start("kill", c.addrs(&[0, 1, 2]), &["batch"], 9, None);
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // The load under way on every replica, the leader included, before the kill.
+        load.wait_served(&[0, 1, 2], 3, Duration::from_secs(10))
+            .await?;
         load.exclude(leader);
         c.replicas[leader].proc.kill9();
         let killed_at = Instant::now();
@@ -994,8 +1038,9 @@ async fn kill_leader_scenario(redis: RedisServer, strict: bool) -> Res {
         };
         let took = killed_at.elapsed();
         c.wait_formed(&survivors, Duration::from_secs(5)).await?;
-        // Load on the survivors for a while after the takeover, then drain.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Load served by both survivors after the takeover, then drain.
+        load.wait_served(&survivors, 3, Duration::from_secs(10))
+            .await?;
         let outcomes = load.finish().await?;
         let summary = summarize(&outcomes);
 
@@ -1206,7 +1251,8 @@ fn redis_down_follows_fail_modes_and_the_cluster_recovers_on_restart() -> Res {
         let mut c = Cluster::start(&spec, redis).await?;
         let all = [0usize, 1, 2];
         let load = Load::start("rl", c.addrs(&all), &["open", "closed"], 6, None);
-        tokio::time::sleep(Duration::from_millis(800)).await;
+        // The load under way on every replica before Redis goes.
+        load.wait_served(&all, 2, Duration::from_secs(10)).await?;
 
         c.redis.stop();
         let addrs = c.addrs(&all);
@@ -1272,7 +1318,8 @@ fn redis_down_follows_fail_modes_and_the_cluster_recovers_on_restart() -> Res {
                 c.diagnostics()
             );
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The load served again on every replica after the restart, then drained.
+        load.wait_served(&all, 1, Duration::from_secs(10)).await?;
         let outcomes = load.finish().await?;
         let summary = summarize(&outcomes);
         for o in &outcomes {

@@ -46,6 +46,7 @@ async fn burst(gate: &TestGate, n: usize, class: &str) -> Vec<(u16, Option<Strin
             .expect("bounded");
             (r.status.as_u16(), r.header("x-slackgate-reason"))
         }));
+        // Arrivals 2 ms apart, as a burst arrives: the spacing is the scenario, not a wait.
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let mut out = Vec::new();
@@ -331,7 +332,7 @@ async fn seed002_drain_order() {
         chat(16),
     )
     .await;
-    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
+    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16));
     let busy = eventually(Duration::from_secs(3), || async {
         let q = admin(&gate, "GET", "/admin/queues", "").await.json();
         q["pools"][0]["in_flight"] == 1 && q["classes"][1]["depth"] == 1
@@ -464,7 +465,6 @@ async fn a_drained_class_is_reported_drained_while_others_keep_the_pool_busy() {
         &url,
         &[("x-job-class", "batch"), ("x-stub-hold", "b")],
         chat(16),
-        Duration::ZERO,
     );
     let busy = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["pools"][0]["in_flight"] == 1
@@ -687,7 +687,7 @@ async fn queue_and_estimator_views() {
         chat(16),
     )
     .await;
-    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16), Duration::ZERO);
+    let queued = spawn_post(&url, &[("x-job-class", "eval")], chat(16));
     let ok = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 1
     })

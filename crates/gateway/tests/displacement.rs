@@ -70,7 +70,7 @@ fn headers(name: &str, hint: &str) -> Vec<(&'static str, String)> {
 
 fn send(url: &str, h: &[(&'static str, String)]) -> tokio::task::JoinHandle<Resp> {
     let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    spawn_post(url, &h, chat(2000), Duration::ZERO)
+    spawn_post(url, &h, chat(2000))
 }
 
 async fn finish(task: tokio::task::JoinHandle<Resp>, what: &str) -> Resp {

@@ -110,7 +110,10 @@ async fn holds_survive_a_restart_and_expire_on_time() {
         (409, Some("held"))
     );
 
-    // Past the TTL the restored holds expire, their tokens wasted, and are persisted so.
+    // Past the TTL the restored holds expire, their tokens wasted, and are persisted so. The
+    // time is the test, and it is real time: the restored holds carry epoch milliseconds
+    // written by the first gate, which the new gate's clock (started from the system clock)
+    // must pass.
     tokio::time::sleep(Duration::from_millis(1700)).await;
     let r = post(
         &format!("http://{}/admission/v1/expire", g.local_addr()),

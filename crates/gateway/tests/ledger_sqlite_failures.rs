@@ -134,7 +134,7 @@ async fn a_hold_whose_batch_failed_is_refused_even_after_another_flush_saw_the_f
     // every attempt and is given up while it waits for the slot.
     let other = lock(&dir.db());
     let lost_before = store.stats().records_lost;
-    let strict = spawn_post(&url, &[("x-job-class", "strict")], chat(4), Duration::ZERO);
+    let strict = spawn_post(&url, &[("x-job-class", "strict")], chat(4));
     wait_until(
         Duration::from_secs(10),
         "the strict hold given up",

@@ -85,7 +85,6 @@ async fn stuck_free_pool(
         &url,
         &[("x-job-class", "eval"), ("x-stub-hold", "night")],
         chat(8),
-        Duration::ZERO,
     );
     let busy = eventually(Duration::from_secs(3), || async {
         gate.stats().await["gate"]["pools"][0]["oldest_in_flight_age_ms"]

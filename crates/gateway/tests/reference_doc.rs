@@ -206,7 +206,7 @@ fn headers(class: &str, key: &str) -> Vec<(String, String)> {
 
 fn spawn(g: &TestGate, h: Vec<(String, String)>, body: String) -> tokio::task::JoinHandle<Resp> {
     let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    spawn_post(&g.url("/v1/chat/completions"), &h, body, Duration::ZERO)
+    spawn_post(&g.url("/v1/chat/completions"), &h, body)
 }
 
 async fn send(g: &TestGate, h: Vec<(String, String)>, body: &str) -> Resp {

@@ -88,12 +88,7 @@ async fn a_good_reload_keeps_queued_and_in_flight_work() {
     let held = [("x-job-class", "batch"), ("x-stub-hold", "h1")];
     let mut tasks = vec![spawn_upstream(&url, &stub, &held, chat(5)).await];
     for _ in 0..2 {
-        tasks.push(spawn_post(
-            &url,
-            &[("x-job-class", "batch")],
-            chat(5),
-            Duration::ZERO,
-        ));
+        tasks.push(spawn_post(&url, &[("x-job-class", "batch")], chat(5)));
     }
     let queued = eventually(Duration::from_secs(3), || async {
         admin(&gate, "GET", "/admin/queues", "").await.json()["classes"][1]["depth"] == 2

@@ -107,7 +107,6 @@ async fn replay() -> Vec<String> {
             &g.url("/v1/chat/completions"),
             &headers,
             chat(s.max_tokens),
-            Duration::ZERO,
         ));
         tokio::time::sleep(Duration::from_millis(s.then_ms)).await;
     }

@@ -319,7 +319,6 @@ async fn seed002_ci_test_plan() {
         &url,
         &[("x-job-class", "eval"), ("x-deadline-ms", "120000")],
         chat(5),
-        Duration::ZERO,
     );
     let admitted = eventually(Duration::from_secs(2), || async {
         gate.stats().await["gate"]["classes"][1]["depth"] == 1

@@ -76,14 +76,7 @@ async fn reads_the_stubs_queue_under_both_names() {
 
     // Five held requests from a client the gate never saw: two run, three wait.
     let held: Vec<_> = (0..5)
-        .map(|_| {
-            spawn_post(
-                &url,
-                &[("x-stub-hold", "h")],
-                common::chat(4),
-                Duration::ZERO,
-            )
-        })
+        .map(|_| spawn_post(&url, &[("x-stub-hold", "h")], common::chat(4)))
         .collect();
     wait_until(Duration::from_secs(5), "2 running, 3 queued", || async {
         let s = upstream.stats();
@@ -123,6 +116,8 @@ async fn reads_the_stubs_queue_under_both_names() {
     // After stop returns, nothing more is reported.
     scrapers.stop().await;
     let count = seen.lock().unwrap().len();
+    // Over three intervals in which nothing may happen: nothing to wait for, the time is the
+    // test.
     tokio::time::sleep(Duration::from_millis(350)).await;
     assert_eq!(seen.lock().unwrap().len(), count);
     // Every outcome was a reading: the stub never failed a scrape.
@@ -157,6 +152,8 @@ enum Answer {
 struct Wire {
     written: AtomicU64,
     client_left: AtomicBool,
+    /// Request heads read in full: a scrape is under way once this moves.
+    heads_read: AtomicU64,
 }
 
 async fn raw_server(answer: Answer) -> (SocketAddr, Arc<Wire>) {
@@ -197,6 +194,7 @@ async fn answer_one(mut conn: TcpStream, answer: Answer, wire: Arc<Wire>) {
             Ok(n) => head.extend_from_slice(&buf[..n]),
         }
     }
+    wire.heads_read.fetch_add(1, Ordering::Relaxed);
     let ok = "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n";
     let chunk = vec![b'#'; 64 << 10];
     match answer {
@@ -394,7 +392,10 @@ async fn an_endless_body_is_cut_at_the_cap_every_time() {
     }
 }
 
-#[tokio::test]
+// On tokio's paused clock: the loop's ticker and each scrape's timeout are tokio timers, so
+// its second of cadence, and the spells in which nothing may be reported, pass at once and
+// exactly, however loaded the machine.
+#[tokio::test(start_paused = true)]
 async fn the_loop_keeps_its_cadence_and_stops_mid_scrape() {
     let c = client();
     // Nothing listening: a connect error every 100 ms, no faster, no slower.
@@ -413,6 +414,7 @@ async fn the_loop_keeps_its_cadence_and_stops_mid_scrape() {
         seen.len()
     };
     assert!((6..=12).contains(&n), "{n} scrapes in about 1 s at 100 ms");
+    // Three intervals in which nothing may be reported (the time is the test).
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(seen.lock().unwrap().len(), n, "reported after the drop");
 
@@ -423,7 +425,11 @@ async fn the_loop_keeps_its_cadence_and_stops_mid_scrape() {
     let slow = job(silent, ServerKind::Sglang, 5_000);
     assert_eq!(slow.timeout(), Duration::from_secs(2));
     let scrapers = Scrapers::start(&c, vec![slow], cb);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Stopped mid-scrape: once the server has read its request.
+    wait_until(Duration::from_secs(3), "the scrape's request", || async {
+        wire.heads_read.load(Ordering::Relaxed) > 0
+    })
+    .await;
     let began = Instant::now();
     scrapers.stop().await;
     assert!(began.elapsed() < Duration::from_millis(500));

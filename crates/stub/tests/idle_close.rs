@@ -114,6 +114,7 @@ async fn without_idle_close_a_connection_stays_open() {
         exchange(&mut conn).await.as_deref(),
         Some("HTTP/1.1 200 OK")
     );
+    // Idle six times the limit the other tests use: the time is the test.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         exchange(&mut conn).await.as_deref(),

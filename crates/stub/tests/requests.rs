@@ -97,6 +97,7 @@ async fn a_request_behind_a_busy_slot_records_its_queueing() -> TestResult {
     wait_for(&stub, SEC, |s| s.in_flight == 1).await?;
     let second = spawn_call(addr, CHAT, &[(ID, "behind")], chat(4, ""));
     wait_for(&stub, SEC, |s| s.queued == 1).await?;
+    // 150 ms held ahead and queued behind: the time is the test (busy and queued time).
     tokio::time::sleep(Duration::from_millis(150)).await;
     call_json(addr, "POST", "/stub/release", &[], r#"{"name":"h"}"#).await?;
     assert_eq!(first.await??.0, StatusCode::OK);
@@ -162,6 +163,7 @@ async fn a_client_leaving_the_queue_is_cancelled_without_busy_time() -> TestResu
     wait_for(&stub, SEC, |s| s.in_flight == 1).await?;
     let queued = spawn_call(addr, CHAT, &[(ID, "gave-up")], chat(4, ""));
     wait_for(&stub, SEC, |s| s.queued == 1).await?;
+    // 50 ms in the queue before leaving: the time is the test (its queued time).
     tokio::time::sleep(Duration::from_millis(50)).await;
     queued.abort();
     wait_for(&stub, SEC, |s| s.queued == 0).await?;

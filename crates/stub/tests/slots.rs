@@ -106,6 +106,8 @@ async fn hold_keeps_the_slot_until_released() -> TestResult {
     let addr = stub.local_addr();
     let held = spawn_call(addr, CHAT, &[("x-stub-hold", "eval-7")], chat(4, ""));
     wait_for(&stub, SEC, |s| s.in_flight == 1).await?;
+    // Fifteen times its 10 ms latency, in which it must not finish: nothing to wait for, the
+    // time is the test.
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert!(
         !held.is_finished(),

@@ -110,7 +110,9 @@ mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
 
-    #[tokio::test]
+    // Both on tokio's paused clock: the guard's timer and the reader's pauses are tokio
+    // timers, so the 100 ms limit and the 5 ms pauses pass at once and exactly.
+    #[tokio::test(start_paused = true)]
     async fn a_reader_that_never_reads_times_the_writer_out() {
         let (a, _b) = tokio::io::duplex(16);
         let mut w = WriteStallGuard::new(a, Duration::from_millis(100));
@@ -120,7 +122,7 @@ mod tests {
         assert!(start.elapsed() >= Duration::from_millis(100));
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_slow_reader_that_keeps_reading_is_not_cut_off() {
         use tokio::io::AsyncReadExt;
         let (a, mut b) = tokio::io::duplex(1024);

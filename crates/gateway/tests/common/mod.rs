@@ -243,13 +243,13 @@ pub async fn post(url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
     send(b.body(Full::new(Bytes::from(body.to_string()))).unwrap()).await
 }
 
-/// POST from a task of its own, `after` a pause (none when zero): a request to hold the stub
-/// with `x-stub-hold`, or one to queue behind it, while the test goes on to look at the gate.
+/// POST from a task of its own: a request to hold the stub with `x-stub-hold`, or one to queue
+/// behind it, while the test goes on to look at the gate. It starts when the task is polled;
+/// a test that needs it to have reached somewhere waits for that (see [`spawn_upstream`]).
 pub fn spawn_post(
     url: &str,
     headers: &[(&str, &str)],
     body: String,
-    after: Duration,
 ) -> tokio::task::JoinHandle<Resp> {
     let url = url.to_string();
     let headers: Vec<(String, String)> = headers
@@ -257,9 +257,6 @@ pub fn spawn_post(
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     tokio::spawn(async move {
-        if !after.is_zero() {
-            tokio::time::sleep(after).await;
-        }
         let headers: Vec<(&str, &str)> = headers
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -278,7 +275,7 @@ pub async fn spawn_upstream(
     body: String,
 ) -> tokio::task::JoinHandle<Resp> {
     let before = stub.stats().in_flight;
-    let task = spawn_post(url, headers, body, Duration::ZERO);
+    let task = spawn_post(url, headers, body);
     wait_until(
         Duration::from_secs(10),
         "the request in a stub slot",
