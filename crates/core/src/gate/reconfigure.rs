@@ -21,10 +21,10 @@
 //! changed (a new model or new defaults mean the old figures no longer apply). A class's
 //! learned output length survives too.
 
+use super::queue::ClassQueue;
 use super::{Gate, LaneId, LaneState, PoolId, PoolState};
 use crate::config::{ConfigError, GateConfig};
 use crate::estimator::{ErrorTracker, Estimator};
-use crate::queue::ClassQueue;
 use crate::tokens::TokenCounter;
 use crate::Millis;
 use serde::Serialize;
