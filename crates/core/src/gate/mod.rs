@@ -179,6 +179,7 @@ impl Gate {
 }
 
 mod admission;
+mod capacity;
 mod dispatch;
 mod displacement;
 #[cfg(test)]
