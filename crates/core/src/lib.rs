@@ -12,7 +12,6 @@ pub mod config;
 pub mod estimator;
 pub mod gate;
 pub mod ledger;
-mod queue;
 pub mod reason;
 pub mod tokens;
 

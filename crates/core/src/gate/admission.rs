@@ -352,38 +352,21 @@ impl Gate {
             return refused;
         }
         self.keys.insert(key.clone(), job_id);
-        let req = &o.req;
-        let e = &o.eval;
-        let job = Job {
-            class: o.lane,
-            pool: e.pool,
-            seq: job_id.0,
-            arrived_at: now,
-            deadline: e.deadline,
-            first_token_deadline: req.first_token_deadline,
-            est: e.est,
-            prompt_tokens: e.prompt_tokens,
-            context: f64::from(e.prompt_tokens) + f64::from(o.expected_output) / 2.0,
-            model_service_ms: e.model_service_ms,
-            expected_output: o.expected_output,
-            prompt_chars: req.prompt_chars,
-            model: req.model.clone(),
-            state: JobState::Queued,
-            first_token_at: None,
-            max_tokens: req.max_tokens,
-            // Warm-up jobs run on an untrusted estimate; a reservation's worker was already
-            // told to go; a shadowed job was promised no deadline (it stays so when shadow
-            // mode is switched off while it waits): none is dropped on slack.
-            protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe)
-                || req.reservation
-                || o.shadowed.is_some(),
-            key,
-            generated_key,
-            reservation: req.reservation,
-            deadline_is_absolute: req.deadline_is_absolute,
-            promised_wait: e.wait,
-            promised_total: e.wait.saturating_add(e.est.service_ms),
-        };
+        let job = queued_job(&o, reason, key, generated_key);
+        self.enqueue(&o, job);
+        if o.shadowed.is_none() {
+            self.note_admitted(now, o.lane, job_id, reason);
+        }
+        if let Some(id) = o.victim {
+            self.displace(now, id);
+            o.d.displaced = Some(id);
+        }
+        o.d
+    }
+
+    /// Count the job in its lane's admitted demand, queue it on the lane and keep it.
+    fn enqueue(&mut self, o: &Offer, job: Job) {
+        let (now, e, job_id) = (o.now, &o.eval, o.d.job_id);
         let l = &mut self.classes[o.lane.0];
         l.admitted.record(
             now,
@@ -394,21 +377,18 @@ impl Gate {
         l.queue
             .push(job.key(), now, job_id, e.est.service_ms, displaceable);
         self.jobs.insert(job_id, job);
-        if o.shadowed.is_none() {
-            let home = self.home(o.lane);
-            let h = &mut self.classes[home.0];
-            if reason == Reason::Probe {
-                h.last_probe = Some((now, job_id));
-                h.probes += 1;
-            } else {
-                h.last_admit_at = Some(now);
-            }
+    }
+
+    /// Remember on the job's class when it last admitted work, or that it sent a probe.
+    fn note_admitted(&mut self, now: Millis, lane: LaneId, job_id: JobId, reason: Reason) {
+        let home = self.home(lane);
+        let h = &mut self.classes[home.0];
+        if reason == Reason::Probe {
+            h.last_probe = Some((now, job_id));
+            h.probes += 1;
+        } else {
+            h.last_admit_at = Some(now);
         }
-        if let Some(id) = o.victim {
-            self.displace(now, id);
-            o.d.displaced = Some(id);
-        }
-        o.d
     }
 
     /// Reserve the admitted request's tokens under `key`. Under the rollback flag (or a
@@ -505,4 +485,39 @@ fn perf_slowdown() {
         x = std::hint::black_box(x.wrapping_add(i));
     }
     std::hint::black_box(x);
+}
+
+/// The queued job an admitted offer becomes, held under `key`.
+fn queued_job(o: &Offer, reason: Reason, key: String, generated_key: bool) -> Job {
+    let (req, e) = (&o.req, &o.eval);
+    Job {
+        class: o.lane,
+        pool: e.pool,
+        seq: o.d.job_id.0,
+        arrived_at: o.now,
+        deadline: e.deadline,
+        first_token_deadline: req.first_token_deadline,
+        est: e.est,
+        prompt_tokens: e.prompt_tokens,
+        context: f64::from(e.prompt_tokens) + f64::from(o.expected_output) / 2.0,
+        model_service_ms: e.model_service_ms,
+        expected_output: o.expected_output,
+        prompt_chars: req.prompt_chars,
+        model: req.model.clone(),
+        state: JobState::Queued,
+        first_token_at: None,
+        max_tokens: req.max_tokens,
+        // Warm-up jobs run on an untrusted estimate; a reservation's worker was already
+        // told to go; a shadowed job was promised no deadline (it stays so when shadow
+        // mode is switched off while it waits): none is dropped on slack.
+        protected: matches!(reason, Reason::EstimatorWarmup | Reason::Probe)
+            || req.reservation
+            || o.shadowed.is_some(),
+        key,
+        generated_key,
+        reservation: req.reservation,
+        deadline_is_absolute: req.deadline_is_absolute,
+        promised_wait: e.wait,
+        promised_total: e.wait.saturating_add(e.est.service_ms),
+    }
 }

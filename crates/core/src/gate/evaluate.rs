@@ -50,10 +50,51 @@ impl Gate {
         bounds: &Bounds,
         expected_output: u32,
     ) -> Eval {
+        let (mut e, sharing) = self.project(now, lane, req, bounds, expected_output);
+        let home = &self.classes[self.home(lane).0];
+        let p = &self.pools[e.pool.0];
+        // The request's own deadline check: with no size from the caller, it must fit with
+        // an upper quantile of its class's outputs, not just the mean (its work in the queue
+        // still counts at the mean: that is what many jobs add up to).
+        let own_output = match (req.expected_output_tokens, home.output_q) {
+            (None, Some(q)) => {
+                let q = q.round().clamp(0.0, f64::from(u32::MAX)) as u32;
+                req.max_tokens.map_or(q, |m| q.min(m)).max(expected_output)
+            }
+            _ => expected_output,
+        };
+        let own = if own_output == expected_output {
+            e.est
+        } else {
+            scale_estimate(
+                p.estimator.estimate(e.prompt_tokens, own_output, sharing),
+                home.correction(),
+            )
+        };
+        e.own_service_ms = own.service_ms;
+        e.slack_ms = slack(now, 0, e.deadline, req.first_token_deadline, own);
+        e.hopeless = e.slack_ms.is_some_and(|s| s < 0)
+            && self.hopeless_alone(now, lane, req, &e, own_output);
+        let (padded_wait, padded_slack) = self.padded(now, lane, req, &e, own);
+        (e.verdict, e.hard_cap) = self.verdict(now, lane, &e, padded_wait, padded_slack);
+        e
+    }
+
+    /// Where a request stands on the lane before its own deadline is checked: its estimate
+    /// at the concurrency it would likely run at, its deadline, the work and wait ahead of it
+    /// (with the forecast of higher-priority arrivals) and how old that work is; with the
+    /// sharing the estimate assumed. The verdict is left `within_slack` for the caller.
+    fn project(
+        &self,
+        now: Millis,
+        lane: LaneId,
+        req: &Request,
+        bounds: &Bounds,
+        expected_output: u32,
+    ) -> (Eval, Sharing) {
         let c = &self.classes[lane.0];
         let pool = c.pool;
         let p = &self.pools[pool.0];
-        let prompt_tokens = bounds.prompt_tokens;
         let deadline = req
             .deadline
             .or_else(|| c.default_deadline_ms.map(|d| now.saturating_add(d)));
@@ -63,12 +104,9 @@ impl Gate {
         let home = &self.classes[self.home(lane).0];
         let sharing = p.expected_sharing(base_wait, count_ahead, home.recent_others_prefill);
         let forecast_ms = self.forecast_wait(now, lane, base_wait);
-        let wait = base_wait.saturating_add(forecast_ms);
-        let factor = home.correction();
         let model_est = p
             .estimator
-            .estimate(prompt_tokens, expected_output, sharing);
-        let est = scale_estimate(model_est, factor);
+            .estimate(bounds.prompt_tokens, expected_output, sharing);
         // Queue age: how long the work this request would wait behind has been waiting. That
         // is the oldest queued job ahead, or, when every slot is busy, how long the pool has
         // gone without freeing one (seed 002: one stuck eval, an empty queue, and a sync
@@ -76,34 +114,46 @@ impl Gate {
         let queue_age_ms = oldest
             .map_or(0, |t| now.saturating_sub(t))
             .max(self.pools[pool.0].slot_age(now));
-        // The request's own deadline check: with no size from the caller, it must fit with
-        // an upper quantile of its class's outputs, not just the mean (its work in the queue
-        // still counts at the mean: that is what many jobs add up to).
-        let learned_q = self.classes[self.home(lane).0].output_q;
-        let own_output = match (req.expected_output_tokens, learned_q) {
-            (None, Some(q)) => {
-                let q = q.round().clamp(0.0, f64::from(u32::MAX)) as u32;
-                req.max_tokens.map_or(q, |m| q.min(m)).max(expected_output)
-            }
-            _ => expected_output,
+        let eval = Eval {
+            pool,
+            est: scale_estimate(model_est, home.correction()),
+            deadline,
+            wait: base_wait.saturating_add(forecast_ms),
+            forecast_ms,
+            count_ahead,
+            queue_age_ms,
+            slack_ms: None,
+            own_service_ms: 0,
+            in_flight: p.in_flight.len() as u32,
+            verdict: Ok(Reason::WithinSlack),
+            hard_cap: false,
+            prompt_tokens: bounds.prompt_tokens,
+            sure: self.estimate_confirmed(lane),
+            model_service_ms: model_est.service_ms,
+            hopeless: false,
         };
-        let own = if own_output == expected_output {
-            est
-        } else {
-            scale_estimate(
-                p.estimator.estimate(prompt_tokens, own_output, sharing),
-                factor,
-            )
-        };
-        let slack_ms = slack(now, 0, deadline, req.first_token_deadline, own);
-        // A promise needs room for the estimates' own error: the wait and the service are
-        // inflated by the class's recent p90 error before they are held to the deadline
-        // (a request admitted exactly at the edge is dropped by any overrun ahead of it).
+        (eval, sharing)
+    }
+
+    /// The wait and slack a promise is held to, as `(wait, slack)`. A promise needs room for
+    /// the estimates' own error: the wait and the service (`own`) are inflated by the class's
+    /// recent p90 error before they are held to the deadline (a request admitted exactly at
+    /// the edge is dropped by any overrun ahead of it).
+    fn padded(
+        &self,
+        now: Millis,
+        lane: LaneId,
+        req: &Request,
+        e: &Eval,
+        own: Estimate,
+    ) -> (u64, Option<i64>) {
+        let home = &self.classes[self.home(lane).0];
+        let p = &self.pools[e.pool.0];
         let margin = home.margin(p.estimator.learns());
         let padded_slack = slack(
             now,
             0,
-            deadline,
+            e.deadline,
             req.first_token_deadline,
             scale_estimate(own, 1.0 + margin),
         );
@@ -114,76 +164,80 @@ impl Gate {
         } else {
             0.0
         };
-        let padded_wait = (wait as f64 * (1.0 + margin)
-            + wait_margin * (wait.saturating_add(own.service_ms)) as f64)
+        let padded_wait = (e.wait as f64 * (1.0 + margin)
+            + wait_margin * (e.wait.saturating_add(own.service_ms)) as f64)
             .round()
             .min(1e15) as u64;
-        // Too big for its own deadline even where it would run now with nothing ahead (not at
-        // the full concurrency a waiting request is estimated at): a retry cannot help. Only
-        // asked when it does not fit as estimated: with non-negative coefficients an estimate
-        // never grows as sharing shrinks, so one that fits there fits here.
-        let hopeless = slack_ms.is_some_and(|s| s < 0) && {
-            let own_now = scale_estimate(
-                p.estimator.estimate(
-                    prompt_tokens,
-                    own_output,
-                    p.expected_sharing(0, 0, home.recent_others_prefill),
-                ),
-                factor,
-            );
-            slack(now, 0, deadline, req.first_token_deadline, own_now).is_some_and(|s| s < 0)
-        };
-        let in_flight = p.in_flight.len() as u32;
-        let sure = self.estimate_confirmed(lane);
-        let mut hard_cap = false;
-        let verdict = if p.slots == 0 && padded_slack.is_some() {
+        (padded_wait, padded_slack)
+    }
+
+    /// Too big for its own deadline even where it would run now with nothing ahead (not at
+    /// the full concurrency a waiting request is estimated at): a retry cannot help. Only
+    /// asked when it does not fit as estimated: with non-negative coefficients an estimate
+    /// never grows as sharing shrinks, so one that fits there fits here.
+    fn hopeless_alone(
+        &self,
+        now: Millis,
+        lane: LaneId,
+        req: &Request,
+        e: &Eval,
+        own_output: u32,
+    ) -> bool {
+        let home = &self.classes[self.home(lane).0];
+        let p = &self.pools[e.pool.0];
+        let own_now = scale_estimate(
+            p.estimator.estimate(
+                e.prompt_tokens,
+                own_output,
+                p.expected_sharing(0, 0, home.recent_others_prefill),
+            ),
+            home.correction(),
+        );
+        slack(now, 0, e.deadline, req.first_token_deadline, own_now).is_some_and(|s| s < 0)
+    }
+
+    /// The lane's thresholds in their documented order (endpoints available, queue age, the
+    /// pool's hard cap, the depth rule, slack with its warm-up and probe exceptions), as the
+    /// verdict and whether it is the hard cap (enforced even in shadow mode).
+    fn verdict(
+        &self,
+        now: Millis,
+        lane: LaneId,
+        e: &Eval,
+        padded_wait: u64,
+        padded_slack: Option<i64>,
+    ) -> (Result<Reason, Reason>, bool) {
+        let c = &self.classes[lane.0];
+        let p = &self.pools[e.pool.0];
+        if p.slots == 0 && padded_slack.is_some() {
             // Every endpoint is ejected or drained: nothing with a deadline can be promised
             // until one returns (best-effort work queues for it).
-            Err(Reason::UpstreamUnavailable)
-        } else if c.max_queue_age_ms.is_some_and(|max| queue_age_ms > max) {
-            Err(Reason::QueueAgeExceeded)
-        } else if self.pool_depth(pool) >= p.max_queued {
+            (Err(Reason::UpstreamUnavailable), false)
+        } else if c.max_queue_age_ms.is_some_and(|max| e.queue_age_ms > max) {
+            (Err(Reason::QueueAgeExceeded), false)
+        } else if self.pool_depth(e.pool) >= p.max_queued {
             // Hard cap on everything queued on the pool, whatever the class: each queued
             // request holds a connection and its body in the gateway.
-            hard_cap = true;
-            Err(Reason::QueueDepthExceeded)
-        } else if self.depth_exceeded(pool, in_flight, count_ahead) {
-            Err(Reason::QueueDepthExceeded)
+            (Err(Reason::QueueDepthExceeded), true)
+        } else if self.depth_exceeded(e.pool, e.in_flight, e.count_ahead) {
+            (Err(Reason::QueueDepthExceeded), false)
         } else if padded_slack.is_some_and(|s| i128::from(padded_wait) > i128::from(s)) {
             // A pool with a free slot and an estimator that has barely learned anything: the
             // estimate is the prior, which may be far too pessimistic (a 256-token guess for
             // a request that writes 20). Rejecting would keep it from ever learning, so admit
             // and learn; such a job is never dropped on its (untrusted) estimate.
-            if wait == 0 && p.estimator.warming_up() {
-                Ok(Reason::EstimatorWarmup)
-            } else if wait == 0 && self.may_probe(now, lane) {
+            if e.wait == 0 && p.estimator.warming_up() {
+                (Ok(Reason::EstimatorWarmup), false)
+            } else if e.wait == 0 && self.may_probe(now, lane) {
                 // Refused on a free slot for its own size alone, and nothing of the class
                 // admitted for a while: let one through to measure it, or the gate could lock
                 // itself in (refused requests teach nothing, and a class's outputs drift).
-                Ok(Reason::Probe)
+                (Ok(Reason::Probe), false)
             } else {
-                Err(Reason::ProjectedWaitExceedsSlack)
+                (Err(Reason::ProjectedWaitExceedsSlack), false)
             }
         } else {
-            Ok(Reason::WithinSlack)
-        };
-        Eval {
-            pool,
-            est,
-            deadline,
-            wait,
-            forecast_ms,
-            count_ahead,
-            queue_age_ms,
-            slack_ms,
-            own_service_ms: own.service_ms,
-            in_flight,
-            verdict,
-            hard_cap,
-            prompt_tokens,
-            sure,
-            model_service_ms: model_est.service_ms,
-            hopeless,
+            (Ok(Reason::WithinSlack), false)
         }
     }
 

@@ -50,83 +50,74 @@ impl Gate {
             (busy_at_start, context_at_start, prefill_at_start),
             job.context,
         );
-        let concurrency = sharing.concurrency;
-        // An overflow lane's completions teach its class's output length.
-        let home = self.home(job.class);
-        let c = &mut self.classes[home.0];
         let service_ms = now.saturating_sub(started_at);
         if done.ok {
-            let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
             if done.completion_tokens.is_some() || job.max_tokens == Some(0) {
-                // The estimate in force while it ran against what it took: the class's error
-                // report, its padding and the evidence behind `x-should-retry`. Its own pool's
-                // only: an overflow lane's pool has an estimator of its own.
-                if job.class == home || c.pool == pool {
-                    c.errors.record(job.est.service_ms, service_ms);
-                    if self.pools[pool.0].estimator.learns() {
-                        c.learn_ratio(job.model_service_ms, service_ms);
-                    }
-                    c.recent_others_prefill +=
-                        CONCURRENCY_ALPHA * (sharing.others_prefill - c.recent_others_prefill);
-                    c.refresh_record();
-                }
-                let p = &mut self.pools[pool.0];
-                p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
-                if concurrency > 1.05 {
-                    let each = sharing.others_context / (concurrency - 1.0);
-                    p.recent_other_context += CONCURRENCY_ALPHA * (each - p.recent_other_context);
-                }
-                if let (Some(chars), Some(tokens)) = (job.prompt_chars, done.prompt_tokens) {
-                    p.tokens.learn(chars, tokens, job.model.as_deref());
-                }
+                self.learn_from_run(&job, &done, sharing, service_ms);
             }
-            let c = &mut self.classes[home.0];
-            match done.completion_tokens {
-                Some(out) => {
-                    let v = f64::from(out);
-                    c.expected_output = Some(match c.expected_output {
-                        Some(prev) => prev + EWMA_ALPHA * (v - prev),
-                        None => v,
-                    });
-                    // Stochastic quantile tracking: up by (1 - q) steps when an output is
-                    // above the estimate, down by q steps when not; it settles where a
-                    // fraction q of outputs lie below. The step scales with the larger of
-                    // the mean and the quantile itself: scaled by the mean alone, a class
-                    // whose outputs shrank (1000 tokens to 10) would take thousands of
-                    // completions to bring its quantile down, refusing work meanwhile.
-                    let scale = c.expected_output.unwrap_or(v).max(c.output_q.unwrap_or(v));
-                    let step = QUANTILE_STEP * scale.max(1.0);
-                    let below = if v <= c.output_q.unwrap_or(v) {
-                        1.0
-                    } else {
-                        0.0
-                    };
-                    // Its down steps are small (a tenth of the up steps), so after the class's
-                    // outputs shrink it would lag for hundreds of completions: it is kept
-                    // within a few times the mean, which follows at once.
-                    let cap = QUANTILE_MAX_RATIO * c.expected_output.unwrap_or(v).max(1.0);
-                    c.output_q = Some(match c.output_q {
-                        Some(q) => (q + step * (OUTPUT_QUANTILE - below)).clamp(0.0, cap),
-                        None => v,
-                    });
-                    self.pools[pool.0]
-                        .estimator
-                        .observe(prompt, out, sharing, service_ms);
-                }
-                // A request that generates nothing (embeddings) reports no completion tokens:
-                // it still teaches the overhead and prefill costs. A generating request with
-                // no usage teaches nothing (its output length is unknown).
-                None if job.max_tokens == Some(0) => {
-                    self.pools[pool.0]
-                        .estimator
-                        .observe(prompt, 0, sharing, service_ms);
-                }
-                None => {}
-            }
+            self.learn_output(&job, &done, sharing, service_ms);
         }
-        // Settle the hold: spent per the upstream's usage (or, without usage, what was held);
-        // a failed response spent nothing billable and wasted what it streamed.
-        let settle = if done.ok {
+        let settle = self.settlement(&job, &done);
+        Some(self.finish(now, id, job, pool, Some(started_at), settle))
+    }
+
+    /// What a completed run with usage teaches: its class's error record (the estimate in
+    /// force while it ran against what it took) and the sharing its pool's servers see, and
+    /// the pool's token counter the prompt's length in tokens.
+    fn learn_from_run(&mut self, job: &Job, done: &Completion, sharing: Sharing, service_ms: u64) {
+        let pool = job.pool;
+        let concurrency = sharing.concurrency;
+        let home = self.home(job.class);
+        let c = &mut self.classes[home.0];
+        // The class's error report, its padding and the evidence behind `x-should-retry`. Its
+        // own pool's only: an overflow lane's pool has an estimator of its own.
+        if job.class == home || c.pool == pool {
+            c.errors.record(job.est.service_ms, service_ms);
+            if self.pools[pool.0].estimator.learns() {
+                c.learn_ratio(job.model_service_ms, service_ms);
+            }
+            c.recent_others_prefill +=
+                CONCURRENCY_ALPHA * (sharing.others_prefill - c.recent_others_prefill);
+            c.refresh_record();
+        }
+        let p = &mut self.pools[pool.0];
+        p.recent_concurrency += CONCURRENCY_ALPHA * (concurrency - p.recent_concurrency);
+        if concurrency > 1.05 {
+            let each = sharing.others_context / (concurrency - 1.0);
+            p.recent_other_context += CONCURRENCY_ALPHA * (each - p.recent_other_context);
+        }
+        if let (Some(chars), Some(tokens)) = (job.prompt_chars, done.prompt_tokens) {
+            p.tokens.learn(chars, tokens, job.model.as_deref());
+        }
+    }
+
+    /// What a successful response's usage teaches about output: its class's output length
+    /// (mean and upper quantile) and its pool's estimator.
+    fn learn_output(&mut self, job: &Job, done: &Completion, sharing: Sharing, service_ms: u64) {
+        let prompt = done.prompt_tokens.unwrap_or(job.prompt_tokens);
+        // An overflow lane's completions teach its class's output length.
+        let home = self.home(job.class);
+        let estimator = &mut self.pools[job.pool.0].estimator;
+        match done.completion_tokens {
+            Some(out) => {
+                self.classes[home.0].learn_output_length(f64::from(out));
+                estimator.observe(prompt, out, sharing, service_ms);
+            }
+            // A request that generates nothing (embeddings) reports no completion tokens:
+            // it still teaches the overhead and prefill costs. A generating request with
+            // no usage teaches nothing (its output length is unknown).
+            None if job.max_tokens == Some(0) => {
+                estimator.observe(prompt, 0, sharing, service_ms);
+            }
+            None => {}
+        }
+    }
+
+    /// How a completed job's hold is settled: spent per the upstream's usage (or, without
+    /// usage, what was held); a failed response spent nothing billable and wasted what it
+    /// streamed.
+    fn settlement(&self, job: &Job, done: &Completion) -> Settle {
+        if done.ok {
             let spent = match (done.prompt_tokens, done.completion_tokens) {
                 (None, None) => self.ledger.get(&job.key).map_or(0, |r| r.tokens_held),
                 (p, c) => u64::from(p.unwrap_or(job.prompt_tokens)) + u64::from(c.unwrap_or(0)),
@@ -134,8 +125,7 @@ impl Gate {
             Settle::Commit(spent)
         } else {
             Settle::Cancel(u64::from(done.completion_tokens.unwrap_or(0)))
-        };
-        Some(self.finish(now, id, job, pool, Some(started_at), settle))
+        }
     }
 
     /// The client went away (or the caller gave up): release the job's queue place or slot
@@ -271,5 +261,39 @@ impl Gate {
             concurrency: sharing.concurrency,
             others_context: sharing.others_context,
         }
+    }
+}
+
+impl LaneState {
+    /// Learn one response's output length `v` (tokens): the class's mean, and the upper
+    /// quantile its requests' own deadline checks use.
+    fn learn_output_length(&mut self, v: f64) {
+        self.expected_output = Some(match self.expected_output {
+            Some(prev) => prev + EWMA_ALPHA * (v - prev),
+            None => v,
+        });
+        // Stochastic quantile tracking: up by (1 - q) steps when an output is above the
+        // estimate, down by q steps when not; it settles where a fraction q of outputs lie
+        // below. The step scales with the larger of the mean and the quantile itself: scaled
+        // by the mean alone, a class whose outputs shrank (1000 tokens to 10) would take
+        // thousands of completions to bring its quantile down, refusing work meanwhile.
+        let scale = self
+            .expected_output
+            .unwrap_or(v)
+            .max(self.output_q.unwrap_or(v));
+        let step = QUANTILE_STEP * scale.max(1.0);
+        let below = if v <= self.output_q.unwrap_or(v) {
+            1.0
+        } else {
+            0.0
+        };
+        // Its down steps are small (a tenth of the up steps), so after the class's outputs
+        // shrink it would lag for hundreds of completions: it is kept within a few times the
+        // mean, which follows at once.
+        let cap = QUANTILE_MAX_RATIO * self.expected_output.unwrap_or(v).max(1.0);
+        self.output_q = Some(match self.output_q {
+            Some(q) => (q + step * (OUTPUT_QUANTILE - below)).clamp(0.0, cap),
+            None => v,
+        });
     }
 }

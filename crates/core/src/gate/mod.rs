@@ -21,10 +21,10 @@ use crate::estimator::{
     ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing,
 };
 use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError, GENERATED_KEY_PREFIX};
-use crate::queue::{ClassQueue, QueueKey};
 use crate::reason::{Action, Reason};
 use crate::tokens::TokenCounter;
 use crate::Millis;
+use queue::{ClassQueue, QueueKey};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -179,6 +179,7 @@ impl Gate {
 }
 
 mod admission;
+mod capacity;
 mod dispatch;
 mod displacement;
 #[cfg(test)]
@@ -201,6 +202,7 @@ pub mod ops;
 #[cfg(test)]
 mod ops_tests;
 mod projection;
+mod queue;
 pub mod reconfigure;
 mod retry;
 mod snapshot;

@@ -3,8 +3,8 @@
 //! take `now`, do no I/O and report what the caller must perform (jobs to cancel upstream,
 //! queued jobs dropped through [`super::Event::Drop`]).
 
+use super::queue::QueueKey;
 use super::{Gate, JobId, LaneId, Settle, WaterFiller};
-use crate::queue::QueueKey;
 use crate::reason::Reason;
 use crate::Millis;
 use serde::Serialize;

@@ -21,10 +21,10 @@
 //! changed (a new model or new defaults mean the old figures no longer apply). A class's
 //! learned output length survives too.
 
+use super::queue::ClassQueue;
 use super::{Gate, LaneId, LaneState, PoolId, PoolState};
-use crate::config::{ConfigError, GateConfig};
+use crate::config::{ClassConfig, ConfigError, GateConfig, PoolConfig};
 use crate::estimator::{ErrorTracker, Estimator};
-use crate::queue::ClassQueue;
 use crate::tokens::TokenCounter;
 use crate::Millis;
 use serde::Serialize;
@@ -56,80 +56,32 @@ impl Gate {
     ) -> Result<ReconfigureReport, ConfigError> {
         cfg.validate()?;
         self.clock(now);
-        let parts = self.share_parts;
         let mut report = ReconfigureReport::default();
+        let pool_ids = self.reconfigure_pools(now, &cfg, &mut report);
+        let primaries = self.reconfigure_lanes(&cfg, &pool_ids, &mut report)?;
+        self.order_dispatch();
+        self.relabel(&cfg, &primaries);
+        self.ledger.set_config(cfg.ledger.clone());
+        self.cfg = cfg;
+        Ok(report)
+    }
 
-        // Pools, by name.
+    /// Pools, by name: each configured pool updated in place or added, each one the
+    /// configuration no longer names retired. Returns the id of every configured pool.
+    fn reconfigure_pools<'a>(
+        &mut self,
+        now: Millis,
+        cfg: &'a GateConfig,
+        report: &mut ReconfigureReport,
+    ) -> HashMap<&'a str, PoolId> {
+        let parts = self.share_parts;
         let mut pool_ids: HashMap<&str, PoolId> = HashMap::new();
         for pc in &cfg.pools {
             let id = match self.pools.iter().position(|p| p.name == pc.name) {
-                Some(i) => {
-                    let p = &mut self.pools[i];
-                    if p.retired {
-                        report.pools_added.push(pc.name.clone());
-                    }
-                    if p.prior != pc.prior || p.upstream != pc.upstream {
-                        p.estimator = Estimator::new(&pc.prior);
-                        p.tokens = TokenCounter::new(pc.prior.chars_per_token);
-                        if !p.retired {
-                            report.estimators_reset.push(pc.name.clone());
-                        }
-                        // The classes' records were measured against the model just thrown
-                        // away: their corrections and errors start again with it.
-                        for c in self.classes.iter_mut().filter(|c| c.pool == PoolId(i)) {
-                            c.errors = ErrorTracker::default();
-                            c.ratios.clear();
-                            c.refresh_record();
-                        }
-                    }
-                    p.prior = pc.prior.clone();
-                    p.upstream = pc.upstream.clone();
-                    p.retired = false;
-                    super::endpoints::reconcile_endpoints(&mut p.endpoints, pc, parts);
-                    p.refresh_capacity();
-                    p.max_depth_factor = pc.max_depth_factor;
-                    p.max_queued = pc.max_queued;
-                    p.forecast_bucket_ms = forecast_bucket_ms(pc);
-                    p.forecast_refused_weight = pc.forecast_refused_weight;
-                    p.default_output_tokens = pc.prior.default_output_tokens;
-                    p.limits = pc.limits.clone();
-                    PoolId(i)
-                }
+                Some(i) => self.update_pool(i, pc, parts, report),
                 None => {
-                    self.pools.push(PoolState {
-                        prior: pc.prior.clone(),
-                        upstream: pc.upstream.clone(),
-                        retired: false,
-                        name: pc.name.clone(),
-                        slots: 0,
-                        max_depth_factor: pc.max_depth_factor,
-                        max_queued: pc.max_queued,
-                        forecast_bucket_ms: forecast_bucket_ms(pc),
-                        forecast_refused_weight: pc.forecast_refused_weight,
-                        default_output_tokens: pc.prior.default_output_tokens,
-                        limits: pc.limits.clone(),
-                        discovered_context: None,
-                        estimator: Estimator::new(&pc.prior),
-                        tokens: TokenCounter::new(pc.prior.chars_per_token),
-                        busy: 0,
-                        busy_at: now,
-                        context_now: 0.0,
-                        context_busy: 0.0,
-                        recent_other_context: 0.0,
-                        prefill_dispatched: 0,
-                        recent_concurrency: 1.0,
-                        in_flight: BTreeMap::new(),
-                        endpoints: Vec::new(),
-                        recent_service_ms: 0.0,
-                        neighbours: super::RateWindow::default(),
-                        classes: Vec::new(),
-                    });
-                    if let Some(p) = self.pools.last_mut() {
-                        super::endpoints::reconcile_endpoints(&mut p.endpoints, pc, parts);
-                        p.refresh_capacity();
-                    }
                     report.pools_added.push(pc.name.clone());
-                    PoolId(self.pools.len() - 1)
+                    self.add_pool(now, pc, parts)
                 }
             };
             pool_ids.insert(pc.name.as_str(), id);
@@ -140,9 +92,96 @@ impl Gate {
                 report.pools_removed.push(p.name.clone());
             }
         }
+        pool_ids
+    }
 
-        // Lanes, by (class name, pool). Primary lanes first, in configuration order, so a
-        // new gate's classes are ids 0..n in the order of the file.
+    /// Bring pool `i` to `pc`, keeping its slots taken and (unless its prior or upstream
+    /// changed) what its estimator learned; a retired pool comes back.
+    fn update_pool(
+        &mut self,
+        i: usize,
+        pc: &PoolConfig,
+        parts: u32,
+        report: &mut ReconfigureReport,
+    ) -> PoolId {
+        let p = &mut self.pools[i];
+        if p.retired {
+            report.pools_added.push(pc.name.clone());
+        }
+        if p.prior != pc.prior || p.upstream != pc.upstream {
+            p.estimator = Estimator::new(&pc.prior);
+            p.tokens = TokenCounter::new(pc.prior.chars_per_token);
+            if !p.retired {
+                report.estimators_reset.push(pc.name.clone());
+            }
+            // The classes' records were measured against the model just thrown
+            // away: their corrections and errors start again with it.
+            for c in self.classes.iter_mut().filter(|c| c.pool == PoolId(i)) {
+                c.errors = ErrorTracker::default();
+                c.ratios.clear();
+                c.refresh_record();
+            }
+        }
+        p.prior = pc.prior.clone();
+        p.upstream = pc.upstream.clone();
+        p.retired = false;
+        super::capacity::reconcile_endpoints(&mut p.endpoints, pc, parts);
+        p.refresh_capacity();
+        p.max_depth_factor = pc.max_depth_factor;
+        p.max_queued = pc.max_queued;
+        p.forecast_bucket_ms = forecast_bucket_ms(pc);
+        p.forecast_refused_weight = pc.forecast_refused_weight;
+        p.default_output_tokens = pc.prior.default_output_tokens;
+        p.limits = pc.limits.clone();
+        PoolId(i)
+    }
+
+    /// Append a new pool for `pc`, with its endpoints and nothing learned.
+    fn add_pool(&mut self, now: Millis, pc: &PoolConfig, parts: u32) -> PoolId {
+        self.pools.push(PoolState {
+            prior: pc.prior.clone(),
+            upstream: pc.upstream.clone(),
+            retired: false,
+            name: pc.name.clone(),
+            slots: 0,
+            max_depth_factor: pc.max_depth_factor,
+            max_queued: pc.max_queued,
+            forecast_bucket_ms: forecast_bucket_ms(pc),
+            forecast_refused_weight: pc.forecast_refused_weight,
+            default_output_tokens: pc.prior.default_output_tokens,
+            limits: pc.limits.clone(),
+            discovered_context: None,
+            estimator: Estimator::new(&pc.prior),
+            tokens: TokenCounter::new(pc.prior.chars_per_token),
+            busy: 0,
+            busy_at: now,
+            context_now: 0.0,
+            context_busy: 0.0,
+            recent_other_context: 0.0,
+            prefill_dispatched: 0,
+            recent_concurrency: 1.0,
+            in_flight: BTreeMap::new(),
+            endpoints: Vec::new(),
+            recent_service_ms: 0.0,
+            neighbours: super::RateWindow::default(),
+            classes: Vec::new(),
+        });
+        if let Some(p) = self.pools.last_mut() {
+            super::capacity::reconcile_endpoints(&mut p.endpoints, pc, parts);
+            p.refresh_capacity();
+        }
+        PoolId(self.pools.len() - 1)
+    }
+
+    /// Lanes, by (class name, pool). Primary lanes first, in configuration order, so a new
+    /// gate's classes are ids 0..n in the order of the file; then each class's overflow lane;
+    /// every other lane is retired. Returns the primary lane of each configured class.
+    fn reconfigure_lanes(
+        &mut self,
+        cfg: &GateConfig,
+        pool_ids: &HashMap<&str, PoolId>,
+        report: &mut ReconfigureReport,
+    ) -> Result<Vec<LaneId>, ConfigError> {
         let live_before: BTreeSet<String> = self.class_names().into_iter().collect();
         // Drains belong to the class, whatever pool it runs on after the reload.
         let drained: BTreeSet<String> = self
@@ -152,7 +191,7 @@ impl Gate {
             .map(|c| c.name.clone())
             .collect();
         let mut wanted: BTreeSet<usize> = BTreeSet::new();
-        let mut free = self.free_lanes(&cfg, &pool_ids);
+        let mut free = self.free_lanes(cfg, pool_ids);
         let mut primaries = Vec::with_capacity(cfg.classes.len());
         for c in &cfg.classes {
             let pool = pool_ids
@@ -160,18 +199,7 @@ impl Gate {
                 .copied()
                 .ok_or_else(|| unknown_pool(&c.pool))?;
             let id = self.lane(&c.name, pool, c.expected_output_tokens, &mut free);
-            let l = &mut self.classes[id.0];
-            l.priority = c.priority;
-            l.enabled = c.enabled;
-            l.default_deadline_ms = c.deadline_ms;
-            l.max_queue_age_ms = c.max_queue_age_ms;
-            l.displace_within_ms = c.displace_within_ms;
-            l.probe_interval_ms = c.probe_interval_ms;
-            l.forecast = c.forecast;
-            l.retry_hint = c.retry_hint.clone();
-            l.overflow = None;
-            l.overflow_of = None;
-            l.retired = false;
+            self.classes[id.0].apply_primary(c);
             wanted.insert(id.0);
             primaries.push(id);
         }
@@ -182,18 +210,7 @@ impl Gate {
                 .copied()
                 .ok_or_else(|| unknown_pool(o))?;
             let id = self.lane(&c.name, pool, None, &mut free);
-            let l = &mut self.classes[id.0];
-            l.priority = c.priority;
-            l.enabled = true;
-            l.default_deadline_ms = c.deadline_ms;
-            l.max_queue_age_ms = c.max_queue_age_ms;
-            l.displace_within_ms = None;
-            l.probe_interval_ms = 0;
-            l.forecast = c.forecast;
-            l.retry_hint = None;
-            l.overflow = None;
-            l.overflow_of = Some(primary);
-            l.retired = false;
+            self.classes[id.0].apply_overflow(c, primary);
             wanted.insert(id.0);
             self.classes[primary.0].overflow = Some((id, c.overflow));
         }
@@ -205,14 +222,17 @@ impl Gate {
             // overflow lane follows the class; a removed class's drain ends with it.
             l.draining = l.overflow_of.is_none()
                 && drained.contains(&l.name)
-                && live_after_has(&cfg, &l.name);
+                && live_after_has(cfg, &l.name);
         }
         let live_after: BTreeSet<String> = self.class_names().into_iter().collect();
         report.classes_added = live_after.difference(&live_before).cloned().collect();
         report.classes_removed = live_before.difference(&live_after).cloned().collect();
+        Ok(primaries)
+    }
 
-        // Dispatch order per pool: every lane on it, retired ones included (their queued
-        // work still runs), highest priority first, ties by id.
+    /// Dispatch order per pool: every lane on it, retired ones included (their queued work
+    /// still runs), highest priority first, ties by id.
+    fn order_dispatch(&mut self) {
         for p in &mut self.pools {
             p.classes.clear();
         }
@@ -224,10 +244,13 @@ impl Gate {
             p.classes
                 .sort_by_key(|id| (std::cmp::Reverse(classes[id.0].priority), id.0));
         }
+    }
 
-        // Labels, from the live classes only.
+    /// Labels, from the live classes only (`primaries`: each configured class's lane), and
+    /// the default class.
+    fn relabel(&mut self, cfg: &GateConfig, primaries: &[LaneId]) {
         self.labels.clear();
-        for (c, &id) in cfg.classes.iter().zip(&primaries) {
+        for (c, &id) in cfg.classes.iter().zip(primaries) {
             for label in std::iter::once(&c.name).chain(c.aliases.iter()) {
                 self.labels.insert(label.to_ascii_lowercase(), id);
             }
@@ -236,9 +259,6 @@ impl Gate {
             .default_class
             .as_ref()
             .and_then(|d| self.labels.get(&d.to_ascii_lowercase()).copied());
-        self.ledger.set_config(cfg.ledger.clone());
-        self.cfg = cfg;
-        Ok(report)
     }
 
     /// Lanes whose slot a new lane may take: not kept by `cfg` (so retired by this reload
@@ -334,8 +354,41 @@ impl Gate {
     }
 }
 
+impl LaneState {
+    /// Take a class's settings as its primary lane.
+    fn apply_primary(&mut self, c: &ClassConfig) {
+        self.priority = c.priority;
+        self.enabled = c.enabled;
+        self.default_deadline_ms = c.deadline_ms;
+        self.max_queue_age_ms = c.max_queue_age_ms;
+        self.displace_within_ms = c.displace_within_ms;
+        self.probe_interval_ms = c.probe_interval_ms;
+        self.forecast = c.forecast;
+        self.retry_hint = c.retry_hint.clone();
+        self.overflow = None;
+        self.overflow_of = None;
+        self.retired = false;
+    }
+
+    /// Take a class's settings as its overflow lane, beside `primary`: always enabled, no
+    /// displacement, probes or hint of its own.
+    fn apply_overflow(&mut self, c: &ClassConfig, primary: LaneId) {
+        self.priority = c.priority;
+        self.enabled = true;
+        self.default_deadline_ms = c.deadline_ms;
+        self.max_queue_age_ms = c.max_queue_age_ms;
+        self.displace_within_ms = None;
+        self.probe_interval_ms = 0;
+        self.forecast = c.forecast;
+        self.retry_hint = None;
+        self.overflow = None;
+        self.overflow_of = Some(primary);
+        self.retired = false;
+    }
+}
+
 /// The width of one bucket of the pool's demand windows.
-fn forecast_bucket_ms(pc: &crate::config::PoolConfig) -> u64 {
+fn forecast_bucket_ms(pc: &PoolConfig) -> u64 {
     (pc.forecast_window_ms / super::FORECAST_BUCKETS as u64).max(1)
 }
 

@@ -106,6 +106,36 @@ impl Gate {
     /// by a reload appear only while they still have work.
     pub fn snapshot(&self, now: Millis) -> GateSnapshot {
         let now = now.max(self.last_now);
+        let lane_in_flight = self.lane_in_flight();
+        let classes = self
+            .classes
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| !c.retired || !c.queue.is_empty() || lane_in_flight[*i] > 0)
+            .map(|(i, _)| self.class_snapshot(now, LaneId(i), lane_in_flight[i]))
+            .collect();
+        let pools = self
+            .pools
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| {
+                !p.retired || !p.in_flight.is_empty() || self.pool_depth(PoolId(*i)) > 0
+            })
+            .map(|(i, _)| self.pool_snapshot(now, PoolId(i)))
+            .collect();
+        GateSnapshot {
+            now_ms: now,
+            admit_always: self.cfg.admit_always,
+            shadow: self.cfg.shadow,
+            unlabeled_suspended: self.unlabeled_suspended,
+            closing_at_ms: self.closing_at,
+            classes,
+            pools,
+        }
+    }
+
+    /// Jobs in flight per lane, by lane id.
+    fn lane_in_flight(&self) -> Vec<u32> {
         let mut lane_in_flight = vec![0u32; self.classes.len()];
         for p in &self.pools {
             for id in p.in_flight.keys() {
@@ -116,77 +146,63 @@ impl Gate {
                 }
             }
         }
-        let classes = self
-            .classes
-            .iter()
-            .enumerate()
-            .filter(|(i, c)| !c.retired || !c.queue.is_empty() || lane_in_flight[*i] > 0)
-            .map(|(i, c)| {
-                let (work, count, _) = self.ahead(c.pool, c.priority);
-                let home = &self.classes[self.home(LaneId(i)).0];
-                ClassSnapshot {
-                    name: c.name.clone(),
-                    pool: self.pools[c.pool.0].name.clone(),
-                    priority: c.priority,
-                    enabled: home.enabled,
-                    depth: c.queue.len() as u32,
-                    oldest_queue_age_ms: c
-                        .queue
-                        .oldest_enqueued_at()
-                        .map_or(0, |t| now.saturating_sub(t)),
-                    queued_work_ms: c.queue.work_ms(),
-                    projected_wait_ms: self.projected_wait(c.pool, now, work, count),
-                    expected_output_tokens: self.expected_output(LaneId(i), None, u32::MAX),
-                    in_flight: lane_in_flight[i],
-                    draining: home.draining,
-                    overflow: c.overflow_of.is_some(),
-                    retired: c.retired,
-                    deadline_ms: home.default_deadline_ms,
-                    max_queue_age_ms: c.max_queue_age_ms,
-                    est_error: home.record.errors,
-                    probes: home.probes,
-                }
-            })
-            .collect();
-        let pools = self
-            .pools
-            .iter()
-            .enumerate()
-            .filter(|(i, p)| {
-                !p.retired || !p.in_flight.is_empty() || self.pool_depth(PoolId(*i)) > 0
-            })
-            .map(|(i, p)| PoolSnapshot {
-                name: p.name.clone(),
-                slots: p.slots,
-                in_flight: p.in_flight.len() as u32,
-                depth: self.pool_depth(PoolId(i)),
-                in_flight_remaining_ms: p.in_flight_remaining(now),
-                oldest_in_flight_age_ms: p
-                    .in_flight
-                    .values()
-                    .map(|run| now.saturating_sub(run.started))
-                    .max()
-                    .unwrap_or(0),
-                estimator: p.estimator.snapshot(),
-                learning: p.prior.learn,
-                warming_up: p.estimator.warming_up(),
-                retired: p.retired,
-                chars_per_token: p.tokens.chars_per_token(),
-                template_tokens: p.tokens.template_tokens(),
-                mean_concurrency: p.recent_concurrency,
-                context_tokens: p.context_tokens(),
-                context_reported: p.discovered_context.is_some(),
-                endpoints: self.endpoints(now, PoolId(i)),
-            })
-            .collect();
-        GateSnapshot {
-            now_ms: now,
-            admit_always: self.cfg.admit_always,
-            shadow: self.cfg.shadow,
-            unlabeled_suspended: self.unlabeled_suspended,
-            closing_at_ms: self.closing_at,
-            classes,
-            pools,
+        lane_in_flight
+    }
+
+    /// One lane's view; an overflow lane shows its class's switches and record.
+    fn class_snapshot(&self, now: Millis, lane: LaneId, in_flight: u32) -> ClassSnapshot {
+        let c = &self.classes[lane.0];
+        let (work, count, _) = self.ahead(c.pool, c.priority);
+        let home = &self.classes[self.home(lane).0];
+        ClassSnapshot {
+            name: c.name.clone(),
+            pool: self.pools[c.pool.0].name.clone(),
+            priority: c.priority,
+            enabled: home.enabled,
+            depth: c.queue.len() as u32,
+            oldest_queue_age_ms: c
+                .queue
+                .oldest_enqueued_at()
+                .map_or(0, |t| now.saturating_sub(t)),
+            queued_work_ms: c.queue.work_ms(),
+            projected_wait_ms: self.projected_wait(c.pool, now, work, count),
+            expected_output_tokens: self.expected_output(lane, None, u32::MAX),
+            in_flight,
+            draining: home.draining,
+            overflow: c.overflow_of.is_some(),
+            retired: c.retired,
+            deadline_ms: home.default_deadline_ms,
+            max_queue_age_ms: c.max_queue_age_ms,
+            est_error: home.record.errors,
+            probes: home.probes,
+        }
+    }
+
+    /// One pool's view: its slots and work, its estimator and its endpoints.
+    fn pool_snapshot(&self, now: Millis, pool: PoolId) -> PoolSnapshot {
+        let p = &self.pools[pool.0];
+        PoolSnapshot {
+            name: p.name.clone(),
+            slots: p.slots,
+            in_flight: p.in_flight.len() as u32,
+            depth: self.pool_depth(pool),
+            in_flight_remaining_ms: p.in_flight_remaining(now),
+            oldest_in_flight_age_ms: p
+                .in_flight
+                .values()
+                .map(|run| now.saturating_sub(run.started))
+                .max()
+                .unwrap_or(0),
+            estimator: p.estimator.snapshot(),
+            learning: p.prior.learn,
+            warming_up: p.estimator.warming_up(),
+            retired: p.retired,
+            chars_per_token: p.tokens.chars_per_token(),
+            template_tokens: p.tokens.template_tokens(),
+            mean_concurrency: p.recent_concurrency,
+            context_tokens: p.context_tokens(),
+            context_reported: p.discovered_context.is_some(),
+            endpoints: self.endpoints(now, pool),
         }
     }
 }

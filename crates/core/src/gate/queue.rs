@@ -4,7 +4,7 @@
 //! asks (how much work is queued, how old is the oldest job, who goes next) are answered in
 //! O(log n) or O(1), never by walking the queue.
 
-use crate::gate::JobId;
+use super::JobId;
 use crate::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 
