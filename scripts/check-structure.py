@@ -11,7 +11,8 @@
 Text-based, like ../shared/tools/structure.py, whose measures it repeats (test files and
 `#[cfg(test)] mod x { ... }` blocks do not count; a function runs from its `fn` line to the
 brace that closes it at its indent). Exits 1 with one line per violation.
-usage: scripts/check-structure.py [REPO_ROOT]
+usage: scripts/check-structure.py [REPO_ROOT] [--self-test]
+(--self-test first spoils a copy of the crates and checks that each spoiling is caught)
 """
 import os
 import re
@@ -179,8 +180,46 @@ def check_crate(src, layered):
     return problems
 
 
+def self_test(root):
+    """The check catches what it is for: a copy of the two crates, spoiled three ways (an
+    import pointing up, a circle in the core, a long function), must be refused for each."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for crate in ("gateway", "core"):
+            shutil.copytree(os.path.join(root, "crates", crate, "src"),
+                            os.path.join(tmp, "crates", crate, "src"))
+        clean = check_crate(os.path.join(tmp, "crates/gateway/src"), True)
+        clean += check_crate(os.path.join(tmp, "crates/core/src"), False)
+        spoiled = {
+            "crates/gateway/src/wire/url.rs": "\nuse crate::pipeline::proxy;\n",
+            "crates/core/src/estimator.rs": "\nuse crate::gate::Gate;\n",
+            "crates/gateway/src/support/clock.rs":
+                "\nfn long_one() {\n" + "    let _ = 1;\n" * (MAX_FN_LINES + 1) + "}\n",
+        }
+        for rel, extra in spoiled.items():
+            with open(os.path.join(tmp, rel), "a", encoding="utf-8") as f:
+                f.write(extra)
+        found = check_crate(os.path.join(tmp, "crates/gateway/src"), True)
+        found += check_crate(os.path.join(tmp, "crates/core/src"), False)
+        expect = [
+            "`wire` imports `crate::pipeline`, a layer above it",
+            "import circle among",
+            "fn long_one is",
+        ]
+        missed = [e for e in expect if not any(e in p for p in found if p not in clean)]
+        if missed:
+            print(f"check-structure self-test: not caught: {missed}", file=sys.stderr)
+            sys.exit(1)
+        print("check-structure self-test: an upward import, a circle and a long function are caught")
+
+
 def main():
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..")
+    root = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "--self-test" else os.path.join(
+        os.path.dirname(__file__), "..")
+    if "--self-test" in sys.argv:
+        self_test(root)
     sys.setrecursionlimit(10000)
     problems = check_crate(os.path.join(root, "crates/gateway/src"), True)
     problems += check_crate(os.path.join(root, "crates/core/src"), False)

@@ -96,6 +96,11 @@ if [ "${CI:-}" = true ]; then
   export SLACKGATE_FORBID_SKIPS=1
 fi
 
+# The layers of issue 24: no import circle among the top-level modules of the gateway and the
+# core, no file over 700 lines outside tests, no function over 80 (scripts/check-structure.py).
+echo "== structure: import direction, file and function sizes"
+python3 scripts/check-structure.py --self-test
+
 echo "== cargo test --workspace (the fuzz targets run below, in release, with more cases)"
 cargo test --workspace --locked -- --skip fuzz_
 
