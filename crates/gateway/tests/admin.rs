@@ -865,6 +865,29 @@ async fn hostile_admin_input_gets_clear_errors() {
     )
     .await;
     assert_eq!(r.status, 413);
+    // A body whose chunked framing is broken is the client's mistake: 400, not a hang.
+    let addr = gate.admin_url("").trim_start_matches("http://").to_string();
+    let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /admin/drain HTTP/1.1\r\nhost: gate\r\nauthorization: Bearer {TOKEN}\r\n\
+         transfer-encoding: chunked\r\n\r\nzz\r\n{{}}\r\n"
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut c, head.as_bytes())
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read(&mut c, &mut answer),
+    )
+    .await
+    .expect("an answer, not a hang")
+    .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(
+        answer.starts_with("HTTP/1.1 400") && answer.contains("invalid_request"),
+        "{answer}"
+    );
     // Nothing changed.
     let flags = admin(&gate, "GET", "/admin/flags", "").await.json();
     assert_eq!(flags["admit_always"]["value"], false);

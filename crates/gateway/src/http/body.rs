@@ -1,6 +1,7 @@
-//! The one request-body reader: the whole body, within `server.max_body_bytes` and
-//! `server.body_read_timeout_ms`, for the proxy path, the reservation API and cluster
-//! forwarding alike.
+//! The one request-body reader: the whole body, within a size and a time limit
+//! (`server.max_body_bytes` and `server.body_read_timeout_ms` for the proxy path, the
+//! reservation API and cluster forwarding; the admin API's own smaller limits for its
+//! controls).
 
 use crate::wire::request_info::BadRequest;
 use bytes::Bytes;

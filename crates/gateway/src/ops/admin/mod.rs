@@ -31,11 +31,11 @@ mod routes;
 
 use crate::engine::state::Shared;
 use crate::http::accept::{accept_until_stopped, serve_connection, Ending};
+use crate::http::body::BodyError;
 use crate::ops::control::ControlError;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use routes::Route;
 use std::net::SocketAddr;
@@ -163,45 +163,32 @@ fn actor(headers: &HeaderMap, peer: SocketAddr) -> String {
     format!("{name}@{peer}")
 }
 
-/// Read a small JSON body; `Err` is the 4xx to answer.
+/// Read a small JSON body through the gateway's one body reader (`http::body`); `Err` is the
+/// 4xx to answer.
 async fn json_body(req: Request<Incoming>) -> Result<serde_json::Value, Refused> {
-    let declared = req
-        .headers()
-        .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    let too_large = || {
-        Refused::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("admin request bodies are at most {MAX_ADMIN_BODY} bytes"),
-        )
-    };
-    if declared.is_some_and(|n| n > MAX_ADMIN_BODY as u64) {
-        return Err(too_large());
-    }
-    let body = Limited::new(req.into_body(), MAX_ADMIN_BODY).collect();
-    let bytes: Bytes = match tokio::time::timeout(ADMIN_READ_TIMEOUT, body).await {
-        Err(_) => {
+    let (parts, body) = req.into_parts();
+    let timeout_ms = u64::try_from(ADMIN_READ_TIMEOUT.as_millis()).unwrap_or(u64::MAX);
+    let read = crate::http::body::read_body(body, &parts.headers, MAX_ADMIN_BODY, timeout_ms);
+    let bytes: Bytes = match read.await {
+        Ok(bytes) => bytes,
+        Err(BodyError::Bad(b)) if b.reason == slackgate_core::Reason::BodyTooLarge => {
+            return Err(Refused::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!("admin request bodies are at most {MAX_ADMIN_BODY} bytes"),
+            ))
+        }
+        Err(BodyError::TimedOut(_)) => {
             return Err(Refused::new(
                 StatusCode::REQUEST_TIMEOUT,
                 response::BODY_READ_TIMEOUT,
                 "the request body did not arrive in time",
             ))
         }
-        Ok(Ok(c)) => c.to_bytes(),
-        Ok(Err(e))
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return Err(too_large())
-        }
-        Ok(Err(e)) => {
-            return Err(Refused::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("could not read the request body: {e}"),
-            ))
+        // Badly framed, or the connection ended mid-body: the same 400 either way.
+        Err(BodyError::Bad(b)) => return Err(invalid(&b.message)),
+        Err(BodyError::ClientGone(e)) => {
+            return Err(invalid(&format!("could not read the request body: {e}")))
         }
     };
     if bytes.iter().all(u8::is_ascii_whitespace) {
