@@ -8,7 +8,10 @@
 //! scraper), and the order of families and of the series in a family left free (neither means
 //! anything in the exposition format). The golden page was written by the hand-written
 //! renderer this crate had before `prometheus-client`; it is what dashboards and alerts were
-//! built against.
+//! built against. Since then four `reason` label values in it were renamed by hand, when the
+//! decision log's codes became types and the fixture's made-up reasons (`admitted`,
+//! `dispatched`, `client_gone`, `queue_age`) became real ones (`within_slack`, `slot_free`,
+//! `client_cancelled`, `queue_age_exceeded`); nothing else in it changed.
 //!
 //! `SLACKGATE_BLESS=1 cargo test -p slackgate-gateway --test metrics_page` rewrites the golden
 //! page from the current renderer: only for a deliberate change of what scrapers see.
