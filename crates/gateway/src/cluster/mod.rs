@@ -39,7 +39,8 @@ use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use slackgate_core::{FailMode, Reason};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// What kind of request the cluster routes.
 #[derive(Clone, Copy, Debug)]

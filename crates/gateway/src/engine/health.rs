@@ -17,11 +17,11 @@
 //! `slackgate_endpoint_events_total`.
 
 use crate::engine::state::Shared;
-use crate::observe::codes::Event;
+use crate::observe::codes::{Event, LineReason};
 use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::Full;
-use slackgate_core::{Millis, PoolId};
+use slackgate_core::{Action, Millis, PoolId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,7 +36,7 @@ const EJECTED_PROBE_MS: u64 = 1_000;
 pub struct Health {
     watches: Mutex<HashMap<(usize, usize), Watch>>,
     /// Per upstream URL: the last failure written to stderr, and when.
-    noted: Mutex<HashMap<String, (String, std::time::Instant)>>,
+    noted: Mutex<HashMap<String, (String, tokio::time::Instant)>>,
 }
 
 /// The same upstream failure is written to stderr at most this often: an upstream that is
@@ -106,7 +106,7 @@ impl Health {
     /// Whether a diagnostic note from `source` is worth writing: a repeat of its last note is
     /// left out for [`NOTE_EVERY`]; a different one is written at once.
     fn worth_noting(&self, source: &str, message: &str) -> bool {
-        let now = std::time::Instant::now();
+        let now = tokio::time::Instant::now();
         let mut noted = self.noted.lock().unwrap_or_else(|p| p.into_inner());
         // Bounded by the sources of the configs loaded: a long-lived gate forgets the rest.
         if noted.len() > 1024 {
@@ -251,7 +251,8 @@ impl Shared {
     /// store's error on stderr (a repeat of the same error left out for [`NOTE_EVERY`]). The
     /// caller decides what the request does (its class's fail mode).
     pub fn note_store_error(&self, e: &crate::ledger_store::StoreError) {
-        self.metrics.decision("none", "error", "ledger_store_error");
+        self.metrics
+            .decision("none", Action::Error.into(), LineReason::LedgerStoreError);
         if self.health.worth_noting("ledger store", &e.to_string()) {
             tracing::error!("ledger store: {e}");
         }
@@ -502,13 +503,16 @@ mod tests {
 
     /// A store's error is no longer dropped: each new one is written, a repeat of the last is
     /// held back for a while, and each source keeps its own last note.
-    #[test]
-    fn a_note_is_written_once_a_while_per_source_and_message() {
+    #[tokio::test(start_paused = true)]
+    async fn a_note_is_written_once_a_while_per_source_and_message() {
         let h = Health::default();
         assert!(h.worth_noting("ledger store", "disk full"));
         assert!(!h.worth_noting("ledger store", "disk full"));
         assert!(h.worth_noting("ledger store", "database is locked"));
         assert!(h.worth_noting("http://10.0.0.7:8000", "disk full"));
+        tokio::time::advance(NOTE_EVERY - std::time::Duration::from_millis(1)).await;
         assert!(!h.worth_noting("http://10.0.0.7:8000", "disk full"));
+        tokio::time::advance(std::time::Duration::from_millis(1)).await;
+        assert!(h.worth_noting("http://10.0.0.7:8000", "disk full"));
     }
 }

@@ -67,6 +67,10 @@ pub enum LineReason {
     Gate(Reason),
     /// The request's body did not arrive within `server.body_read_timeout_ms`.
     BodyReadTimeout,
+    /// An admin request without the admin token (counted in `/metrics`, never logged).
+    Unauthorized,
+    /// The ledger store failed (counted in `/metrics`; the error goes to stderr).
+    LedgerStoreError,
     /// The name of an operator, endpoint or cluster event.
     Event(Event),
 }
@@ -77,6 +81,8 @@ impl LineReason {
         match self {
             LineReason::Gate(r) => r.as_str(),
             LineReason::BodyReadTimeout => crate::wire::response::BODY_READ_TIMEOUT,
+            LineReason::Unauthorized => "unauthorized",
+            LineReason::LedgerStoreError => "ledger_store_error",
             LineReason::Event(e) => e.as_str(),
         }
     }

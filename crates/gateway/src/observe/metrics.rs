@@ -193,11 +193,11 @@ impl Metrics {
     }
 
     /// Count a decision, drop, completion or error.
-    pub fn decision(&self, class: &str, action: &'static str, reason: &'static str) {
+    pub fn decision(&self, class: &str, action: LineAction, reason: LineReason) {
         let labels = DecisionLabels {
             class: class.to_string(),
-            action,
-            reason,
+            action: action.as_str(),
+            reason: reason.as_str(),
         };
         self.decisions.get_or_create(&labels).inc();
     }
@@ -279,7 +279,7 @@ impl Metrics {
     /// including reservations and holds that expire, which no line of this kind settles.
     pub fn observe(&self, line: &crate::observe::telemetry::LogLine) {
         let class = line.class.as_deref().unwrap_or("none");
-        self.decision(class, line.action.as_str(), line.reason.as_str());
+        self.decision(class, line.action, line.reason);
         match line.action {
             LineAction::Job(Action::Complete) => {
                 self.tokens(class, line.tokens_spent.unwrap_or(0), 0);

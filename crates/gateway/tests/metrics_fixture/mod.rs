@@ -8,6 +8,7 @@ use slackgate_gateway::config::ClusterConfig;
 use slackgate_gateway::engine::replica::Cluster;
 use slackgate_gateway::http::connlimit::{ConnTracker, Limits};
 use slackgate_gateway::ledger_store::StoreStats;
+use slackgate_gateway::observe::codes::LineReason;
 use slackgate_gateway::observe::metrics::Metrics;
 use slackgate_gateway::observe::telemetry::{LogCounters, LogLine};
 use std::sync::atomic::Ordering;
@@ -148,7 +149,7 @@ fn metrics(extra: usize) -> Metrics {
         turnaround_ms: Some(2_000),
         ..line("batch", Action::Complete, Reason::UpstreamError)
     });
-    m.decision("none", "error", "unauthorized");
+    m.decision("none", Action::Error.into(), LineReason::Unauthorized);
     m.upstream_retry("default", "connection_reset");
     m.endpoint_event("default", "second\nendpoint", "ejected");
     m.endpoint_event("default", "second\nendpoint", "readmitted");

@@ -32,6 +32,7 @@ mod routes;
 use crate::engine::state::Shared;
 use crate::http::accept::{accept_until_stopped, serve_connection, Ending};
 use crate::http::body::BodyError;
+use crate::observe::codes::LineReason;
 use crate::ops::control::ControlError;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
@@ -228,7 +229,11 @@ fn flag_value(body: &serde_json::Value) -> Result<Option<bool>, Refused> {
 /// ([`Route::of`]) and answer it with that route's handler ([`routes::answer`]).
 pub async fn route(shared: &Shared, req: Request<Incoming>, peer: SocketAddr) -> Response<ResBody> {
     if let Err(denied) = authorize(shared, req.headers()) {
-        shared.metrics.decision("none", "error", "unauthorized");
+        shared.metrics.decision(
+            "none",
+            slackgate_core::Action::Error.into(),
+            LineReason::Unauthorized,
+        );
         return denied.response();
     }
     let path = req.uri().path().trim_end_matches('/').to_string();
