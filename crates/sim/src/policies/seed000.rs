@@ -8,7 +8,7 @@ use slackgate_core::Reason;
 
 use super::job_queue::JobQueue;
 
-/// Seed 000's two thresholds, applied by a [`super::fifo::Fifo`] at arrival.
+/// Seed 000's two thresholds, applied by a `Fifo` (the `fifo` module) at arrival.
 #[derive(Clone, Debug)]
 pub(crate) struct Seed000Rule {
     max_age_ms: u64,
@@ -17,7 +17,7 @@ pub(crate) struct Seed000Rule {
 }
 
 impl Seed000Rule {
-    /// The rule with seed 000's thresholds in the arguments of [`super::fifo::Fifo::seed000`].
+    /// The rule with seed 000's thresholds in the arguments of `Fifo::seed000`.
     pub(crate) fn new(max_age_ms: u64, depth_factor: f64, slots: u32) -> Self {
         Seed000Rule {
             max_age_ms,
