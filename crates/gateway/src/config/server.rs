@@ -194,7 +194,8 @@ impl ServerConfig {
             ));
         }
         if let Some(k) = &self.tenant_hash_key {
-            crate::support::tenant::parse_key(k).map_err(|m| err("server.tenant_hash_key", &m))?;
+            crate::support::tenant::parse_key(k)
+                .map_err(|m| err("server.tenant_hash_key", &m.to_string()))?;
         }
         Ok(())
     }

@@ -33,7 +33,7 @@ pub enum StartError {
     },
     /// `server.tenant_hash_key` is not a key.
     #[error("server.tenant_hash_key: {0}")]
-    TenantKey(String),
+    TenantKey(crate::support::tenant::BadKey),
     /// A cluster's tenant hash key could not be read from Redis.
     #[error(
         "cannot read the cluster's tenant hash key from Redis: {0} (set \

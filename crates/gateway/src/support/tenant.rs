@@ -52,18 +52,20 @@ impl TenantHasher {
     }
 }
 
+/// A tenant hash key that is not 32 hexadecimal digits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("must be {} hexadecimal digits (e.g. from `openssl rand -hex {KEY_BYTES}`)", 2 * KEY_BYTES)]
+pub struct BadKey;
+
 /// Parse a key written as 32 hexadecimal digits.
-pub fn parse_key(hex: &str) -> Result<[u8; KEY_BYTES], String> {
+pub fn parse_key(hex: &str) -> Result<[u8; KEY_BYTES], BadKey> {
     let hex = hex.trim();
     if hex.len() != 2 * KEY_BYTES || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(format!(
-            "must be {} hexadecimal digits (e.g. from `openssl rand -hex {KEY_BYTES}`)",
-            2 * KEY_BYTES
-        ));
+        return Err(BadKey);
     }
     let mut key = [0u8; KEY_BYTES];
     for (i, b) in key.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())?;
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| BadKey)?;
     }
     Ok(key)
 }
