@@ -197,7 +197,10 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
         job_ids: Vec::new(),
         last_job_seen: false,
     };
-    tokio::time::sleep_until(run.at(a.at_ms)).await;
+    let due = run.at(a.at_ms);
+    tokio::time::sleep_until(due).await;
+    run.progress
+        .late(tokio::time::Instant::now().saturating_duration_since(due));
     run.progress.sent();
     let mut attempt = 0u32;
     loop {

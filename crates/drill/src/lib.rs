@@ -299,6 +299,10 @@ pub struct RunSummary {
     pub label: &'static str,
     /// Real seconds it took.
     pub wall_s: f64,
+    /// The most a client sent after its scheduled moment, in real milliseconds: a few on a
+    /// machine with time to spare; hundreds when the machine was starved, and then the run's
+    /// figures describe the machine, not the gate.
+    pub send_late_ms: f64,
     /// Offers that never got an answer because the connection failed (0 in a healthy drill).
     pub transport_errors: u64,
     /// Offers the gate refused as malformed (a 4xx that is not a decision; 0 in a healthy
@@ -1046,6 +1050,7 @@ async fn run_mode(
         mode,
         label: mode.label(),
         wall_s: 0.0,
+        send_late_ms: run.progress.latest_ms(),
         transport_errors: 0,
         invalid: 0,
         stub_accounted,

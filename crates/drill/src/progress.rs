@@ -10,6 +10,8 @@ use std::time::Duration;
 pub struct Counters {
     sent: AtomicU64,
     answered: AtomicU64,
+    /// The most a client woke after the moment it was due to send (microseconds).
+    late_us: AtomicU64,
 }
 
 impl Counters {
@@ -21,6 +23,18 @@ impl Counters {
     /// A client has its final answer.
     pub fn answered(&self) {
         self.answered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A client woke `by` after the moment it was due to send (a starved machine's mark:
+    /// the drill's timers, the stub's and the gate's all fire late alike).
+    pub fn late(&self, by: Duration) {
+        let us = u64::try_from(by.as_micros()).unwrap_or(u64::MAX);
+        self.late_us.fetch_max(us, Ordering::Relaxed);
+    }
+
+    /// The most any client woke late, in real milliseconds.
+    pub fn latest_ms(&self) -> f64 {
+        self.late_us.load(Ordering::Relaxed) as f64 / 1000.0
     }
 
     /// (sent, answered).
@@ -70,4 +84,18 @@ pub fn clear() {
     let mut err = std::io::stderr().lock();
     let _ = write!(err, "\r{:<90}\r", "");
     let _ = err.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_send_is_kept() {
+        let c = Counters::default();
+        assert_eq!(c.latest_ms(), 0.0);
+        c.late(Duration::from_micros(5_500));
+        c.late(Duration::from_millis(2));
+        assert_eq!(c.latest_ms(), 5.5);
+    }
 }

@@ -260,7 +260,12 @@ impl Drill {
         let walls: Vec<String> = self
             .summaries
             .iter()
-            .map(|r| format!("{} {:.1} s", r.label, r.wall_s))
+            .map(|r| {
+                format!(
+                    "{} {:.1} s (sends up to {:.0} ms late)",
+                    r.label, r.wall_s, r.send_late_ms
+                )
+            })
             .collect();
         let off = if self.real.is_some() {
             "gate off is the drill's gate with `admit_always` (every request admitted and \

@@ -58,12 +58,53 @@ fn assert_agrees(d: &Drill, tol: f64) {
         let a = r.agreement.as_ref().unwrap();
         assert!(
             a.on_time_diff <= tol && a.refused_diff <= tol,
-            "{}: drill and simulator disagree beyond {:.0}%: {a:?}\n{}",
+            "{}: drill and simulator disagree beyond {:.0}% (clients sent up to {:.0} ms late): \
+             {a:?}\n{}",
             r.label,
             tol * 100.0,
+            r.send_late_ms,
             d.to_markdown()
         );
     }
+}
+
+/// A drill is a live timing experiment: on a machine busy with other work, its clients' timers,
+/// the stub's service times and the gate's own all fire late, and the run then measures the
+/// machine, not the gate. The drill reports how late its clients sent (`send_late_ms`;
+/// measured on this 2-core machine with seed 000 at time scale 0.05 in a debug build: 5-6 ms
+/// idle, 14-16 ms beside four busy loops). A run that disagrees with the simulator while its
+/// clients sent more than this late is run once more; a second disagreement fails, with the
+/// lateness in the message.
+const STARVED_MS: f64 = 10.0;
+
+fn agrees(d: &Drill, tol: f64) -> bool {
+    d.summaries.iter().all(|r| {
+        r.agreement
+            .as_ref()
+            .is_some_and(|a| a.on_time_diff <= tol && a.refused_diff <= tol)
+    })
+}
+
+fn latest_send_ms(d: &Drill) -> f64 {
+    d.summaries
+        .iter()
+        .map(|r| r.send_late_ms)
+        .fold(0.0, f64::max)
+}
+
+/// Run a drill (`run`) that must agree with the simulator within `tol`: once, and once more
+/// only if it disagreed on a starved machine.
+fn agreeing(tol: f64, run: impl Fn() -> (Scenario, Drill)) -> (Scenario, Drill) {
+    let first = run();
+    let late = latest_send_ms(&first.1);
+    if agrees(&first.1, tol) || late <= STARVED_MS {
+        return first;
+    }
+    eprintln!(
+        "the drill disagreed with the simulator while its clients sent up to {late:.0} ms late \
+         (a machine busy with other work): running it once more"
+    );
+    run()
 }
 
 /// Every offer reached the gate, every completion is in the stub's accounting.
@@ -74,7 +115,7 @@ fn sane(d: &Drill) {
 
 #[test]
 fn seed_000_burst_gate_sheds_in_the_burst_and_breaches_less() {
-    let (_s, d) = drill("seed-000-burst.toml", 0.05);
+    let (_s, d) = agreeing(0.10, || drill("seed-000-burst.toml", 0.05));
     sane(&d);
     assert_agrees(&d, 0.10);
     let on = counters(&d, "gate-on", "interactive");
@@ -112,7 +153,7 @@ fn seed_000_burst_gate_sheds_in_the_burst_and_breaches_less() {
 fn seed_000_without_size_hints_agrees_with_the_simulator() {
     let mut s = scenario("seed-000-burst.toml");
     s.size_hint = false;
-    let (_s, d) = drill_with(s, 0.05, vec![Mode::On]);
+    let (_s, d) = agreeing(0.10, || drill_with(s.clone(), 0.05, vec![Mode::On]));
     sane(&d);
     assert!(!d.size_hint);
     assert_agrees(&d, 0.10);
@@ -120,7 +161,7 @@ fn seed_000_without_size_hints_agrees_with_the_simulator() {
 
 #[test]
 fn seed_001_one_retry_beats_admitting_everything() {
-    let (_s, d) = drill("seed-001-reservations.toml", 0.1);
+    let (_s, d) = agreeing(0.15, || drill("seed-001-reservations.toml", 0.1));
     sane(&d);
     assert_agrees(&d, 0.15);
     let on = &d.report.policies[0].total;
@@ -135,7 +176,7 @@ fn seed_001_one_retry_beats_admitting_everything() {
 
 #[test]
 fn seed_002_stuck_slot_gate_refuses_fast_instead_of_timing_out() {
-    let (_s, d) = drill("seed-002-stuck-slot.toml", 0.05);
+    let (_s, d) = agreeing(0.15, || drill("seed-002-stuck-slot.toml", 0.05));
     sane(&d);
     assert_agrees(&d, 0.15);
     let on = counters(&d, "gate-on", "sync");
@@ -157,7 +198,7 @@ fn seed_002_stuck_slot_gate_refuses_fast_instead_of_timing_out() {
 
 #[test]
 fn seed_003_probe_burst_no_prod_completes_after_slack_zero_with_the_gate() {
-    let (_s, d) = drill("seed-003-probe-burst.toml", 0.5);
+    let (_s, d) = agreeing(0.10, || drill("seed-003-probe-burst.toml", 0.5));
     sane(&d);
     assert_agrees(&d, 0.10);
     // The seed: "Expected after a disabled gate: bad greater than zero. Expected after the
@@ -179,7 +220,7 @@ fn seed_003_probe_burst_no_prod_completes_after_slack_zero_with_the_gate() {
 
 #[test]
 fn injected_faults_fail_the_same_requests_as_in_the_simulator() {
-    let (s, d) = drill("faults.toml", 0.1);
+    let (s, d) = agreeing(0.15, || drill("faults.toml", 0.1));
     sane(&d);
     assert_agrees(&d, 0.15);
     // Gate off refuses nothing, so every request reaches the stub: the requests that fail
@@ -223,7 +264,9 @@ fn batching_upstream_drill_agrees_with_the_simulator() {
     let mut s = scenario("llama-mixed.toml");
     assert!(s.upstream.batching() && s.upstream.decode_ms_per_1k_context > 0.0);
     s.duration_s = 30.0;
-    let (_s, d) = drill_with(s, 0.25, vec![Mode::On, Mode::Off]);
+    let (_s, d) = agreeing(0.3, || {
+        drill_with(s.clone(), 0.25, vec![Mode::On, Mode::Off])
+    });
     sane(&d);
     // Looser than the linear scenarios' 15%: the gate pads admission by the p90 of its own
     // measured estimate errors, which the live gate measures on the stub's real pacing (timer
@@ -278,7 +321,7 @@ fn two_deadline_classes_keep_their_admissions_live_as_in_the_simulator() {
         wo.dropped * 10 >= wo.admitted,
         "without the forecast: {wo:?}"
     );
-    let (_s, d) = drill_with(s, 0.25, vec![Mode::On]);
+    let (_s, d) = agreeing(0.15, || drill_with(s.clone(), 0.25, vec![Mode::On]));
     sane(&d);
     assert_agrees(&d, 0.15);
     let w = batch(&d.report);
