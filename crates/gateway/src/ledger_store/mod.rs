@@ -135,6 +135,23 @@ pub struct StoreStats {
     pub conflicts: u64,
 }
 
+/// A store's error kinds already written to stderr: each kind is written once, then only
+/// counted in the store stats (the SQLite and Redis writers share it).
+#[derive(Debug, Default)]
+pub(crate) struct NotedKinds(std::collections::HashSet<String>);
+
+impl NotedKinds {
+    /// Write `message` about the store shown as `store` if no error of `kind` was written yet.
+    pub(crate) fn note(&mut self, store: &dyn std::fmt::Display, kind: &str, message: &str) {
+        if self.0.insert(kind.to_owned()) {
+            tracing::warn!(
+                "ledger store {store}: {message} [{kind}; later ones are only counted in the \
+                 store stats]"
+            );
+        }
+    }
+}
+
 /// Why a store could not open, load or flush. Every variant that concerns a file names it.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -27,7 +27,7 @@ use super::{Ack, Counters, StoreError};
 use rusqlite::types::ValueRef;
 use rusqlite::{params, Connection, Row, TransactionBehavior};
 use slackgate_core::ledger::{HoldRecord, HoldState};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
@@ -104,7 +104,7 @@ pub(super) struct Writer {
     counters: Arc<Counters>,
     batch_max: usize,
     /// Error kinds already reported on stderr (each is logged once, then only counted).
-    logged: HashSet<String>,
+    logged: super::NotedKinds,
     /// The number of the last write received: the cut of a flush received now.
     received: u64,
     /// The cut of the last plain flush answered.
@@ -129,7 +129,7 @@ impl Writer {
             path,
             counters,
             batch_max: batch_max.max(1),
-            logged: HashSet::new(),
+            logged: Default::default(),
             received: 0,
             plain_cut: 0,
             failures: VecDeque::new(),
@@ -349,13 +349,7 @@ impl Writer {
     }
 
     fn log_once(&mut self, kind: &str, message: &str) {
-        if self.logged.insert(kind.to_owned()) {
-            tracing::warn!(
-                "ledger store {}: {message} [{kind}; later ones are only counted \
-                 in the store stats]",
-                self.path.display()
-            );
-        }
+        self.logged.note(&self.path.display(), kind, message);
     }
 
     /// Every readable row; unreadable ones are skipped, counted and reported once per load.

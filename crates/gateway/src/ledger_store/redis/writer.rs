@@ -9,7 +9,7 @@ use super::put::{PutBatch, PutReply};
 use super::shared::Shared;
 use super::{BACKOFF_MAX, BACKOFF_MIN, BATCH_MAX, QUEUE_MAX};
 use slackgate_core::ledger::HoldRecord;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -42,7 +42,7 @@ pub(super) struct Writer {
     lost_since_flush: u64,
     last_error: String,
     /// Kinds already reported on stderr (each is logged once, then only counted).
-    logged: HashSet<String>,
+    logged: crate::ledger_store::NotedKinds,
 }
 
 impl Writer {
@@ -58,7 +58,7 @@ impl Writer {
             retry_at: None,
             lost_since_flush: 0,
             last_error: String::new(),
-            logged: HashSet::new(),
+            logged: Default::default(),
         }
     }
 
@@ -283,12 +283,6 @@ impl Writer {
     }
 
     fn log_once(&mut self, kind: &str, message: &str) {
-        if self.logged.insert(kind.to_owned()) {
-            tracing::warn!(
-                "ledger store {}: {message} [{kind}; later ones are only counted \
-                 in the store stats]",
-                self.shared.shown
-            );
-        }
+        self.logged.note(&self.shared.shown, kind, message);
     }
 }
