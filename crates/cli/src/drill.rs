@@ -55,6 +55,12 @@ pub struct DrillArgs {
     /// parallel slots), classes.
     #[arg(long, requires = "real_upstream")]
     pub config: Option<PathBuf>,
+    /// Offer this multiple of the upstream's capacity instead of the scenario's rate (e.g. 2
+    /// for a 2x overload): with --real-upstream the server is measured first (`calibrate
+    /// --quick`, about 20 s) and the runs model it; otherwise the scenario's [upstream] is
+    /// the measure. Scales [arrivals] rate, or a trace's load.
+    #[arg(long)]
+    pub load: Option<f64>,
     /// Leave this many scenario seconds of each run out of the estimator's error (warm-up).
     #[arg(long, default_value_t = 30.0)]
     pub error_after_s: f64,
@@ -164,6 +170,7 @@ pub fn run(a: DrillArgs) -> Result<()> {
         error_after_s: a.error_after_s,
         replicas: a.replicas,
         redis: a.redis,
+        load: a.load,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

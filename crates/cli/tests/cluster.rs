@@ -423,6 +423,15 @@ redis_timeout_ms = {timeout}
 impl Cluster {
     /// Start everything and wait until each replica is leader or follower, one leader.
     async fn start(spec: &Spec, redis: RedisServer) -> Res<Cluster> {
+        let cluster = Cluster::spawn(spec, redis)?;
+        cluster
+            .wait_formed(&[0, 1, 2], Duration::from_secs(20))
+            .await?;
+        Ok(cluster)
+    }
+
+    /// Start everything; return as soon as each replica's listener is up (no leader yet).
+    fn spawn(spec: &Spec, redis: RedisServer) -> Res<Cluster> {
         let dir = temp_dir(spec.name)?;
         let name = format!("{}-{}", spec.name, std::process::id());
         let slots = STUB_SLOTS.to_string();
@@ -468,18 +477,14 @@ impl Cluster {
                 proc,
             });
         }
-        let cluster = Cluster {
+        Ok(Cluster {
             replicas,
             _stub: stub,
             stub_addr,
             redis,
             name,
             dir,
-        };
-        cluster
-            .wait_formed(&[0, 1, 2], Duration::from_secs(20))
-            .await?;
-        Ok(cluster)
+        })
     }
 
     fn addrs(&self, which: &[usize]) -> Vec<SocketAddr> {
@@ -825,6 +830,88 @@ fn peak_concurrency_across_three_replicas_stays_within_the_pool_slots() -> Res {
             "nothing decided by fail mode: {views:?}"
         );
         Ok(())
+    })
+}
+
+/// Cold start: three replicas started together, and at each one, the moment `probe` first
+/// answers 200 there, 10 requests at once (30 in all). The stub never serves more than the
+/// pool's `N` slots at once, and every request is served: while the first lease is being
+/// taken (and waited out) a replica that reaches Redis waits for the leader instead of
+/// deciding alone on its share.
+async fn cold_start(redis: RedisServer, name: &'static str, probe: &'static str) -> Res {
+    let spec = Spec {
+        name,
+        classes: BATCH_CLASS,
+        ledger: String::new(),
+        lease_ttl_ms: 2000,
+        redis_timeout_ms: 400,
+        latency: "fixed:300ms",
+    };
+    let c = Cluster::spawn(&spec, redis)?;
+    let mut sends = tokio::task::JoinSet::new();
+    for (i, addr) in c.addrs(&[0, 1, 2]).into_iter().enumerate() {
+        sends.spawn(async move {
+            let t0 = Instant::now();
+            while http(addr, "GET", probe, &[], "")
+                .await
+                .map(|r| r.status)
+                .ok()
+                != Some(200)
+            {
+                if t0.elapsed() > Duration::from_secs(10) {
+                    return Err(fail(format!("replica r{i}: {probe} not 200 within 10 s")));
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let ready_after = t0.elapsed();
+            let mut at_once = tokio::task::JoinSet::new();
+            for k in 0..10 {
+                let key = format!("cold-{probe}-{i}-{k}");
+                at_once.spawn(async move { post_chat(addr, &key, "batch", &[]).await });
+            }
+            let mut statuses = Vec::new();
+            while let Some(r) = at_once.join_next().await {
+                statuses.push(match r? {
+                    Ok(reply) => format!("{} {}", reply.status, reply.reason()),
+                    Err(e) => format!("error {e}"),
+                });
+            }
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((ready_after, statuses))
+        });
+    }
+    let mut statuses = Vec::new();
+    let mut ready = Vec::new();
+    while let Some(r) = sends.join_next().await {
+        let (after, s) = r??;
+        ready.push(after);
+        statuses.extend(s);
+    }
+    let stub = stub_stats(c.stub_addr).await?;
+    let peak = stub["max_in_flight_seen"].as_u64().unwrap_or(u64::MAX);
+    println!("{probe}: ready after {ready:?}; stub {stub}");
+    assert!(
+        peak <= N as u64,
+        "sent the moment {probe} answered, the stub saw {peak} requests at once through \
+         three replicas of a {N}-slot gate; replies {statuses:?}\n{}",
+        c.diagnostics()
+    );
+    let served = statuses.iter().filter(|s| s.starts_with("200")).count();
+    assert_eq!(served, 30, "{statuses:?}\n{}", c.diagnostics());
+    assert_eq!(stub["served"].as_u64(), Some(30), "{stub}");
+    Ok(())
+}
+
+#[test]
+fn cold_start_sent_at_readyz_never_exceeds_the_pool_slots() -> Res {
+    run_cluster_test("cold_start_readyz", |redis| {
+        cold_start(redis, "cold-readyz", "/readyz")
+    })
+}
+
+#[test]
+fn cold_start_sent_at_healthz_never_exceeds_the_pool_slots() -> Res {
+    run_cluster_test("cold_start_healthz", |redis| {
+        cold_start(redis, "cold-healthz", "/healthz")
     })
 }
 

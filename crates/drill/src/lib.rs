@@ -23,6 +23,7 @@ pub mod client;
 pub mod http_client;
 pub mod joblog;
 pub mod neighbour;
+pub mod offered;
 pub mod progress;
 pub mod realserver;
 pub mod redis;
@@ -219,6 +220,10 @@ pub struct DrillOptions {
     /// The Redis of the cluster run (`redis://127.0.0.1:PORT[/DB]`); `None`: the drill starts
     /// its own `redis-server` on a free loopback port and stops it after the run.
     pub redis: Option<String>,
+    /// Offer this multiple of the upstream's capacity (see [`offered`]): a real server is
+    /// measured first; otherwise the scenario's `[upstream]` is the measure. `None`: the
+    /// scenario's own arrival rate.
+    pub load: Option<f64>,
 }
 
 /// Most replicas a cluster run starts (each is a full gate in this process).
@@ -238,6 +243,7 @@ impl Default for DrillOptions {
             error_after_s: 30.0,
             replicas: 1,
             redis: None,
+            load: None,
         }
     }
 }
@@ -288,6 +294,12 @@ pub enum DrillError {
     /// The cluster run's Redis.
     #[error(transparent)]
     Redis(#[from] redis::RedisError),
+    /// `--load` out of range, or a scenario it cannot scale.
+    #[error("--load: {0}")]
+    Load(String),
+    /// Measuring the real server for `--load` failed.
+    #[error("measuring the server for --load: {0}")]
+    Calibrate(#[from] calibrate::CalibrateError),
 }
 
 /// What one run produced besides its requests.
@@ -368,6 +380,8 @@ pub struct Drill {
     pub replicas: usize,
     /// The warm-up left out of the estimator's error (scenario seconds).
     pub error_after_s: f64,
+    /// How `--load` set the offered load, when it was given.
+    pub load_fit: Option<offered::LoadFit>,
 }
 
 impl Drill {
@@ -520,8 +534,24 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
         return Err(DrillError::Runs);
     }
     check_supported(s, opts)?;
-    let arrivals = workload::generate(s)?;
-    let s = slackgate_sim::windowed(s, &arrivals);
+    let (fitted, load_fit) = match (opts.load, &opts.target) {
+        (None, _) => (s.clone(), None),
+        (Some(_), Target::External { .. }) => {
+            return Err(DrillError::Load(
+                "a running gate's upstream cannot be measured; use --real-upstream".into(),
+            ))
+        }
+        (Some(x), Target::Real(r)) => {
+            let (f, fit) = offered::fit_real(s, &r.url, r.model.clone(), x).await?;
+            (f, Some(fit))
+        }
+        (Some(x), _) => {
+            let (f, fit) = offered::scale_to(s, x)?;
+            (f, Some(fit))
+        }
+    };
+    let arrivals = workload::generate(&fitted)?;
+    let s = slackgate_sim::windowed(&fitted, &arrivals);
     let external = matches!(opts.target, Target::External { .. });
     let real = match &opts.target {
         Target::Real(r) => Some(resolve_real(&s, r).await?),
@@ -582,6 +612,7 @@ pub async fn run(s: &Scenario, opts: &DrillOptions) -> Result<Drill, DrillError>
             1
         },
         error_after_s: opts.error_after_s,
+        load_fit,
     })
 }
 

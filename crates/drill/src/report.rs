@@ -315,6 +315,9 @@ impl Drill {
                 }
             );
         }
+        if let Some(f) = &self.load_fit {
+            out.push_str(&f.to_markdown());
+        }
         out.push_str(&self.cluster_markdown());
         out.push_str(&self.neighbour_markdown());
         out.push_str(&self.report.to_markdown());
@@ -556,6 +559,8 @@ impl Drill {
             report: &'a report::Report,
             #[serde(skip_serializing_if = "Option::is_none")]
             cluster: Option<ClusterComparison>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            load_fit: &'a Option<crate::offered::LoadFit>,
         }
         let out = Out {
             time_scale: self.time_scale,
@@ -563,6 +568,7 @@ impl Drill {
             external: self.external,
             real: &self.real,
             error_after_s: self.error_after_s,
+            load_fit: &self.load_fit,
             healthy: self.healthy(),
             runs: &self.summaries,
             report: &self.report,

@@ -83,6 +83,26 @@ fn metrics_page(shared: &Shared) -> String {
     page.render()
 }
 
+/// `/readyz`: 200 once this gate should get traffic, 503 until then; a single gate is ready
+/// as soon as it serves, a cluster replica once it leads, knows a leader, or has settled on
+/// its fail mode because Redis is out of reach (see [`crate::engine::replica::Readiness`]).
+fn readyz(shared: &Shared) -> Response<ResBody> {
+    let r = match &shared.cluster {
+        Some(c) => c.readiness(),
+        None => crate::engine::replica::Readiness {
+            ready: true,
+            why: "single gate",
+        },
+    };
+    let (status, word) = match r.ready {
+        true => (http::StatusCode::OK, "ready"),
+        false => (http::StatusCode::SERVICE_UNAVAILABLE, "not ready"),
+    };
+    let mut resp = response::text("text/plain", format!("{word}: {}\n", r.why));
+    *resp.status_mut() = status;
+    resp
+}
+
 /// Route one request.
 ///
 /// Every `POST /v1/...` is admission-controlled: the three OpenAI JSON endpoints require a
@@ -111,6 +131,7 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
     }
     match (req.method(), path) {
         (&Method::GET, "/healthz") => response::text("text/plain", "ok\n".into()),
+        (&Method::GET, "/readyz") => readyz(&shared),
         (&Method::GET, "/metrics") => response::text(
             crate::observe::exposition::CONTENT_TYPE,
             metrics_page(&shared),

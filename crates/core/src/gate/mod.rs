@@ -107,6 +107,13 @@ impl Gate {
         self.classes.get(class.0).map_or("", |c| c.name.as_str())
     }
 
+    /// A class's default deadline (ms after arrival), if it has one.
+    pub fn class_deadline_ms(&self, class: LaneId) -> Option<u64> {
+        self.classes
+            .get(class.0)
+            .and_then(|c| c.default_deadline_ms)
+    }
+
     /// Name of a pool.
     pub fn pool_name(&self, pool: PoolId) -> &str {
         self.pools.get(pool.0).map_or("", |p| p.name.as_str())

@@ -73,15 +73,30 @@ pub async fn serve<L: Local>(
     local: L,
     shared: Arc<Shared>,
     cluster: Arc<Cluster>,
-    req: Request<hyper::body::Incoming>,
+    mut req: Request<hyper::body::Incoming>,
     target: Target,
 ) -> Response<ResBody> {
+    let arrived = Instant::now();
     let forwarded = cluster.is_forwarded(req.headers());
-    match cluster.route(forwarded) {
+    let mut route = cluster.route(forwarded);
+    if route == Route::Wait {
+        cluster
+            .counters
+            .waited_for_leader
+            .fetch_add(1, Ordering::Relaxed);
+        let bound = settle_bound(&shared, &cluster, req.headers());
+        route = cluster.route_when_settled(forwarded, bound).await;
+        // The wait comes out of the request's deadline wherever it is decided.
+        charge_wait(&shared, req.headers_mut(), arrived);
+    }
+    match route {
         Route::Local => local.serve(shared, req, target).await,
         Route::NotLeader => not_leader(),
-        Route::Forward(url) => via_leader(local, shared, cluster, req, target, url).await,
-        Route::Degraded => match read_whole(&shared, req).await {
+        Route::Forward(url) => via_leader(local, shared, cluster, req, target, url, arrived).await,
+        // Still no leader after the bound: a forwarded request goes back to its replica,
+        // which follows its fail mode; one sent here follows it now.
+        Route::Wait if forwarded => not_leader(),
+        Route::Degraded | Route::Wait => match read_whole(&shared, req).await {
             Ok((parts, bytes)) => {
                 degraded(
                     local,
@@ -106,8 +121,8 @@ async fn via_leader<L: Local>(
     req: Request<hyper::body::Incoming>,
     target: Target,
     url: String,
+    arrived: Instant,
 ) -> Response<ResBody> {
-    let arrived = Instant::now();
     let (parts, bytes) = match read_whole(&shared, req).await {
         Ok(r) => r,
         Err(resp) => return resp,
@@ -131,7 +146,7 @@ async fn via_leader<L: Local>(
                 .serve(shared, Request::from_parts(parts, body), target)
                 .await;
         }
-        Route::Degraded | Route::NotLeader => {}
+        Route::Degraded | Route::NotLeader | Route::Wait => {}
     }
     cluster.suspect_leader();
     degraded(
@@ -142,6 +157,36 @@ async fn via_leader<L: Local>(
         target,
     )
     .await
+}
+
+/// How long a request waits for a leader being settled: [`Cluster::settle_bound`], or less
+/// when its deadline (its header's, else its class's) comes sooner.
+fn settle_bound(shared: &Shared, cluster: &Cluster, headers: &HeaderMap) -> Duration {
+    let deadline = relative_ms(headers, "x-deadline-ms")
+        .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()));
+    let bound = cluster.settle_bound();
+    deadline.map_or(bound, |ms| bound.min(Duration::from_millis(ms)))
+}
+
+/// A relative-milliseconds header, when it reads as one (the pipeline reports a bad one).
+fn relative_ms(headers: &HeaderMap, name: &str) -> Option<u64> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+}
+
+/// After a wait for the leader, the request's relative budgets run from its arrival here: its
+/// `x-deadline-ms` and `x-slo-ttft-ms` less the wait, and a class deadline without a header
+/// becomes one (less the wait), so the replica that decides sees the time that is left.
+fn charge_wait(shared: &Shared, headers: &mut HeaderMap, arrived: Instant) {
+    let has_deadline = headers.contains_key("x-deadline-ms") || headers.contains_key("x-deadline");
+    if !has_deadline {
+        if let Some(ms) = shared.class_deadline_ms(class_label(headers).as_deref()) {
+            headers.insert("x-deadline-ms", HeaderValue::from(ms));
+        }
+    }
+    charge_time_spent(headers, arrived);
 }
 
 /// Read a request's whole body (within the gate's limits), or answer why not.
@@ -323,11 +368,7 @@ fn leader_request(
 fn charge_time_spent(headers: &mut HeaderMap, arrived: Instant) {
     let spent = u64::try_from(arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
     for name in ["x-deadline-ms", "x-slo-ttft-ms"] {
-        let left = headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(|ms| ms.saturating_sub(spent).max(1));
+        let left = relative_ms(headers, name).map(|ms| ms.saturating_sub(spent).max(1));
         if let Some(left) = left {
             headers.insert(name, HeaderValue::from(left));
         }

@@ -334,6 +334,15 @@ impl Shared {
         self.with_core(|st, _, _| st.gate.fail_mode(st.gate.classify(label)))
     }
 
+    /// The default deadline (ms) of the class a label names, if it has one.
+    pub fn class_deadline_ms(&self, label: Option<&str>) -> Option<u64> {
+        self.with_core(|st, _, _| {
+            st.gate
+                .classify(label)
+                .and_then(|l| st.gate.class_deadline_ms(l))
+        })
+    }
+
     /// The fail mode of a decided request's class.
     pub fn fail_mode_of(&self, lane: Option<slackgate_core::LaneId>) -> slackgate_core::FailMode {
         self.with_core(|st, _, _| st.gate.fail_mode(lane))

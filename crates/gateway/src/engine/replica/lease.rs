@@ -193,6 +193,7 @@ fn beat_ok(
         _ => {}
     }
     update_view(cluster, &beat, st.leading && mine, sent);
+    lock(&cluster.view).standby_until = st.standby_until.filter(|_| mine);
 }
 
 /// Flags: ours are in Redis now (unless set again meanwhile); another replica's newer ones

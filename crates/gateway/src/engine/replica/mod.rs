@@ -46,6 +46,9 @@ struct View {
     leader: Option<Leader>,
     /// This replica leads until then (set only while it holds the lease).
     lead_until: Option<Instant>,
+    /// This replica holds the lease and waits it out until then before leading (a lease
+    /// just taken: the last leader's may still run until its TTL).
+    standby_until: Option<Instant>,
     /// Redis answered the last call in time.
     redis_up: bool,
     /// When Redis last answered (the heartbeat's send time).
@@ -77,6 +80,19 @@ pub enum Route {
     NotLeader,
     /// No leader within reach: the class's fail mode decides.
     Degraded,
+    /// Redis answers but the leader is being settled (this replica's first heartbeat has not
+    /// ended, or it holds a lease it is still waiting out): ask again shortly rather than
+    /// decide alone on a share (see [`Cluster::route_when_settled`]).
+    Wait,
+}
+
+/// Whether a replica should get traffic (`/readyz`), and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Readiness {
+    /// Ready: it leads, knows a leader, or has settled on its fail mode (Redis out of reach).
+    pub ready: bool,
+    /// One line for the probe's body.
+    pub why: &'static str,
 }
 
 /// Counters for `/metrics`.
@@ -89,6 +105,7 @@ pub(crate) struct Counters {
     pub(crate) leader_acquired: AtomicU64,
     pub(crate) leader_lost: AtomicU64,
     pub(crate) redis_errors: AtomicU64,
+    pub(crate) waited_for_leader: AtomicU64,
 }
 
 type ForwardClient = hyper_util::client::legacy::Client<
@@ -219,6 +236,9 @@ impl Cluster {
         if view.lead_until.is_some_and(|t| t > now) {
             return Route::Local;
         }
+        if self.settling(&view) {
+            return Route::Wait;
+        }
         if forwarded {
             return Route::NotLeader;
         }
@@ -232,6 +252,68 @@ impl Cluster {
             }
             _ => Route::Degraded,
         }
+    }
+
+    /// A leader is being settled while Redis answers: no heartbeat has ended yet, or this
+    /// replica holds the lease and is waiting it out. Deciding alone then would run every
+    /// replica on its share at once: a cold start is not an outage.
+    fn settling(&self, view: &View) -> bool {
+        let holds = view
+            .leader
+            .as_ref()
+            .is_some_and(|l| l.id == self.replica_id);
+        view.last_attempt.is_none() || (view.redis_up && holds && view.standby_until.is_some())
+    }
+
+    /// [`Cluster::route`], waiting while it says [`Route::Wait`], at most `bound`; still
+    /// settling then: [`Route::Wait`] (the caller follows the fail mode).
+    pub(crate) async fn route_when_settled(&self, forwarded: bool, bound: Duration) -> Route {
+        let asked = tokio::time::Instant::now();
+        loop {
+            let r = self.route(forwarded);
+            if r != Route::Wait || asked.elapsed() >= bound {
+                return r;
+            }
+            let left = bound.saturating_sub(asked.elapsed());
+            tokio::time::sleep(left.min(Duration::from_millis(10))).await;
+        }
+    }
+
+    /// The longest a request waits for a leader being settled: a lease waited out (one TTL),
+    /// the heartbeat that then adopts the ledger (a third of it) and Redis's timeout, with
+    /// room for the adoption itself.
+    pub fn settle_bound(&self) -> Duration {
+        Duration::from_millis(self.cfg.lease_ttl_ms * 2 + self.cfg.redis_timeout_ms)
+    }
+
+    /// Whether this replica should get traffic now (`/readyz`).
+    pub fn readiness(&self) -> Readiness {
+        let now = Instant::now();
+        let view = lock(&self.view);
+        let (ready, why) = if view.lead_until.is_some_and(|t| t > now) {
+            (true, "leader")
+        } else if view.last_attempt.is_none() {
+            (false, "no answer from Redis yet")
+        } else if self.settling(&view) {
+            (false, "waiting out the lease it took before leading")
+        } else if !view.redis_up {
+            (
+                true,
+                "degraded: Redis out of reach, requests follow their class's fail_mode",
+            )
+        } else {
+            match &view.leader {
+                Some(l) if l.id != self.replica_id && !self.held_off(&view, l, now) => {
+                    (true, "follower")
+                }
+                Some(l) if l.id != self.replica_id => (
+                    true,
+                    "degraded: the leader failed a forward, requests follow their class's fail_mode",
+                ),
+                _ => (false, "no leader known"),
+            }
+        };
+        Readiness { ready, why }
     }
 
     /// The leader `l` failed a forward a moment ago (the same one: id and epoch).
@@ -360,6 +442,7 @@ impl Cluster {
             leader_acquired: self.counters.leader_acquired.load(Ordering::Relaxed),
             leader_lost: self.counters.leader_lost.load(Ordering::Relaxed),
             redis_errors: self.counters.redis_errors.load(Ordering::Relaxed),
+            waited_for_leader: self.counters.waited_for_leader.load(Ordering::Relaxed),
         }
     }
 
@@ -444,7 +527,7 @@ impl prometheus_client::collector::Collector for ClusterGauges {
             "slackgate_cluster_events_total",
             "Cluster events on this replica: requests forwarded to the leader, forwards that \
              failed, requests decided by fail mode (fail_open, fail_closed), leases acquired \
-             and lost, failed Redis calls.",
+             and lost, failed Redis calls, requests that waited for a leader being settled.",
             [
                 ("forwarded", s.forwarded),
                 ("forward_failed", s.forward_failed),
@@ -453,6 +536,7 @@ impl prometheus_client::collector::Collector for ClusterGauges {
                 ("leader_acquired", s.leader_acquired),
                 ("leader_lost", s.leader_lost),
                 ("redis_error", s.redis_errors),
+                ("waited_for_leader", s.waited_for_leader),
             ]
             .map(|(event, n)| ([replica[0], ("event", event)], n)),
         )
@@ -498,6 +582,8 @@ pub struct ClusterStatus {
     pub leader_lost: u64,
     /// Redis calls that failed or timed out.
     pub redis_errors: u64,
+    /// Requests that waited for a leader being settled (a cold start, a lease waited out).
+    pub waited_for_leader: u64,
 }
 
 #[cfg(test)]

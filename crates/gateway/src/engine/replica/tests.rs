@@ -123,8 +123,15 @@ fn the_section_refuses_what_cannot_work_and_names_the_field() {
 #[test]
 fn a_replica_decides_only_while_its_lease_holds_and_forwards_otherwise() {
     let c = cluster();
-    // Before the first heartbeat: no leader known, no Redis: degraded.
+    // Before the first heartbeat has ended: wait for it (a cold start is not an outage).
+    assert_eq!(c.route(false), Route::Wait);
+    assert_eq!(c.route(true), Route::Wait);
+    assert!(!c.readiness().ready);
+    lock(&c.view).last_attempt = Some(Instant::now());
+    // It ended and Redis did not answer: no leader known, no Redis: degraded, and ready
+    // (requests follow their fail mode).
     assert_eq!(c.route(false), Route::Degraded);
+    assert!(c.readiness().ready, "{:?}", c.readiness());
     assert_eq!(c.share_parts(), 1);
     let three = Cluster::new(
         &ClusterConfig {
@@ -275,4 +282,69 @@ fn the_replica_label_is_escaped() {
     assert!(out
         .lines()
         .all(|l| l.starts_with("# ") || l.starts_with("slackgate_cluster_")));
+}
+
+#[test]
+fn a_replica_waiting_out_the_lease_it_took_holds_requests_and_is_not_ready() {
+    let c = cluster();
+    {
+        let mut v = lock(&c.view);
+        v.redis_up = true;
+        v.last_attempt = Some(Instant::now());
+        v.leader = Some(Leader {
+            id: "me".into(),
+            url: c.advertise.clone(),
+            epoch: 1,
+        });
+        v.standby_until = Some(Instant::now() + Duration::from_millis(500));
+    }
+    // Its own requests and those forwarded to it wait; it is not ready.
+    assert_eq!(c.route(false), Route::Wait);
+    assert_eq!(c.route(true), Route::Wait);
+    let r = c.readiness();
+    assert!(!r.ready && r.why.contains("waiting out"), "{r:?}");
+    // Redis goes away meanwhile: the fail mode decides, and it is ready on it.
+    lock(&c.view).redis_up = false;
+    assert_eq!(c.route(false), Route::Degraded);
+    assert!(c.readiness().ready);
+    // It leads: local, ready as leader.
+    {
+        let mut v = lock(&c.view);
+        v.redis_up = true;
+        v.standby_until = None;
+        v.lead_until = Some(Instant::now() + Duration::from_secs(1));
+    }
+    assert_eq!(c.route(false), Route::Local);
+    assert_eq!(c.readiness().why, "leader");
+    // Another replica holds the lease and is named: a follower, ready.
+    {
+        let mut v = lock(&c.view);
+        v.lead_until = None;
+        v.leader = Some(Leader {
+            id: "other".into(),
+            url: "http://10.0.0.2:8080".into(),
+            epoch: 2,
+        });
+    }
+    assert_eq!(c.readiness().why, "follower");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_waits_for_the_leader_at_most_its_bound() {
+    let c = cluster();
+    let t0 = tokio::time::Instant::now();
+    // No heartbeat ever ends: the wait gives up at the bound, still `Wait`.
+    let r = c
+        .route_when_settled(false, Duration::from_millis(300))
+        .await;
+    assert_eq!(r, Route::Wait);
+    let waited = t0.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_millis(320),
+        "{waited:?}"
+    );
+    assert_eq!(
+        c.settle_bound(),
+        Duration::from_millis(c.cfg.lease_ttl_ms * 2 + c.cfg.redis_timeout_ms)
+    );
 }
