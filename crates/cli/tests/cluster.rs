@@ -915,6 +915,67 @@ fn cold_start_sent_at_healthz_never_exceeds_the_pool_slots() -> Res {
     })
 }
 
+/// Send `sig` (`STOP`, `CONT`) to a process this test started, by its PID.
+fn signal(pid: u32, sig: &str) -> Res {
+    let ok = Command::new("kill")
+        .args([format!("-{sig}"), pid.to_string()])
+        .status()?
+        .success();
+    if ok {
+        Ok(())
+    } else {
+        Err(fail(format!("kill -{sig} {pid} failed")))
+    }
+}
+
+/// A frozen leader (SIGSTOP) holds a follower's request no longer than the request's deadline
+/// plus a lease TTL: a request with a 1 s deadline sent to a follower is answered (refused:
+/// the leader never answered) within about 2 s, not after `server.upstream_timeout_ms`
+/// (10 minutes; the client here gives up at 15 s).
+#[test]
+fn a_frozen_leader_holds_a_followers_request_no_longer_than_its_deadline() -> Res {
+    run_cluster_test("frozen_leader", |redis| async move {
+        let spec = Spec {
+            name: "frozen",
+            classes: BATCH_CLASS,
+            ledger: String::new(),
+            lease_ttl_ms: 1000,
+            redis_timeout_ms: 200,
+            latency: "fixed:100ms",
+        };
+        let c = Cluster::start(&spec, redis).await?;
+        let leader = c.wait_formed(&[0, 1, 2], Duration::from_secs(10)).await?;
+        let follower = (leader + 1) % 3;
+        // Warm the follower's connection to the leader.
+        let warm = post_chat(c.replicas[follower].addr, "frozen-warm", "batch", &[]).await?;
+        assert_eq!(warm.status, 200, "{warm:?}");
+        let pid = c.replicas[leader].proc.pid();
+        signal(pid, "STOP")?;
+        let t0 = Instant::now();
+        let r = post_chat(
+            c.replicas[follower].addr,
+            "frozen-1",
+            "batch",
+            &[("x-deadline-ms", "1000")],
+        )
+        .await;
+        let took = t0.elapsed();
+        signal(pid, "CONT")?;
+        let r = r.map_err(|e| fail(format!("after {took:?}: {e}\n{}", c.diagnostics())))?;
+        println!(
+            "frozen leader: answered {} {} after {took:?}",
+            r.status,
+            r.reason()
+        );
+        assert!(
+            took < Duration::from_millis(3000),
+            "the follower held the request {took:?} (deadline 1 s, lease 1 s): {r:?}"
+        );
+        assert_ne!(r.status, 200, "{r:?}");
+        Ok(())
+    })
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Idempotency and grants across replicas
 // ---------------------------------------------------------------------------------------------

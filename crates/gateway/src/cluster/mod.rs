@@ -127,7 +127,7 @@ async fn via_leader<L: Local>(
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    let bound = Duration::from_millis(shared.server.upstream_timeout_ms);
+    let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
     let forward_to = |url| forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound);
     if let Ok(resp) = forward_to(url).await {
         return resp;
@@ -166,6 +166,32 @@ fn settle_bound(shared: &Shared, cluster: &Cluster, headers: &HeaderMap) -> Dura
         .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()));
     let bound = cluster.settle_bound();
     deadline.map_or(bound, |ms| bound.min(Duration::from_millis(ms)))
+}
+
+/// How long a follower waits for the leader's answer to a forward: the request's deadline
+/// (its `x-deadline-ms` or `x-deadline`, else its class's) less the time spent here, plus a
+/// lease TTL (time for the leader to answer a request it dispatched just in time); at most
+/// `server.upstream_timeout_ms`, the bound for requests without a deadline. A frozen leader
+/// then holds its followers' requests no longer than their deadlines allow.
+fn forward_bound(
+    shared: &Shared,
+    cluster: &Cluster,
+    headers: &HeaderMap,
+    arrived: Instant,
+) -> Duration {
+    let longest = Duration::from_millis(shared.server.upstream_timeout_ms);
+    let absolute = relative_ms(headers, "x-deadline")
+        .map(|at| at.saturating_sub(crate::support::clock::epoch_ms()));
+    let deadline = relative_ms(headers, "x-deadline-ms")
+        .or(absolute)
+        .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()));
+    match deadline {
+        Some(ms) => {
+            let left = Duration::from_millis(ms).saturating_sub(arrived.elapsed());
+            longest.min(left + Duration::from_millis(cluster.config().lease_ttl_ms))
+        }
+        None => longest,
+    }
 }
 
 /// A relative-milliseconds header, when it reads as one (the pipeline reports a bad one).
@@ -302,7 +328,7 @@ async fn forward(
 ) -> Result<Response<ResBody>, NotDecided> {
     let base = crate::upstream::parse_base(base).map_err(|_| NotDecided)?;
     let up = leader_request(cluster, &base, parts, bytes, arrived)?;
-    // The response head is awaited up to `bound` (`server.upstream_timeout_ms`): the leader
+    // The response head is awaited up to `bound` (see `forward_bound`): the leader
     // holds a queued request as long as its deadline allows, and answers once it is
     // dispatched or refused. A client that gives up drops this future, which closes the
     // connection: the leader cancels.
@@ -320,7 +346,7 @@ async fn forward(
             let limit_ms = u64::try_from(bound.as_millis()).unwrap_or(u64::MAX);
             let no_answer = SendFailure::NoAnswer {
                 limit_ms,
-                limit: "server.upstream_timeout_ms",
+                limit: "the request's deadline plus cluster.lease_ttl_ms (at most server.upstream_timeout_ms)",
             };
             return Ok(leader_failed(&base, &no_answer));
         }

@@ -174,6 +174,11 @@ impl Cluster {
         let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(cfg.forward_connect_timeout_ms)));
         connector.set_nodelay(true);
+        // A leader whose host vanished (no FIN, no RST) is found by TCP keepalive within
+        // about 5 + 3 x 2 s, rather than by the deadline bound alone.
+        connector.set_keepalive(Some(Duration::from_secs(5)));
+        connector.set_keepalive_interval(Some(Duration::from_secs(2)));
+        connector.set_keepalive_retries(Some(3));
         let client =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .pool_idle_timeout(Duration::from_secs(30))
