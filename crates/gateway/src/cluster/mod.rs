@@ -160,12 +160,21 @@ async fn via_leader<L: Local>(
 }
 
 /// How long a request waits for a leader being settled: [`Cluster::settle_bound`], or less
-/// when its deadline (its header's, else its class's) comes sooner.
+/// when its deadline ([`deadline_ms`]) comes sooner.
 fn settle_bound(shared: &Shared, cluster: &Cluster, headers: &HeaderMap) -> Duration {
-    let deadline = relative_ms(headers, "x-deadline-ms")
-        .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()));
     let bound = cluster.settle_bound();
-    deadline.map_or(bound, |ms| bound.min(Duration::from_millis(ms)))
+    deadline_ms(shared, headers).map_or(bound, |ms| bound.min(Duration::from_millis(ms)))
+}
+
+/// The request's deadline in ms from its arrival, as far as a replica can tell before the
+/// pipeline reads it: `x-deadline-ms`, else `X-Deadline` (epoch ms) less now, else its
+/// class's deadline.
+fn deadline_ms(shared: &Shared, headers: &HeaderMap) -> Option<u64> {
+    let absolute = relative_ms(headers, "x-deadline")
+        .map(|at| at.saturating_sub(crate::support::clock::epoch_ms()));
+    relative_ms(headers, "x-deadline-ms")
+        .or(absolute)
+        .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()))
 }
 
 /// How long a follower waits for the leader's answer to a forward: the request's deadline
@@ -180,12 +189,7 @@ fn forward_bound(
     arrived: Instant,
 ) -> Duration {
     let longest = Duration::from_millis(shared.server.upstream_timeout_ms);
-    let absolute = relative_ms(headers, "x-deadline")
-        .map(|at| at.saturating_sub(crate::support::clock::epoch_ms()));
-    let deadline = relative_ms(headers, "x-deadline-ms")
-        .or(absolute)
-        .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()));
-    match deadline {
+    match deadline_ms(shared, headers) {
         Some(ms) => {
             let left = Duration::from_millis(ms).saturating_sub(arrived.elapsed());
             longest.min(left + Duration::from_millis(cluster.config().lease_ttl_ms))
