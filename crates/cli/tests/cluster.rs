@@ -355,6 +355,8 @@ struct Spec {
     redis_timeout_ms: u64,
     /// `slackgate stub --latency`.
     latency: &'static str,
+    /// The pool's prior service time (`[pools.prior] overhead_ms`; learning is off).
+    prior_ms: u64,
 }
 
 const BATCH_CLASS: &str = r#"
@@ -400,7 +402,7 @@ name = "default"
 slots = {N}
 upstream = "http://{stub}"
 [pools.prior]
-overhead_ms = 300
+overhead_ms = {prior}
 prefill_ms_per_token = 0
 decode_ms_per_token = 0
 learn = false
@@ -417,6 +419,7 @@ redis_timeout_ms = {timeout}
         classes = spec.classes,
         ttl = spec.lease_ttl_ms,
         timeout = spec.redis_timeout_ms,
+        prior = spec.prior_ms,
     )
 }
 
@@ -775,6 +778,7 @@ fn peak_concurrency_across_three_replicas_stays_within_the_pool_slots() -> Res {
             lease_ttl_ms: 2000,
             redis_timeout_ms: 400,
             latency: "fixed:300ms",
+            prior_ms: 300,
         };
         let c = Cluster::start(&spec, redis).await?;
         let before = c.views(&[0, 1, 2]).await?;
@@ -846,6 +850,7 @@ async fn cold_start(redis: RedisServer, name: &'static str, probe: &'static str)
         lease_ttl_ms: 2000,
         redis_timeout_ms: 400,
         latency: "fixed:300ms",
+        prior_ms: 300,
     };
     let c = Cluster::spawn(&spec, redis)?;
     let mut sends = tokio::task::JoinSet::new();
@@ -942,6 +947,7 @@ fn a_frozen_leader_holds_a_followers_request_no_longer_than_its_deadline() -> Re
             lease_ttl_ms: 1000,
             redis_timeout_ms: 200,
             latency: "fixed:100ms",
+            prior_ms: 300,
         };
         let c = Cluster::start(&spec, redis).await?;
         let leader = c.wait_formed(&[0, 1, 2], Duration::from_secs(10)).await?;
@@ -1028,6 +1034,7 @@ fn keys_and_grants_are_shared_by_the_replicas() -> Res {
             lease_ttl_ms: 2000,
             redis_timeout_ms: 400,
             latency: "fixed:20ms",
+            prior_ms: 300,
         };
         let c = Cluster::start(&spec, redis).await?;
         let [a, b, cc] = [c.replicas[0].addr, c.replicas[1].addr, c.replicas[2].addr];
@@ -1143,6 +1150,7 @@ async fn kill_leader_scenario(redis: RedisServer, strict: bool) -> Res {
             lease_ttl_ms: ttl,
             redis_timeout_ms: 200,
             latency: "fixed:300ms",
+            prior_ms: 300,
         };
         let mut c = Cluster::start(&spec, redis).await?;
         let views = c.views(&[0, 1, 2]).await?;
@@ -1395,6 +1403,7 @@ fn redis_down_follows_fail_modes_and_the_cluster_recovers_on_restart() -> Res {
             lease_ttl_ms: 1000,
             redis_timeout_ms: 200,
             latency: "fixed:200ms",
+            prior_ms: 300,
         };
         let mut c = Cluster::start(&spec, redis).await?;
         let all = [0usize, 1, 2];
@@ -1528,6 +1537,7 @@ fn a_guessed_forwarded_header_is_still_forwarded_to_the_leader() -> Res {
             lease_ttl_ms: 2000,
             redis_timeout_ms: 400,
             latency: "fixed:20ms",
+            prior_ms: 300,
         };
         let c = Cluster::start(&spec, redis).await?;
         let leader = c.wait_formed(&[0, 1, 2], Duration::from_secs(5)).await?;
@@ -1571,6 +1581,108 @@ fn a_guessed_forwarded_header_is_still_forwarded_to_the_leader() -> Res {
             },
         )
         .await?;
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Fencing: a paused leader
+// ---------------------------------------------------------------------------------------------
+
+/// The leader is paused past its lease while it runs two requests and queues four (a 2-slot
+/// pool, a server taking 2 s, a fail-closed class); another replica takes the lease and is
+/// sent six more. The upstream never sees more than the pool's slots: the new leader counts
+/// the old one's two running requests as occupying their slots (until their estimate plus a
+/// lease TTL has passed), and the resumed ex-leader dispatches none of its queue: it hands
+/// those requests to the new leader. The six sent during the pause are served.
+#[test]
+fn a_leader_paused_past_its_lease_never_overshoots_the_slots() -> Res {
+    run_cluster_test("paused_leader", |redis| async move {
+        let spec = Spec {
+            name: "paused",
+            classes: OPEN_AND_CLOSED,
+            ledger: String::new(),
+            lease_ttl_ms: 1000,
+            redis_timeout_ms: 200,
+            latency: "fixed:2000ms",
+            prior_ms: 2000,
+        };
+        let c = Cluster::start(&spec, redis).await?;
+        let leader = c.wait_formed(&[0, 1, 2], Duration::from_secs(10)).await?;
+        let other = (leader + 1) % 3;
+        let deadline = [("x-deadline-ms", "14000")];
+        let send = |addr: SocketAddr, key: String| {
+            tokio::spawn(async move {
+                let start = Instant::now();
+                let r = post_chat(addr, &key, "closed", &deadline).await;
+                (key, r, start.elapsed())
+            })
+        };
+        let mut to_leader = Vec::new();
+        for n in 0..6 {
+            to_leader.push(send(c.replicas[leader].addr, format!("paused-l{n}")));
+        }
+        // Two running upstream, four queued on the leader.
+        wait_until(Duration::from_secs(5), "2 requests upstream", || async {
+            stub_stats(c.stub_addr)
+                .await
+                .is_ok_and(|s| s["in_flight"].as_u64() == Some(2))
+        })
+        .await?;
+        let pid = c.replicas[leader].proc.pid();
+        signal(pid, "STOP")?;
+        let paused = Instant::now();
+        let survivors: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+        let formed = c.wait_formed(&survivors, Duration::from_secs(2)).await;
+        let mut to_other = Vec::new();
+        for n in 0..6 {
+            to_other.push(send(c.replicas[other].addr, format!("paused-o{n}")));
+        }
+        tokio::time::sleep(Duration::from_millis(2500).saturating_sub(paused.elapsed())).await;
+        signal(pid, "CONT")?;
+        formed.map_err(|e| fail(format!("{e}\n{}", c.diagnostics())))?;
+        let mut answers = Vec::new();
+        for t in to_leader.into_iter().chain(to_other) {
+            answers.push(t.await?);
+        }
+        let stub = stub_stats(c.stub_addr).await?;
+        let peak = stub["max_in_flight_seen"].as_u64().unwrap_or(u64::MAX);
+        let mut summary = Vec::new();
+        for (key, r, took) in &answers {
+            match r {
+                Ok(r) => summary.push(format!("{key}: {} {} in {took:?}", r.status, r.reason())),
+                Err(e) => summary.push(format!("{key}: no answer in {took:?}: {e}")),
+            }
+        }
+        println!(
+            "paused leader: upstream peak {peak}\n{}",
+            summary.join("\n")
+        );
+        assert!(
+            peak <= N as u64,
+            "the upstream saw {peak} requests at once on {N} slots\n{}\n{}",
+            summary.join("\n"),
+            c.diagnostics()
+        );
+        let mut served = 0;
+        for (key, r, _) in &answers {
+            let r = r
+                .as_ref()
+                .map_err(|e| fail(format!("{key}: no answer: {e}\n{}", summary.join("\n"))))?;
+            if key.starts_with("paused-o") {
+                assert_eq!(r.status, 200, "{key} (sent during the pause): {r:?}");
+            }
+            // The ex-leader's queue was handed to the new leader: served there, or refused
+            // there on its deadline; never an error.
+            assert!(
+                r.status == 200 || r.status == 429,
+                "{key}: {r:?}\n{}",
+                summary.join("\n")
+            );
+            served += u64::from(r.status == 200);
+        }
+        // Nothing went upstream that was not answered 200: a handed-back request was not sent.
+        assert_eq!(stub["requests"].as_u64(), Some(served), "{stub}");
         Ok(())
     })
 }

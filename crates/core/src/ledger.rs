@@ -41,6 +41,9 @@ fn orphaned(
 ) -> bool {
     r.state == HoldState::Held
         && !r.reservation
+        // A dispatched request's hold taken over from another gate expires when its
+        // estimate has run out (see `Gate::adopt_ledger`, which sets that expiry), not at once.
+        && (r.dispatched.is_none() || r.expires_at_ms == NEVER)
         && !live.contains(&r.key)
         && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
 }
@@ -222,6 +225,24 @@ impl Ledger {
         Some(r.clone())
     }
 
+    /// Record where and when a held key's request was sent upstream (cluster mode: see
+    /// [`HoldRecord::dispatched`]). Returns the updated record, to persist.
+    pub fn mark_dispatched(
+        &mut self,
+        now: Millis,
+        key: &str,
+        mark: Dispatched,
+    ) -> Option<HoldRecord> {
+        let r = self.holds.get_mut(key)?;
+        if r.state != HoldState::Held {
+            return None;
+        }
+        r.dispatched = Some(mark);
+        r.version = r.version.saturating_add(1).max(now);
+        r.updated_at_ms = now;
+        Some(r.clone())
+    }
+
     /// Mark a held key as a reservation-API hold (called right after `reserve`).
     pub fn mark_reservation(&mut self, key: &str) -> Option<HoldRecord> {
         let r = self.holds.get_mut(key)?;
@@ -373,6 +394,7 @@ impl Ledger {
             prior_wasted: carried.1,
             reservation: false,
             owner: self.owner.clone(),
+            dispatched: None,
         };
         let t = tenant.unwrap_or("");
         // Look up before inserting: the common case (a known tenant) allocates nothing.
@@ -425,6 +447,7 @@ impl Ledger {
             prior_wasted: carried.1,
             reservation: false,
             owner: self.owner.clone(),
+            dispatched: None,
         };
         self.totals.rejected += 1;
         self.settled.insert((now, r.key.clone()));

@@ -500,6 +500,7 @@ impl Model {
             prior_wasted: self.carried(k).1,
             reservation: false,
             owner: None,
+            dispatched: None,
         };
         self.retried |= self.latest.contains_key(k);
         self.use_tokens(t, tokens, 0);
@@ -540,6 +541,7 @@ impl Model {
             prior_wasted: self.carried(k).1,
             reservation: false,
             owner: None,
+            dispatched: None,
         };
         self.retried |= self.latest.contains_key(k);
         self.totals.rejected += 1;

@@ -45,6 +45,7 @@ fn pair(i: usize) -> (HoldRecord, HoldRecord) {
         prior_wasted: 0,
         reservation: false,
         owner: None,
+        dispatched: None,
     };
     let done = HoldRecord {
         state: HoldState::Done,

@@ -490,6 +490,7 @@ async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstr
         prior_wasted: 0,
         reservation: false,
         owner: Some("x".into()),
+        dispatched: None,
     }]);
     other.flush().unwrap();
     let before = stub.stats().requests;

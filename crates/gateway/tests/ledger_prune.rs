@@ -43,6 +43,7 @@ fn rec(key: &str, tenant: Option<&str>, state: HoldState, updated_at_ms: u64) ->
         prior_wasted: 1,
         reservation: false,
         owner: None,
+        dispatched: None,
     }
 }
 

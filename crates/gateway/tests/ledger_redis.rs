@@ -43,6 +43,7 @@ fn rec(key: &str, attempt: u32, created: u64, state: HoldState, version: u64) ->
         prior_wasted: 0,
         reservation: false,
         owner: None,
+        dispatched: None,
     }
 }
 
@@ -527,4 +528,120 @@ fn another_replica_restores_the_same_tenant_totals() {
         .filter(|r| r.state == HoldState::Expired)
         .count();
     assert_eq!(expired, 15);
+}
+
+fn owned(r: HoldRecord, owner: &str) -> HoldRecord {
+    HoldRecord {
+        owner: Some(owner.to_owned()),
+        ..r
+    }
+}
+
+/// Two replicas place a hold of one key in the same millisecond, same attempt: they are two
+/// holds (their owners differ), so the second is refused, not taken for a replay of the first.
+#[test]
+fn two_replicas_holding_a_key_in_the_same_millisecond_do_not_both_run() {
+    let server = RedisServer::start().unwrap();
+    let a = RedisStore::open(opts(&server, "same-ms")).unwrap();
+    let b = RedisStore::open(opts(&server, "same-ms")).unwrap();
+    a.write(vec![owned(
+        rec("k", 0, 1_000, HoldState::Held, 1_000),
+        "a|1",
+    )]);
+    a.flush().unwrap();
+    b.write(vec![owned(
+        rec("k", 0, 1_000, HoldState::Held, 1_000),
+        "b|2",
+    )]);
+    b.flush().unwrap();
+    assert!(b.hold_refused("k", 1_000), "b's hold must be refused");
+    assert_eq!(b.stats().conflicts, 1);
+    assert_eq!(state_of(&a, "k").unwrap().owner.as_deref(), Some("a|1"));
+    // The same owner's replay is still a replay (no conflict).
+    a.write(vec![owned(
+        rec("k", 0, 1_000, HoldState::Held, 1_000),
+        "a|1",
+    )]);
+    a.flush().unwrap();
+    assert_eq!(a.stats().conflicts, 0);
+}
+
+/// Every refused new hold of a batch is reported to its request, however large the batch.
+#[test]
+fn every_refused_hold_of_a_full_batch_is_reported() {
+    let server = RedisServer::start().unwrap();
+    let a = RedisStore::open(opts(&server, "refusals")).unwrap();
+    let b = RedisStore::open(opts(&server, "refusals")).unwrap();
+    let n = 3_000u64;
+    a.write(
+        (0..n)
+            .map(|i| rec(&format!("k{i}"), 0, 1_000, HoldState::Held, 1_000))
+            .collect(),
+    );
+    a.flush().unwrap();
+    b.write(
+        (0..n)
+            .map(|i| rec(&format!("k{i}"), 0, 2_000, HoldState::Held, 2_000))
+            .collect(),
+    );
+    b.flush().unwrap();
+    let reported = (0..n)
+        .filter(|i| b.hold_refused(&format!("k{i}"), 2_000))
+        .count();
+    assert_eq!(reported as u64, n);
+}
+
+/// A leader's writes carry its lease epoch: once another replica took the lease (the epoch in
+/// Redis went up), the deposed leader's writes of other replicas' holds are refused; its own
+/// holds' records still land (subject to the per-key rules).
+#[test]
+fn a_deposed_leaders_writes_of_other_replicas_holds_are_fenced() {
+    use redis::Commands;
+    let server = RedisServer::start().unwrap();
+    let prefix = "fence";
+    let mut conn = raw(&server);
+    let _: () = conn
+        .set(format!("slackgate:{prefix}:lease_epoch"), 7)
+        .unwrap();
+    let a = RedisStore::open(opts(&server, prefix)).unwrap();
+    let c = RedisStore::open(opts(&server, prefix)).unwrap();
+    // Replica c placed a hold (written as c's own).
+    c.write(vec![owned(
+        rec("theirs", 0, 1_000, HoldState::Held, 1_000),
+        "c|3",
+    )]);
+    c.flush().unwrap();
+    // a leads under epoch 7: it may expire c's hold.
+    a.fence("a|1", 7);
+    a.write(vec![owned(
+        rec("theirs", 0, 1_000, HoldState::Expired, 1_001),
+        "c|3",
+    )]);
+    a.flush().unwrap();
+    assert_eq!(state_of(&a, "theirs").unwrap().state, HoldState::Expired);
+    // Another replica took the lease (epoch 8); a, deposed but unaware, writes on.
+    c.write(vec![owned(
+        rec("next", 0, 2_000, HoldState::Held, 2_000),
+        "c|3",
+    )]);
+    c.flush().unwrap();
+    let _: () = conn
+        .set(format!("slackgate:{prefix}:lease_epoch"), 8)
+        .unwrap();
+    a.write(vec![
+        owned(rec("next", 0, 2_000, HoldState::Expired, 2_001), "c|3"),
+        owned(rec("mine", 0, 2_000, HoldState::Held, 2_000), "a|1"),
+    ]);
+    a.flush().unwrap();
+    assert_eq!(state_of(&a, "next").unwrap().state, HoldState::Held);
+    assert_eq!(state_of(&a, "mine").unwrap().state, HoldState::Held);
+    assert_eq!(a.stats().conflicts, 1, "the fenced write is counted");
+    // A replica that does not lead (epoch 0) writes only its own holds.
+    a.fence("a|1", 0);
+    a.write(vec![owned(
+        rec("next", 0, 2_000, HoldState::Expired, 2_002),
+        "c|3",
+    )]);
+    a.flush().unwrap();
+    assert_eq!(state_of(&a, "next").unwrap().state, HoldState::Held);
 }

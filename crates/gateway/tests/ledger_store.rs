@@ -92,6 +92,7 @@ fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
         prior_wasted: 0,
         reservation: version.is_multiple_of(2),
         owner: None,
+        dispatched: None,
     }
 }
 

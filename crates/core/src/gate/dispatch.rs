@@ -23,6 +23,9 @@ impl Gate {
     /// Returns false when no pool has both a free slot and a queued job.
     pub(super) fn dispatch_one(&mut self, now: Millis) -> bool {
         for pi in 0..self.pools.len() {
+            for e in &mut self.pools[pi].endpoints {
+                e.release_inherited(now);
+            }
             // An endpoint that can take a job now (the gate's own count against its slots in
             // force; neighbours count in the projection, never here: see `startable`).
             let Some(endpoint) = self.pools[pi].place(now) else {
@@ -156,6 +159,7 @@ impl Gate {
             j.est = est;
             j.model_service_ms = model.service_ms;
         }
+        self.mark_dispatched(now, pool_id, endpoint, &job.key, est.service_ms);
         let pool_depth = self.pool_depth(pool_id);
         self.events.push_back(Event::Dispatch {
             job_id: id,
@@ -168,6 +172,35 @@ impl Gate {
             in_flight,
             pool_depth,
         });
+    }
+
+    /// In a cluster (the gate's holds carry an owner), a dispatched job's hold records where
+    /// and when it was sent: a replica that takes the cluster over counts it in its slot.
+    fn mark_dispatched(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        endpoint: usize,
+        key: &str,
+        est_ms: u64,
+    ) {
+        if self.hold_owner.is_none() {
+            return;
+        }
+        let p = &self.pools[pool.0];
+        let mark = crate::ledger::Dispatched {
+            pool: p.name.clone(),
+            endpoint: p
+                .endpoints
+                .get(endpoint)
+                .map(|e| e.name.clone())
+                .unwrap_or_default(),
+            at_ms: now,
+            est_ms,
+        };
+        if let Some(r) = self.ledger.mark_dispatched(now, key, mark) {
+            self.ledger_out.push(r);
+        }
     }
 
     pub(super) fn unqueue(&mut self, id: JobId, job: &Job) {

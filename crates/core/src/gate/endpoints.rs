@@ -48,6 +48,10 @@ pub(super) struct EndpointState {
     pub(super) reading_until: Option<Millis>,
     /// When the reading in force arrived.
     pub(super) reading_at: Millis,
+    /// Requests another gate of the cluster sent here before this one took the cluster
+    /// over, each until its estimate has run out (see [`Gate::adopt_ledger`]): they hold
+    /// their slots like the gate's own.
+    pub(super) inherited: Vec<Millis>,
     /// Actual over estimated service of its recent completions (EWMA): a slower server
     /// reads above 1. Placement only.
     pub(super) speed: f64,
@@ -73,6 +77,7 @@ impl EndpointState {
             outside_waiting: 0,
             reading_until: None,
             reading_at: 0,
+            inherited: Vec::new(),
             speed: 1.0,
         }
     }
@@ -91,7 +96,21 @@ impl EndpointState {
 
     /// Slots held now: the gate's jobs and the neighbours' running requests.
     pub(super) fn occupied(&self) -> u32 {
-        self.in_flight.saturating_add(self.outside_running)
+        self.own_and_inherited()
+            .saturating_add(self.outside_running)
+    }
+
+    /// The gate's jobs running here and those it took over from another gate.
+    pub(super) fn own_and_inherited(&self) -> u32 {
+        let inherited = u32::try_from(self.inherited.len()).unwrap_or(u32::MAX);
+        self.in_flight.saturating_add(inherited)
+    }
+
+    /// Forget inherited requests whose estimate has run out by `now`.
+    pub(super) fn release_inherited(&mut self, now: Millis) {
+        if !self.inherited.is_empty() {
+            self.inherited.retain(|&until| until > now);
+        }
     }
 
     /// Can start a job at `now`: available, not paused, and fewer of the gate's own jobs
@@ -100,7 +119,7 @@ impl EndpointState {
     /// that arrives meanwhile, and a reading a scrape old (or a wrong gauge) must never shut
     /// the endpoint. Their work counts in the projection instead.
     pub(super) fn startable(&self, now: Millis) -> bool {
-        self.available() && self.paused_until <= now && self.in_flight < self.limit
+        self.available() && self.paused_until <= now && self.own_and_inherited() < self.limit
     }
 }
 
@@ -258,7 +277,7 @@ impl PoolState {
     pub(super) fn free_times_seen(&self, now: Millis, r: &mut [u64], seen: Neighbours) -> usize {
         r.fill(0);
         if let [e] = self.endpoints.as_slice() {
-            if seen == Neighbours::Ignored || e.outside_running == 0 {
+            if (seen == Neighbours::Ignored || e.outside_running == 0) && e.inherited.is_empty() {
                 return self.free_times_one(now, r, e);
             }
         }
@@ -276,6 +295,7 @@ impl PoolState {
                     .filter(|run| run.endpoint == ei)
                     .map(|run| remaining(now, run.started, run.est)),
             );
+            mine.extend(e.inherited.iter().map(|until| until.saturating_sub(now)));
             if seen == Neighbours::Counted {
                 mine.extend(std::iter::repeat_n(unit, e.outside_running as usize));
             }

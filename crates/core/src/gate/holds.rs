@@ -92,20 +92,29 @@ impl Gate {
     /// keep their TTL (still running: they settle them; [`Gate::expire_orphans`] catches
     /// those that stop), and reservation-API holds keep theirs. The records that changed
     /// are queued for persistence.
+    ///
+    /// Requests another gate dispatched ([`HoldRecord::dispatched`]) and not yet settled in
+    /// the store occupy their endpoint's slot here until their estimate plus `grace_ms` has
+    /// run out: they may still run on the server, so "never above the slots" holds across a
+    /// takeover. The hold of such a request whose process is gone expires then too, not at
+    /// once: a retry of its key until then is a duplicate, not a second run.
     pub fn adopt_ledger(
         &mut self,
         mut records: Vec<HoldRecord>,
         now: Millis,
         alive: &std::collections::HashSet<String>,
         store_lost_data: bool,
+        grace_ms: u64,
     ) {
         let now = self.clock(now);
+        let me = self.hold_owner.clone();
+        self.inherit_dispatched(&mut records, now, alive, me.as_deref(), grace_ms);
         let live = self.live_keys();
         let shared: std::collections::HashMap<&str, (u64, u32, Millis)> = records
             .iter()
             .map(|r| (r.key.as_str(), (r.version, r.attempt, r.created_at_ms)))
             .collect();
-        let me = self.hold_owner.as_deref();
+        let me = me.as_deref();
         let mine: Vec<HoldRecord> = self
             .ledger
             .records()
@@ -132,6 +141,46 @@ impl Gate {
         ledger.set_owner(self.hold_owner.clone());
         self.ledger = ledger;
         self.ledger_out.extend(changed);
+    }
+
+    /// The requests in `records` another gate dispatched and the store has not seen settle:
+    /// each takes its endpoint's slot until its estimate plus `grace_ms`, and the hold of one
+    /// whose process is gone expires then (see [`Gate::adopt_ledger`]).
+    fn inherit_dispatched(
+        &mut self,
+        records: &mut [HoldRecord],
+        now: Millis,
+        alive: &std::collections::HashSet<String>,
+        me: Option<&str>,
+        grace_ms: u64,
+    ) {
+        for p in &mut self.pools {
+            for e in &mut p.endpoints {
+                e.inherited.clear();
+            }
+        }
+        for r in records.iter_mut() {
+            let Some(d) = &r.dispatched else { continue };
+            let foreign = r.owner.is_none() || r.owner.as_deref() != me;
+            if r.state != crate::ledger::HoldState::Held || r.reservation || !foreign {
+                continue;
+            }
+            let until = d.until(grace_ms);
+            if !r.owner.as_ref().is_some_and(|o| alive.contains(o)) {
+                r.expires_at_ms = until;
+            }
+            if until <= now {
+                continue;
+            }
+            let endpoint = self
+                .pools
+                .iter_mut()
+                .find(|p| p.name == d.pool && !p.retired)
+                .and_then(|p| p.endpoints.iter_mut().find(|e| e.name == d.endpoint));
+            if let Some(e) = endpoint {
+                e.inherited.push(until);
+            }
+        }
     }
 
     /// The live job holding `key`, if any.

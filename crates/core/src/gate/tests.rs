@@ -713,13 +713,19 @@ fn shared_hold(
         },
         tokens_wasted: 0,
         created_at_ms: 500,
-        expires_at_ms: 900_000,
+        // A proxied request's hold is not timed (its connection settles it).
+        expires_at_ms: if state == crate::ledger::HoldState::Held {
+            crate::ledger::NEVER
+        } else {
+            900_000
+        },
         updated_at_ms: 500,
         version: 500,
         prior_spent: 0,
         prior_wasted: 0,
         reservation: false,
         owner: owner.map(str::to_string),
+        dispatched: None,
     }
 }
 
@@ -742,7 +748,7 @@ fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_p
         other("worker", HoldState::Held, true),
         other("settled", HoldState::Done, false),
     ];
-    g.adopt_ledger(shared, 2_000, &std::collections::HashSet::new(), false);
+    g.adopt_ledger(shared, 2_000, &std::collections::HashSet::new(), false, 0);
     let l = g.ledger();
     assert_eq!(l.get("mine").map(|h| h.state), Some(HoldState::Held));
     assert_eq!(l.get("dead").map(|h| h.state), Some(HoldState::Expired));
@@ -777,7 +783,13 @@ fn a_gate_adopting_an_emptied_shared_ledger_keeps_what_it_knew_and_writes_it_bac
     drain(&mut g, 1_500);
     g.take_ledger_records();
     // The store restarted empty: the settled key survives in this gate and goes back to it.
-    g.adopt_ledger(Vec::new(), 2_000, &std::collections::HashSet::new(), true);
+    g.adopt_ledger(
+        Vec::new(),
+        2_000,
+        &std::collections::HashSet::new(),
+        true,
+        0,
+    );
     assert_eq!(g.ledger().get("k").map(|h| h.state), Some(HoldState::Done));
     let out = g.take_ledger_records();
     assert!(out
@@ -803,7 +815,7 @@ fn adopting_without_data_loss_brings_back_no_pruned_key_and_keeps_live_replicas_
         rec("a-dead", HoldState::Held, "a"),
     ];
     let alive: std::collections::HashSet<String> = ["c".to_string()].into();
-    g.adopt_ledger(store, 2_000, &alive, false);
+    g.adopt_ledger(store, 2_000, &alive, false, 0);
     let l = g.ledger();
     assert!(l.get("old").is_none(), "a pruned key must not come back");
     assert_eq!(l.get("c-live").map(|h| h.state), Some(HoldState::Held));
@@ -830,4 +842,101 @@ fn adopting_without_data_loss_brings_back_no_pruned_key_and_keeps_live_replicas_
             .as_deref(),
         Some("b")
     );
+}
+
+/// Dispatch events `drain` saw: how many jobs started.
+fn started(g: &mut Gate, now: Millis) -> usize {
+    let mut n = 0;
+    while let Some(ev) = g.poll(now) {
+        n += usize::from(matches!(ev, Event::Dispatch { .. }));
+    }
+    n
+}
+
+#[test]
+fn a_gate_taking_a_cluster_over_counts_the_old_leaders_running_requests_in_their_slots() {
+    use crate::ledger::HoldState;
+    // Leader a runs two requests on a 2-slot pool (estimate 800 ms each, sent at 1 000).
+    let mut a = Gate::new(cfg(2, 800.0)).unwrap();
+    a.set_hold_owner("a");
+    for key in ["a1", "a2"] {
+        let mut r = req(&a, "probe");
+        r.idempotency_key = Some(key.into());
+        assert!(a.offer(1_000, r).admitted());
+    }
+    assert_eq!(started(&mut a, 1_000), 2);
+    // Their holds say where and when they went, for whoever leads next.
+    let store = a.take_ledger_records();
+    let mark = store
+        .iter()
+        .filter(|r| r.key == "a1")
+        .filter_map(|r| r.dispatched.clone())
+        .next_back()
+        .expect("a dispatched hold records its dispatch");
+    assert_eq!(
+        (mark.pool.as_str(), mark.at_ms, mark.est_ms),
+        ("free", 1_000, 800)
+    );
+
+    // a stops checking in; b takes over at 1 500 with a grace of 500 ms: a's requests hold
+    // their slots until 1 000 + 800 + 500 = 2 300.
+    let mut b = Gate::new(cfg(2, 800.0)).unwrap();
+    b.set_hold_owner("b");
+    b.adopt_ledger(store, 1_500, &std::collections::HashSet::new(), false, 500);
+    let mut r = req(&b, "probe");
+    r.idempotency_key = Some("b1".into());
+    assert!(b.offer(1_500, r).admitted());
+    assert_eq!(started(&mut b, 1_500), 0, "both slots are a's until 2 300");
+    assert_eq!(started(&mut b, 2_299), 0);
+    // a's holds are not expired meanwhile: a retry of their key is a duplicate, not a rerun.
+    assert_eq!(b.ledger().get("a1").map(|h| h.state), Some(HoldState::Held));
+    let mut dup = req(&b, "probe");
+    dup.idempotency_key = Some("a1".into());
+    assert_eq!(b.offer(2_000, dup).reason, Reason::RejectDuplicate);
+    assert_eq!(
+        started(&mut b, 2_300),
+        1,
+        "the slots free once the estimate has run out"
+    );
+    b.tick(2_301);
+    assert_eq!(
+        b.ledger().get("a1").map(|h| h.state),
+        Some(HoldState::Expired)
+    );
+}
+
+#[test]
+fn a_dead_leaders_queued_holds_expire_at_once_and_a_gate_alone_marks_no_dispatch() {
+    use crate::ledger::HoldState;
+    let mut a = Gate::new(cfg(1, 800.0)).unwrap();
+    a.set_hold_owner("a");
+    for key in ["run", "queued"] {
+        let mut r = req(&a, "probe");
+        r.idempotency_key = Some(key.into());
+        assert!(a.offer(1_000, r).admitted());
+    }
+    assert_eq!(started(&mut a, 1_000), 1);
+    let store = a.take_ledger_records();
+    let mut b = Gate::new(cfg(1, 800.0)).unwrap();
+    b.set_hold_owner("b");
+    b.adopt_ledger(store, 1_500, &std::collections::HashSet::new(), false, 0);
+    // Never sent: nothing runs for it, so its key is free at once.
+    assert_eq!(
+        b.ledger().get("queued").map(|h| h.state),
+        Some(HoldState::Expired)
+    );
+    assert_eq!(
+        b.ledger().get("run").map(|h| h.state),
+        Some(HoldState::Held)
+    );
+    // A gate alone (no owner) writes no dispatch marks.
+    let mut g = Gate::new(cfg(1, 800.0)).unwrap();
+    let mut r = req(&g, "probe");
+    r.idempotency_key = Some("solo".into());
+    assert!(g.offer(1_000, r).admitted());
+    assert_eq!(started(&mut g, 1_000), 1);
+    assert!(g
+        .take_ledger_records()
+        .iter()
+        .all(|r| r.dispatched.is_none()));
 }

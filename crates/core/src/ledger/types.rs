@@ -96,6 +96,33 @@ pub struct HoldRecord {
     /// gone, and keeps those of replicas still running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// Where and when the hold's request was sent upstream (cluster mode; `None` while it
+    /// queues, and on a gate alone). A replica taking a cluster over counts such a request as
+    /// occupying its slot until its estimate (plus a grace) has run out, whoever placed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatched: Option<Dispatched>,
+}
+
+/// A held request's dispatch, as its hold records it (see [`HoldRecord::dispatched`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dispatched {
+    /// The pool's name.
+    pub pool: String,
+    /// The endpoint's name within it.
+    pub endpoint: String,
+    /// When it was sent (epoch ms).
+    pub at_ms: Millis,
+    /// Its estimated service time then (ms).
+    pub est_ms: u64,
+}
+
+impl Dispatched {
+    /// Until when it occupies its slot, with `grace_ms` beyond its estimate.
+    pub fn until(&self, grace_ms: u64) -> Millis {
+        self.at_ms
+            .saturating_add(self.est_ms)
+            .saturating_add(grace_ms)
+    }
 }
 
 /// Ledger settings (`[ledger]` in the config file).

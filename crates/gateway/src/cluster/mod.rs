@@ -90,12 +90,19 @@ pub async fn serve<L: Local>(
         charge_wait(&shared, req.headers_mut(), arrived);
     }
     match route {
-        Route::Local => local.serve(shared, req, target).await,
-        Route::NotLeader => not_leader(),
+        // A follower asks again itself when the answer is that this replica stopped leading.
+        Route::Local if forwarded => local.serve(shared, req, target).await,
+        Route::Local => match read_whole(&shared, req).await {
+            Ok((parts, bytes)) => {
+                here_first(local, shared, cluster, parts, bytes, target, arrived).await
+            }
+            Err(resp) => resp,
+        },
+        Route::NotLeader => response::not_leader(),
         Route::Forward(url) => via_leader(local, shared, cluster, req, target, url, arrived).await,
         // Still no leader after the bound: a forwarded request goes back to its replica,
         // which follows its fail mode; one sent here follows it now.
-        Route::Wait if forwarded => not_leader(),
+        Route::Wait if forwarded => response::not_leader(),
         Route::Degraded | Route::Wait => match read_whole(&shared, req).await {
             Ok((parts, bytes)) => {
                 degraded(
@@ -110,6 +117,31 @@ pub async fn serve<L: Local>(
             Err(resp) => resp,
         },
     }
+}
+
+/// This replica leads: decide here. When it stops leading before the request was sent
+/// upstream (fencing: see `engine::pump`), it goes where the lease is now.
+async fn here_first<L: Local>(
+    local: L,
+    shared: Arc<Shared>,
+    cluster: Arc<Cluster>,
+    parts: http::request::Parts,
+    bytes: Bytes,
+    target: Target,
+    arrived: Instant,
+) -> Response<ResBody> {
+    let req = Request::from_parts(parts.clone(), http_body_util::Full::new(bytes.clone()));
+    let resp = local.serve(Arc::clone(&shared), req, target).await;
+    if !is_not_leader(&resp) {
+        return resp;
+    }
+    elsewhere(local, shared, cluster, parts, bytes, target, arrived).await
+}
+
+/// The answer of a replica that no longer leads and did nothing with the request.
+fn is_not_leader(resp: &Response<ResBody>) -> bool {
+    resp.status() == StatusCode::SERVICE_UNAVAILABLE
+        && resp.headers().contains_key(NOT_LEADER_HEADER)
 }
 
 /// Forward a request to the leader at `url`; when it does not decide it, once more to where
@@ -128,12 +160,26 @@ async fn via_leader<L: Local>(
         Err(resp) => return resp,
     };
     let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
-    let forward_to = |url| forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound);
-    if let Ok(resp) = forward_to(url).await {
+    if let Ok(resp) = forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound).await {
         return resp;
     }
-    // The lease may just have changed hands (the old leader answered that it no longer
-    // leads, or is gone): ask Redis now, and go where the answer says.
+    elsewhere(local, shared, cluster, parts, bytes, target, arrived).await
+}
+
+/// The replica that was asked did not decide the request (it no longer leads, or is gone):
+/// the lease may just have changed hands, so ask Redis now and go where the answer says;
+/// then by the class's fail mode.
+async fn elsewhere<L: Local>(
+    local: L,
+    shared: Arc<Shared>,
+    cluster: Arc<Cluster>,
+    parts: http::request::Parts,
+    bytes: Bytes,
+    target: Target,
+    arrived: Instant,
+) -> Response<ResBody> {
+    let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
+    let forward_to = |url| forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound);
     match cluster.route_after_next_beat().await {
         Route::Forward(next) => {
             if let Ok(resp) = forward_to(next).await {
@@ -237,19 +283,6 @@ async fn read_whole(
             ))
         }
     }
-}
-
-fn not_leader() -> Response<ResBody> {
-    let mut r = response::error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        Reason::ClusterUnavailable,
-        "this replica does not hold the gate's lease (it changed hands): ask again",
-        None,
-        None,
-    );
-    r.headers_mut()
-        .insert(NOT_LEADER_HEADER, HeaderValue::from_static("1"));
-    r
 }
 
 /// No leader in reach: `open` classes are decided here on this replica's share, `closed`

@@ -151,8 +151,12 @@ impl Shared {
         let n = records.len();
         // Written as leader: the lease is this replica's from here (the lease thread makes it
         // lead right after), so the records the takeover changes go to the store.
+        // Requests another replica dispatched hold their slots for their estimate plus a
+        // lease TTL: the time its lease needed to run out before this replica could lead.
+        let grace = self.cluster.as_ref().map_or(0, |c| c.config().lease_ttl_ms);
         let out = self.with_core(|st, now, _| {
-            st.gate.adopt_ledger(records, now, alive, store_lost_data);
+            st.gate
+                .adopt_ledger(records, now, alive, store_lost_data, grace);
             st.gate.take_ledger_records()
         });
         if !out.is_empty() {

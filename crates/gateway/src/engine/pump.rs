@@ -58,6 +58,13 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
         let _ = st.gate.cancel(now, job_id);
         return;
     };
+    if !w.reservation && w.meta.led_epoch.is_some() && w.meta.led_epoch != st.leading {
+        // Fencing: admitted as leader under a lease this replica no longer holds. Another
+        // replica leads now and counts only its own work in the slots: sending this too
+        // would run the pool above them.
+        hand_back(st, now, job_id, lines);
+        return;
+    }
     let endpoint_name = st
         .gate
         .endpoint_name(pool, endpoint)
@@ -105,6 +112,48 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
             lines.push(end_line(&c, &w.meta, None, 0, Reason::ClientCancelled));
         }
     }
+}
+
+/// Cluster mode: end a job this replica admitted as leader under a lease it no longer holds,
+/// before it is sent upstream, and tell its request, which goes to the new leader (or follows
+/// its class's fail mode).
+fn hand_back(
+    st: &mut CoreState,
+    now: Millis,
+    job_id: slackgate_core::JobId,
+    lines: &mut Vec<LogLine>,
+) {
+    let Some(mut w) = st.waiting.remove(&job_id) else {
+        return;
+    };
+    if let Some(c) = st.gate.cancel(now, job_id) {
+        lines.push(end_line(&c, &w.meta, None, 0, Reason::ClusterUnavailable));
+    }
+    if let Some(tx) = w.tx.take() {
+        let _ = tx.send(Signal::Deposed);
+    }
+}
+
+/// Cluster mode, when this replica stops leading: hand every queued job it admitted as leader
+/// under another lease back (see [`hand_back`]). Returns how many.
+pub(crate) fn hand_back_queued(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) -> usize {
+    let deposed: Vec<slackgate_core::JobId> = st
+        .waiting
+        .iter()
+        .filter(|(_, w)| {
+            // Queued proxied requests: their sender is taken at dispatch. A reservation's
+            // worker holds its hold through the shared ledger, which the new leader adopts.
+            !w.reservation
+                && w.meta.led_epoch.is_some()
+                && w.meta.led_epoch != st.leading
+                && w.tx.is_some()
+        })
+        .map(|(id, _)| *id)
+        .collect();
+    for id in &deposed {
+        hand_back(st, now, *id, lines);
+    }
+    deposed.len()
 }
 
 /// The core dropped a queued job: log it and tell its waiter why, with the retry advice.
@@ -188,6 +237,7 @@ pub(crate) fn decide(
         meta.arrived_epoch_ms = epoch_ms();
     }
     meta.tokens_held = d.tokens_held;
+    meta.led_epoch = st.leading;
     meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
     d
 }

@@ -49,6 +49,10 @@ pub struct Go {
 pub enum Signal {
     /// A slot is yours: send the request upstream.
     Go(Go),
+    /// Cluster mode: the request was admitted while this replica led, and it no longer does
+    /// (its lease ran out or changed hands before a slot freed). It was not sent upstream:
+    /// it goes to the new leader, or follows its class's fail mode.
+    Deposed,
     /// It will not be sent: its deadline became unmeetable, its class was drained, it was
     /// displaced, or the gate is shutting down (the reason says which). The advice is the
     /// core's when it gave one (a `displaced` drop: when a retry could be admitted); `None`
@@ -79,6 +83,10 @@ pub struct JobMeta {
     pub pool: String,
     /// The endpoint it was dispatched to (set at dispatch).
     pub endpoint: Option<String>,
+    /// Cluster mode: the lease epoch under which this replica admitted it as leader (`None`:
+    /// a gate alone, or a replica deciding by fail mode). It is dispatched only while this
+    /// replica still leads under that epoch.
+    pub led_epoch: Option<u64>,
 }
 
 pub(crate) struct Waiting {
@@ -99,6 +107,9 @@ pub struct CoreState {
     /// Base URL of each endpoint of each pool, by pool id and endpoint id (both stable
     /// across reloads; see the core's `reconfigure`).
     pub(crate) upstreams: Vec<Vec<Option<UpstreamBase>>>,
+    /// Cluster mode: the lease epoch this replica leads under at this transition (`None`:
+    /// it does not lead, or there is no cluster). Set on every entry to the core.
+    pub(crate) leading: Option<u64>,
     /// Sequence number of the last log line; every line gets the next one under this lock,
     /// so `seq` is the order in which the core decided.
     seq: u64,
@@ -223,6 +234,7 @@ impl Shared {
                 gate,
                 waiting: HashMap::new(),
                 upstreams,
+                leading: None,
                 seq: 0,
             }),
             clock,
@@ -270,6 +282,7 @@ impl Shared {
             // file, and the state is still consistent between calls, so keep going.
             let mut st = self.core.lock().unwrap_or_else(|p| p.into_inner());
             let now = self.clock.now_ms();
+            st.leading = self.cluster.as_ref().and_then(|c| c.lead_epoch());
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
             // In a cluster, every decision line says whether the leader made it or a replica
@@ -444,6 +457,21 @@ impl Shared {
     pub fn tick(&self) {
         self.with_core(|st, now, _| st.gate.tick(now));
         self.check_drain_idle();
+    }
+
+    /// Cluster mode: the store refuses this replica's writes of other replicas' holds unless
+    /// it leads under lease `epoch` (0: it does not lead) and that is the lease's epoch now.
+    pub fn fence_store(&self, epoch: u64) {
+        if let Some(c) = &self.cluster {
+            self.store.fence(&c.owner, epoch);
+        }
+    }
+
+    /// Cluster mode, when this replica stops leading: the requests it queued as leader are
+    /// handed back, unsent (each goes to the new leader, or follows its class's fail mode).
+    /// Returns how many.
+    pub fn hand_back_deposed(&self) -> usize {
+        self.with_core(crate::engine::pump::hand_back_queued)
     }
 
     /// Where requests that are not admission-controlled go: the first live pool's upstream.

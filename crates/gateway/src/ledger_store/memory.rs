@@ -116,6 +116,7 @@ mod tests {
             prior_wasted: 0,
             reservation: false,
             owner: None,
+            dispatched: None,
         }
     }
 

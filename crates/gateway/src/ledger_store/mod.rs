@@ -85,6 +85,11 @@ pub trait LedgerStore: Send + Sync + 'static {
     fn hold_refused(&self, _key: &str, _created_at_ms: u64) -> bool {
         false
     }
+    /// Cluster mode: this process writes as `owner` and leads under lease `epoch` (0: it does
+    /// not lead). A shared store then refuses its writes of other owners' holds unless
+    /// `epoch` is the lease's current one (fencing a deposed leader). Stores that one process
+    /// owns ignore it.
+    fn fence(&self, _owner: &str, _epoch: u64) {}
     /// [`LedgerStore::flush`] for async callers (the request path): resolves when everything
     /// written so far is durable, without parking a thread per waiter. The default runs
     /// `flush` on tokio's blocking pool.
@@ -338,6 +343,7 @@ mod tests {
             prior_wasted: 0,
             reservation: false,
             owner: None,
+            dispatched: None,
         }
     }
 

@@ -466,6 +466,7 @@ fn parse_row(row: &Row<'_>) -> Result<HoldRecord, String> {
         tenant,
         state,
         owner: None,
+        dispatched: None,
     })
 }
 

@@ -96,6 +96,7 @@ pub(super) async fn wait(
             }
             Ok(go)
         }
+        Ok(Signal::Deposed) => Err(SlotRefused::Answer(response::not_leader())),
         Ok(Signal::Dropped(reason, body, advice)) => {
             Err(SlotRefused::Answer(dropped(reason, &body, advice)))
         }

@@ -120,6 +120,24 @@ pub fn admin_error(status: StatusCode, code: &'static str, message: &str) -> Res
     r
 }
 
+/// Cluster mode: this replica does not hold the gate's lease (it changed hands) and did
+/// nothing with the request; the replica that sent it here asks Redis where the lease is
+/// now and sends it there (the header marks the answer as this refusal, not an upstream's).
+pub fn not_leader() -> Response<ResBody> {
+    let mut r = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        Reason::ClusterUnavailable,
+        "this replica does not hold the gate's lease (it changed hands): ask again",
+        None,
+        None,
+    );
+    r.headers_mut().insert(
+        crate::wire::headers::NOT_LEADER_HEADER,
+        http::HeaderValue::from_static("1"),
+    );
+    r
+}
+
 /// Build an error response with the one body shape every client can parse.
 pub fn error(
     status: StatusCode,

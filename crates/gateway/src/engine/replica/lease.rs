@@ -104,6 +104,9 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
     let mut conn = Conn::new(client, Duration::from_millis(cluster.cfg.redis_timeout_ms));
     let id = Identity::of(&cluster);
     let mut st = Lease::default();
+    if let Some(gate) = shared.upgrade() {
+        gate.fence_store(0);
+    }
     loop {
         let stopping = cluster.stopping.load(Ordering::SeqCst);
         let Some(gate) = shared.upgrade() else {
@@ -184,6 +187,7 @@ fn beat_ok(
     let mine = beat.holder == me;
     wait_out_a_taken_lease(st, &beat, mine, ttl);
     let waited = st.standby_until.is_some_and(|t| t <= Instant::now());
+    let was_leading = st.leading;
     match (mine, st.leading) {
         (true, false) if waited => take_over(gate, cluster, st, &alive, beat.epoch),
         (true, true) if st.lost_data => write_ledger_back(gate, st, &alive),
@@ -194,6 +198,24 @@ fn beat_ok(
     }
     update_view(cluster, &beat, st.leading && mine, sent);
     lock(&cluster.view).standby_until = st.standby_until.filter(|_| mine);
+    if was_leading && !st.leading {
+        hand_back(gate);
+    }
+}
+
+/// This replica stopped leading: what it queued as leader goes to the new leader (or
+/// follows its fail mode), unsent.
+fn hand_back(gate: &Shared) {
+    gate.fence_store(0);
+    let n = gate.hand_back_deposed();
+    if n > 0 {
+        gate.cluster_event(
+            Event::LeaderLost,
+            Some(format!(
+                "{n} queued requests admitted as leader handed back unsent"
+            )),
+        );
+    }
 }
 
 /// Flags: ours are in Redis now (unless set again meanwhile); another replica's newer ones
@@ -327,6 +349,8 @@ fn take_over(
     epoch: u64,
 ) {
     st.standby_until = None;
+    // The takeover's own writes (expiring a dead leader's holds) already carry the epoch.
+    gate.fence_store(epoch);
     match gate.adopt_shared_ledger(alive, st.lost_data) {
         Ok(n) => {
             st.leading = true;
@@ -344,6 +368,7 @@ fn take_over(
             // Holding the lease without leading would leave the cluster with no leader:
             // give it up at once (another replica, or this one again, takes it next).
             st.yield_next = true;
+            gate.fence_store(0);
             cluster.wake_lease();
             gate.cluster_event(
                 Event::LeaderAdoptFailed,
@@ -461,5 +486,6 @@ fn beat_failed(
             Event::LeaderLost,
             Some("the lease could not be renewed in time (Redis out of reach)".into()),
         );
+        hand_back(gate);
     }
 }

@@ -222,6 +222,16 @@ impl Cluster {
             .is_some_and(|t| t > Instant::now())
     }
 
+    /// The lease epoch this replica leads under now (`None`: it does not lead).
+    pub fn lead_epoch(&self) -> Option<u64> {
+        let view = lock(&self.view);
+        if view.lead_until.is_some_and(|t| t > Instant::now()) {
+            view.leader.as_ref().map(|l| l.epoch)
+        } else {
+            None
+        }
+    }
+
     /// Whether `headers` carry this cluster's secret (a request another replica forwarded).
     pub fn is_forwarded(&self, headers: &HeaderMap) -> bool {
         let Some(v) = headers.get(FORWARDED_HEADER) else {

@@ -8,11 +8,17 @@
 //! `%.0f`, so it is written back as the integer it is.
 
 /// Put a batch of records, in order. `KEYS[1]` the holds hash, `KEYS[2]` the settled sorted
-/// set; `ARGV[1]` the generated-key prefix, `ARGV[2]` the carry prefix, then pairs of (key,
-/// record JSON). For a stored record S and a new one N of the same key:
+/// set, `KEYS[3]` the lease's epoch; `ARGV[1]` the generated-key prefix, `ARGV[2]` the carry
+/// prefix, `ARGV[3]` the writer's hold owner (empty: no fencing), `ARGV[4]` the lease epoch
+/// it leads under (0: it does not lead), then pairs of (key, record JSON).
+///
+/// Fencing first: a record of another owner's hold (N's `owner` is not the writer) is refused
+/// unless the writer leads under the lease's current epoch: a deposed leader, paused or cut
+/// off past its lease, cannot expire or overwrite what the new leader now owns. Then, for a
+/// stored record S and a new one N of the same key:
 ///
 /// - S absent (or unreadable): write N.
-/// - the same hold (same `attempt` and `created_at_ms`): an old `held` (version not above
+/// - the same hold (same `attempt`, `created_at_ms` and `owner`): an old `held` (version not above
 ///   S's) is a replay: skip it. Else, if S is terminal (done, cancelled, expired, rejected)
 ///   and N's state differs, refuse: a conflict, the first terminal state wins (a deposed
 ///   leader's late `done` after the new leader's `expired`, whatever their versions).
@@ -27,12 +33,15 @@
 /// once); a written held record leaves it.
 ///
 /// Returns `{written, stale, terminal conflicts, held conflicts, first terminal conflict key,
-/// first held conflict key, unreadable new records, refused holds}`, the last a flat list of
-/// (key, `created_at_ms`) of new `held` records refused (at most 1,000): the store tells the
+/// first held conflict key, unreadable new records, refused holds, fenced}`, refused holds a
+/// flat list of (key, `created_at_ms`) of every new `held` record refused: the store tells the
 /// request that placed such a hold that its key is a duplicate before it goes upstream.
 pub(super) const PUT: &str = r#"
 local holds, settled = KEYS[1], KEYS[2]
 local gen, carry = ARGV[1], ARGV[2]
+local writer, wepoch = ARGV[3], tonumber(ARGV[4]) or 0
+local leads = wepoch > 0 and wepoch == (tonumber(redis.call('GET', KEYS[3]) or '0') or 0)
+local fenced = 0
 local terminal = {done = true, cancelled = true, expired = true, rejected = true}
 local function decode(raw)
   if not raw then return nil end
@@ -47,16 +56,19 @@ end
 local written, stale, c_term, c_held, bad = 0, 0, 0, 0, 0
 local first_term, first_held = '', ''
 local refused = {}
-for i = 3, #ARGV - 1, 2 do
+for i = 5, #ARGV - 1, 2 do
   local key, raw = ARGV[i], ARGV[i + 1]
   local n = decode(raw)
   if n == nil then
     bad = bad + 1
+  elseif writer ~= '' and n.owner ~= writer and not leads then
+    fenced = fenced + 1
   else
     local s = decode(redis.call('HGET', holds, key))
     local verdict = 'write'
     if s ~= nil then
-      if s.attempt == n.attempt and s.created_at_ms == n.created_at_ms then
+      if s.attempt == n.attempt and s.created_at_ms == n.created_at_ms
+          and s.owner == n.owner then
         if n.version <= s.version and not terminal[n.state] then
           verdict = 'stale'
         elseif terminal[s.state] and n.state ~= s.state then
@@ -90,14 +102,14 @@ for i = 3, #ARGV - 1, 2 do
     else
       c_held = c_held + 1
       if first_held == '' then first_held = key .. ' (' .. s.state .. ')' end
-      if n.state == 'held' and #refused < 2000 then
+      if n.state == 'held' then
         refused[#refused + 1] = key
         refused[#refused + 1] = string.format('%.0f', n.created_at_ms)
       end
     end
   end
 end
-return {written, stale, c_term, c_held, first_term, first_held, bad, refused}
+return {written, stale, c_term, c_held, first_term, first_held, bad, refused, fenced}
 "#;
 
 /// Prune one batch of settled keys. `KEYS[1]` the holds hash, `KEYS[2]` the settled sorted

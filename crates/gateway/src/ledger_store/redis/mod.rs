@@ -214,6 +214,10 @@ impl LedgerStore for RedisStore {
         self.shared.take_refused(key, created_at_ms)
     }
 
+    fn fence(&self, owner: &str, epoch: u64) {
+        self.shared.set_fence(owner, epoch);
+    }
+
     /// Commits what was queued before, then reads the whole hash with `HSCAN` (in steps, so
     /// Redis is never blocked by one huge reply). Unreadable entries are skipped and counted.
     fn load(&self) -> Result<Vec<HoldRecord>, StoreError> {

@@ -35,16 +35,29 @@ impl PutBatch {
         }
     }
 
-    /// Send the batch in one call of the put script on `link`.
-    pub(super) fn send(&self, link: &mut Link, keys: &Keys) -> redis::RedisResult<PutReply> {
-        let mut args: Vec<&[u8]> = Vec::with_capacity(2 + 2 * self.payload.len());
+    /// Send the batch in one call of the put script on `link`, written by `owner` leading
+    /// under `epoch` (see [`lua::PUT`]'s fencing).
+    pub(super) fn send(
+        &self,
+        link: &mut Link,
+        keys: &Keys,
+        (owner, epoch): (String, u64),
+    ) -> redis::RedisResult<PutReply> {
+        let epoch = epoch.to_string();
+        let mut args: Vec<&[u8]> = Vec::with_capacity(4 + 2 * self.payload.len());
         args.push(GENERATED_KEY_PREFIX.as_bytes());
         args.push(CARRY_PREFIX.as_bytes());
+        args.push(owner.as_bytes());
+        args.push(epoch.as_bytes());
         for (key, json) in &self.payload {
             args.push(key.as_bytes());
             args.push(json);
         }
-        let keys = [keys.holds.as_str(), keys.settled.as_str()];
+        let keys = [
+            keys.holds.as_str(),
+            keys.settled.as_str(),
+            keys.lease_epoch.as_str(),
+        ];
         link.eval::<PutReply>(lua::PUT, &keys, &args)
     }
 }
@@ -80,12 +93,15 @@ pub(super) struct PutReply {
     pub(super) first_held: String,
     pub(super) unreadable: u64,
     pub(super) refused: Vec<(String, u64)>,
+    /// Records of other owners' holds refused because the writer does not lead under the
+    /// lease's current epoch.
+    pub(super) fenced: u64,
 }
 
 impl redis::FromRedisValue for PutReply {
     fn from_redis_value(v: &redis::Value) -> redis::RedisResult<PutReply> {
-        type Raw = (u64, u64, u64, u64, String, String, u64, Vec<String>);
-        let (_written, _stale, term, held, first_term, first_held, bad, flat): Raw =
+        type Raw = (u64, u64, u64, u64, String, String, u64, Vec<String>, u64);
+        let (_written, _stale, term, held, first_term, first_held, bad, flat, fenced): Raw =
             redis::FromRedisValue::from_redis_value(v)?;
         let refused = flat
             .chunks(2)
@@ -101,6 +117,7 @@ impl redis::FromRedisValue for PutReply {
             first_held,
             unreadable: bad,
             refused,
+            fenced,
         })
     }
 }
@@ -133,6 +150,7 @@ pub(super) mod tests {
             prior_wasted: 0,
             reservation: false,
             owner: None,
+            dispatched: None,
         }
     }
 

@@ -18,6 +18,8 @@ pub(super) struct Keys {
     pub(super) holds: String,
     pub(super) settled: String,
     pub(super) tenant: String,
+    /// The lease's epoch (the heartbeat's `lease_epoch`): the put script fences on it.
+    pub(super) lease_epoch: String,
 }
 
 impl Keys {
@@ -27,6 +29,7 @@ impl Keys {
             holds: format!("{prefix}:holds"),
             settled: format!("{prefix}:settled"),
             tenant: format!("{prefix}:tenant_hash_key"),
+            lease_epoch: format!("{prefix}:lease_epoch"),
         }
     }
 }
@@ -44,6 +47,9 @@ pub(super) struct Shared {
     /// and the refused hold's `created_at_ms`, oldest first, bounded: asked by the request
     /// that placed the hold after its flush ([`crate::ledger_store::LedgerStore::hold_refused`]).
     refused: Mutex<VecDeque<(String, u64)>>,
+    /// Who writes (the hold owner of this process) and the lease epoch it leads under (0:
+    /// it does not lead); empty owner: no fencing (see [`super::super::LedgerStore::fence`]).
+    fence: Mutex<(String, u64)>,
 }
 
 impl Shared {
@@ -57,6 +63,7 @@ impl Shared {
             // Optimistic until a call says otherwise: nothing has failed yet.
             healthy: AtomicBool::new(true),
             refused: Mutex::new(VecDeque::new()),
+            fence: Mutex::new((String::new(), 0)),
         }
     }
 
@@ -71,6 +78,20 @@ impl Shared {
     /// Record whether the last Redis call succeeded.
     pub(super) fn saw(&self, ok: bool) {
         self.healthy.store(ok, Ordering::Relaxed);
+    }
+
+    /// Write as `owner`, leading under `epoch` (0: not leading).
+    pub(super) fn set_fence(&self, owner: &str, epoch: u64) {
+        let mut f = self.fence.lock().unwrap_or_else(|p| p.into_inner());
+        if f.0 != owner {
+            f.0 = owner.to_owned();
+        }
+        f.1 = epoch;
+    }
+
+    /// The owner and epoch the next batch is written under.
+    pub(super) fn fence(&self) -> (String, u64) {
+        self.fence.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The refused holds, even if a thread panicked holding the lock (a queue of plain

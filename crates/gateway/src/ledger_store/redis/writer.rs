@@ -169,7 +169,7 @@ impl Writer {
         let n = self.queue.len().min(BATCH_MAX);
         let batch = PutBatch::encode(self.queue.range(..n));
         let unstorable = batch.unstorable;
-        let outcome = batch.send(&mut self.link, &self.shared.keys);
+        let outcome = batch.send(&mut self.link, &self.shared.keys, self.shared.fence());
         match outcome {
             Ok(reply) => {
                 self.shared.saw(true);
@@ -204,8 +204,18 @@ impl Writer {
     }
 
     fn count_conflicts(&mut self, r: &PutReply) {
-        let conflicts = r.terminal_conflicts + r.held_conflicts;
+        let conflicts = r.terminal_conflicts + r.held_conflicts + r.fenced;
         Counters::add(&self.shared.counters.conflicts, conflicts);
+        if r.fenced > 0 {
+            self.log_once(
+                "conflict:fenced",
+                &format!(
+                    "refused {} writes of other replicas' holds: this replica no longer leads \
+                     under the lease's current epoch (a deposed leader writing late)",
+                    r.fenced
+                ),
+            );
+        }
         if r.terminal_conflicts > 0 {
             self.log_once(
                 "conflict:terminal",
