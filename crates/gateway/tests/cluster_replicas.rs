@@ -542,3 +542,93 @@ async fn a_redis_that_went_back_in_time_is_waited_out_and_two_replicas_never_lea
     a.gate.shutdown().await;
     b.gate.shutdown().await;
 }
+
+/// A shared ledger that takes longer to read than a lease lasts: the replica taking over goes
+/// on renewing its lease while it reads (on another thread), so the lease never lapses in
+/// Redis, the replica leads under the epoch it took, and nobody else could take it meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_slower_to_load_than_a_lease_does_not_let_the_lease_lapse() {
+    use redis::Commands;
+    use slackgate_core::ledger::{HoldRecord, HoldState};
+    use slackgate_gateway::ledger_store::{LedgerStore, RedisOptions, RedisStore};
+    let redis = redis();
+    let stub = stub(2, "fixed:20ms").await;
+    let name = unique("slow-load");
+    let ttl = 600u64;
+    let other = RedisStore::open(RedisOptions {
+        url: redis.url(),
+        prefix: format!("slackgate:{name}"),
+        timeout: Duration::from_secs(5),
+        retention_ms: 3_600_000,
+    })
+    .unwrap();
+    let now = slackgate_gateway::support::clock::epoch_ms();
+    // Settled keys of a replica long gone, until reading them all takes 2.5 leases.
+    let mut written = 0u64;
+    let took = loop {
+        other.write(
+            (written..written + 50_000)
+                .map(|i| HoldRecord {
+                    key: format!("old-{i}"),
+                    tenant: None,
+                    state: HoldState::Done,
+                    attempt: 0,
+                    tokens_held: 10,
+                    tokens_spent: 10,
+                    tokens_wasted: 0,
+                    created_at_ms: now - 1_000,
+                    expires_at_ms: now + 600_000,
+                    updated_at_ms: now - 500,
+                    version: now - 500,
+                    prior_spent: 0,
+                    prior_wasted: 0,
+                    reservation: false,
+                    owner: Some("gone|0".into()),
+                    dispatched: None,
+                })
+                .collect(),
+        );
+        other.flush().unwrap();
+        written += 50_000;
+        let t = Instant::now();
+        let n = other.load().unwrap().len() as u64;
+        assert_eq!(n, written);
+        let took = t.elapsed();
+        if took > Duration::from_millis(ttl * 5 / 2) || written >= 1_000_000 {
+            break took;
+        }
+    };
+    println!("{written} records load in {took:?} (lease {ttl} ms)");
+    assert!(
+        took > Duration::from_millis(ttl),
+        "the load must outlast a lease"
+    );
+    let a = replica_ttl(&redis.url(), &name, "a", stub.local_addr(), ttl)
+        .await
+        .unwrap();
+    let mut conn = redis::Client::open(redis.url().as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let lease_key = format!("slackgate:{name}:lease");
+    let (mut seen, mut lapsed) = (false, 0u32);
+    let start = Instant::now();
+    while !a.leads() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "a never led; lease lapsed {lapsed} times"
+        );
+        let holder: Option<String> = conn.get(&lease_key).unwrap();
+        seen |= holder.is_some();
+        lapsed += u32::from(seen && holder.is_none());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        lapsed, 0,
+        "the lease lapsed in Redis while the ledger was read"
+    );
+    let epoch = a.status().leader.map(|l| l.epoch);
+    assert_eq!(epoch, Some(1), "a leads under the epoch it took");
+    assert_eq!(a.status().leader_lost, 0);
+    a.gate.shutdown().await;
+}

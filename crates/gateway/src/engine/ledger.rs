@@ -6,7 +6,10 @@ use crate::engine::lines::{base_line, decision_line};
 use crate::engine::pump::decide;
 use crate::engine::state::Waiting;
 use crate::engine::state::{JobMeta, Shared};
+use crate::ledger_store::StoreError;
 use slackgate_core::{Action, Decision, JobId, Reason, Request};
+use std::collections::HashSet;
+use std::sync::Arc;
 
 impl Shared {
     /// Place a reservation-API hold (seed 001): the same decision and the same ledger as the
@@ -144,10 +147,42 @@ impl Shared {
         alive: &std::collections::HashSet<String>,
         store_lost_data: bool,
     ) -> Result<usize, crate::ledger_store::StoreError> {
-        // What this replica wrote while it could not reach the store goes first (bounded by
-        // the store's timeout; what does not make it is merged from memory by the core).
-        let _ = self.store.flush();
-        let records = self.store.load()?;
+        let records = load_shared(self.store.as_ref())?;
+        Ok(self.adopt_loaded(records, alive, store_lost_data))
+    }
+
+    /// [`Shared::adopt_shared_ledger`] on a thread of its own: a large ledger takes longer to
+    /// read and adopt than a lease lasts, and the lease thread must go on renewing meanwhile.
+    /// `done` is called once it has ended; the receiver has the records adopted, or why not.
+    pub fn adopt_in_background(
+        self: &Arc<Self>,
+        alive: HashSet<String>,
+        store_lost_data: bool,
+        done: impl FnOnce() + Send + 'static,
+    ) -> std::sync::mpsc::Receiver<Result<usize, StoreError>> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let me = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("slackgate-adopt".into())
+            .spawn(move || {
+                let _ = tx.send(me.adopt_shared_ledger(&alive, store_lost_data));
+                done();
+            });
+        if let Err(e) = spawned {
+            // No thread: the receiver reports the sender gone, read as a failed load.
+            tracing::warn!("cluster: cannot start the ledger loading thread: {e}");
+        }
+        rx
+    }
+
+    /// Take over the shared ledger from `records` (what [`Shared::load_shared_ledger`] read):
+    /// see the core's `Gate::adopt_ledger`. Returns the records adopted.
+    pub fn adopt_loaded(
+        &self,
+        records: Vec<slackgate_core::HoldRecord>,
+        alive: &std::collections::HashSet<String>,
+        store_lost_data: bool,
+    ) -> usize {
         let n = records.len();
         // Written as leader: the lease is this replica's from here (the lease thread makes it
         // lead right after), so the records the takeover changes go to the store.
@@ -162,7 +197,7 @@ impl Shared {
         if !out.is_empty() {
             self.store.write(out);
         }
-        Ok(n)
+        n
     }
 
     /// Cluster mode, after Redis lost its data: write back every record of this replica's
@@ -215,4 +250,14 @@ impl Shared {
     pub fn set_share(&self, parts: u32) {
         self.with_core(|st, _, _| st.gate.set_capacity_share(parts));
     }
+}
+
+/// Every record of the shared store, after what this replica wrote while it could not reach
+/// it (bounded by the store's timeout; what does not make it is merged from memory by the
+/// core).
+fn load_shared(
+    store: &dyn crate::ledger_store::LedgerStore,
+) -> Result<Vec<slackgate_core::HoldRecord>, crate::ledger_store::StoreError> {
+    let _ = store.flush();
+    store.load()
 }

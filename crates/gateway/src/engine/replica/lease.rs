@@ -83,8 +83,17 @@ struct Lease {
     redis_up: Option<bool>,
     /// A duplicate replica id was reported.
     duplicate_reported: bool,
+    /// The share last given to the gate (set again only when it changes: the lease thread
+    /// must not wait for the core's lock while a takeover's adoption holds it).
+    share: Option<u32>,
+    /// The shared ledger being read for a takeover (on its own thread, while this one goes
+    /// on renewing the lease).
+    adopting: Option<Loading>,
     beats: u64,
 }
+
+/// A takeover's adoption of the shared ledger: the records adopted, when done.
+type Loading = std::sync::mpsc::Receiver<Result<usize, crate::ledger_store::StoreError>>;
 
 /// What this heartbeat asks of the lease: give it up and leave (shutting down), give it up
 /// (the ledger could not be loaded), or take or renew it.
@@ -127,7 +136,11 @@ fn run(shared: Weak<Shared>, cluster: Arc<Cluster>, client: redis::Client) {
             ),
             Err(e) => beat_failed(&gate, &cluster, &mut st, &e, sent),
         }
-        gate.set_share(cluster.share_parts());
+        let parts = cluster.share_parts();
+        if st.share != Some(parts) {
+            gate.set_share(parts);
+            st.share = Some(parts);
+        }
         if stopping {
             return;
         }
@@ -166,8 +179,8 @@ fn sleep_until_next_beat(cluster: &Cluster, st: &Lease) {
 
 /// Redis answered a heartbeat `sent` then: act on what it says, in this order.
 fn beat_ok(
-    gate: &Shared,
-    cluster: &Cluster,
+    gate: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
     st: &mut Lease,
     me: &str,
     beat: Beat,
@@ -327,6 +340,7 @@ fn others_alive(
 fn wait_out_a_taken_lease(st: &mut Lease, beat: &Beat, mine: bool, ttl: u64) {
     if !mine {
         st.standby_until = None;
+        st.adopting = None;
     } else if !st.leading && st.standby_until.is_none() {
         // Counted from the answer (Redis measured the wait when it ran the script, at most
         // this long ago); a Redis that lost its data may have lost the deadline too: a TTL.
@@ -340,18 +354,44 @@ fn wait_out_a_taken_lease(st: &mut Lease, beat: &Beat, mine: bool, ttl: u64) {
 }
 
 /// The lease is this replica's and waited out: take over the shared ledger before deciding
-/// anything as leader.
+/// anything as leader. The ledger is read on a thread of its own; each heartbeat meanwhile
+/// renews the lease (a large ledger may take longer to read than a lease lasts) and looks
+/// whether the records are ready. Requests wait meanwhile, as for a lease being waited out.
 fn take_over(
-    gate: &Shared,
-    cluster: &Cluster,
+    gate: &Arc<Shared>,
+    cluster: &Arc<Cluster>,
     st: &mut Lease,
     alive: &HashSet<String>,
     epoch: u64,
 ) {
+    let loading = match st.adopting.take() {
+        Some(rx) => rx,
+        None => {
+            // The takeover's own writes (expiring a dead leader's holds) carry the epoch.
+            gate.fence_store(epoch);
+            let wake = Arc::downgrade(cluster);
+            st.adopting = Some(
+                gate.adopt_in_background(alive.clone(), st.lost_data, move || {
+                    if let Some(c) = wake.upgrade() {
+                        c.wake_lease();
+                    }
+                }),
+            );
+            return;
+        }
+    };
+    let loaded = match loading.try_recv() {
+        Ok(r) => r,
+        Err(std::sync::mpsc::TryRecvError::Empty) => {
+            st.adopting = Some(loading);
+            return;
+        }
+        Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+            Err(crate::ledger_store::StoreError::WriterStopped)
+        }
+    };
     st.standby_until = None;
-    // The takeover's own writes (expiring a dead leader's holds) already carry the epoch.
-    gate.fence_store(epoch);
-    match gate.adopt_shared_ledger(alive, st.lost_data) {
+    match loaded {
         Ok(n) => {
             st.leading = true;
             st.lost_data = false;

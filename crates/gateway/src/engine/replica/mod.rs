@@ -310,7 +310,10 @@ impl Cluster {
         } else if view.last_attempt.is_none() {
             (false, "no answer from Redis yet")
         } else if self.settling(&view) {
-            (false, "waiting out the lease it took before leading")
+            (
+                false,
+                "waiting out the lease it took, or loading the ledger, before leading",
+            )
         } else if !view.redis_up {
             (
                 true,
