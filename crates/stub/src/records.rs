@@ -112,7 +112,7 @@ impl Tag {
 pub(crate) fn unix_ms_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| whole_ms(d))
+        .map_or(0, whole_ms)
 }
 
 /// Whole milliseconds of `d`, rounded down.
