@@ -152,6 +152,7 @@ fn a_seeded_fault_run_keeps_the_fail_closed_guarantees() -> Res {
             redis_clock,
             replica_env,
             clock_note,
+            keep: dir.clone(),
         };
         tokio::time::timeout(bound, run.go(redis))
             .await
@@ -171,6 +172,8 @@ struct Run {
     replica_env: Vec<(String, String)>,
     /// Why a clock cannot be stepped, for the report ("" when both can).
     clock_note: String,
+    /// Kept when the run fails: the decision logs are copied here for a closer look.
+    keep: PathBuf,
 }
 
 /// Whether `redis-server --version` ends within 2 s under `env` (libfaketime's). Debian's
@@ -296,10 +299,17 @@ impl Run {
         println!("{}", report.render(&findings));
         let violations = findings.violation_count();
         if violations > 0 {
+            for r in &cluster.replicas {
+                let _ = std::fs::copy(&r.log, self.keep.join(format!("{}.log", r.id)));
+            }
             return Err(fail(format!(
                 "seed {}: {violations} violations of the fail-closed guarantees (report \
-                 above; replay with SLACKGATE_FAULT_SEED={} SLACKGATE_FAULT_SECS={})",
-                self.seed, self.seed, self.secs
+                 above; decision logs kept in {}; replay with SLACKGATE_FAULT_SEED={} \
+                 SLACKGATE_FAULT_SECS={})",
+                self.seed,
+                self.keep.display(),
+                self.seed,
+                self.secs
             )));
         }
         Ok(())
