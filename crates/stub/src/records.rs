@@ -60,6 +60,11 @@ pub struct RequestRecord {
     pub output_tokens: u32,
     /// Whether the response was streamed.
     pub stream: bool,
+    /// Wall-clock time the request got its slot, epoch milliseconds (0 if it never got one).
+    /// With `busy_ms` it places the request on a timeline, so a checker can tell which requests
+    /// ran upstream at the same moment (the fault harness, `crates/cli/tests/faults.rs`).
+    #[serde(default)]
+    pub slot_unix_ms: u64,
 }
 
 /// Every record kept so far, as served by `GET /stub/requests`.
@@ -83,8 +88,14 @@ pub(crate) struct Tag {
 }
 
 impl Tag {
-    /// The finished record for this request.
-    pub fn into_record(self, queued: Duration, busy: Duration, outcome: Outcome) -> RequestRecord {
+    /// The finished record for this request; `slot_unix_ms` is when it got its slot (0: never).
+    pub fn into_record(
+        self,
+        queued: Duration,
+        busy: Duration,
+        outcome: Outcome,
+        slot_unix_ms: u64,
+    ) -> RequestRecord {
         RequestRecord {
             id: self.id,
             queued_ms: whole_ms(queued),
@@ -92,8 +103,16 @@ impl Tag {
             outcome,
             output_tokens: self.output_tokens,
             stream: self.stream,
+            slot_unix_ms,
         }
     }
+}
+
+/// The wall clock now, epoch milliseconds (0 before 1970: a broken clock, not a panic).
+pub(crate) fn unix_ms_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, whole_ms)
 }
 
 /// Whole milliseconds of `d`, rounded down.

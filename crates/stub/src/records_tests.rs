@@ -10,6 +10,7 @@ fn record(id: &str) -> RequestRecord {
         outcome: Outcome::Served,
         output_tokens: 3,
         stream: false,
+        slot_unix_ms: 4,
     }
 }
 
@@ -79,8 +80,10 @@ fn records_round_down_to_whole_milliseconds() {
         Duration::from_micros(1_999),
         Duration::from_micros(200_700),
         Outcome::Cancelled,
+        1_700_000_000_123,
     );
     assert_eq!((r.queued_ms, r.busy_ms), (1, 200));
+    assert_eq!(r.slot_unix_ms, 1_700_000_000_123);
     assert_eq!((r.output_tokens, r.stream), (9, true));
 }
 
@@ -95,10 +98,13 @@ fn json_shape_is_stable_and_parses_back() -> serde_json::Result<()> {
     let text = serde_json::to_string(book.log())?;
     assert_eq!(
         text,
-        r#"{"requests":[{"id":"r1","queued_ms":1,"busy_ms":2,"outcome":"faulted","output_tokens":3,"stream":false}],"dropped":1}"#
+        r#"{"requests":[{"id":"r1","queued_ms":1,"busy_ms":2,"outcome":"faulted","output_tokens":3,"stream":false,"slot_unix_ms":4}],"dropped":1}"#
     );
     let back: RequestLog = serde_json::from_str(&text)?;
     assert_eq!(&back, book.log());
+    // Records written before `slot_unix_ms` existed still parse (as 0).
+    let old = r#"{"id":"o","queued_ms":0,"busy_ms":0,"outcome":"served","output_tokens":1,"stream":false}"#;
+    assert_eq!(serde_json::from_str::<RequestRecord>(old)?.slot_unix_ms, 0);
     for o in [Outcome::Served, Outcome::Faulted, Outcome::Cancelled] {
         assert_eq!(serde_json::to_value(o)?, o.as_str());
     }

@@ -144,6 +144,7 @@ impl Shared {
         // Only fails if the semaphore is closed, which the stub never does.
         let permit = self.slots.clone().acquire_owned().await.ok()?;
         let acquired = Instant::now();
+        let acquired_unix_ms = crate::records::unix_ms_now();
         let (tag, queued_for) = queued.admit(acquired);
         drop(queued);
         let mut s = lock(&self.stats);
@@ -154,6 +155,7 @@ impl Shared {
             shared: self.clone(),
             outcome: Outcome::Cancelled,
             acquired,
+            acquired_unix_ms,
             queued_for,
             tag,
         })
@@ -257,7 +259,8 @@ impl Drop for QueuedGuard<'_> {
     fn drop(&mut self) {
         // Record before the counter drops, so whoever sees `queued` fall also sees the record.
         if let Some(tag) = self.tag.take() {
-            let record = tag.into_record(self.since.elapsed(), Duration::ZERO, Outcome::Cancelled);
+            let record =
+                tag.into_record(self.since.elapsed(), Duration::ZERO, Outcome::Cancelled, 0);
             self.shared.record(record);
         }
         lock(&self.shared.stats).queued -= 1;
@@ -273,6 +276,8 @@ pub(crate) struct SlotGuard {
     outcome: Outcome,
     /// When the slot was acquired; busy time runs from here to the drop.
     acquired: Instant,
+    /// The same moment on the wall clock, epoch milliseconds, for the request's record.
+    acquired_unix_ms: u64,
     /// How long the request waited for the slot.
     queued_for: Duration,
     tag: Option<Tag>,
@@ -292,7 +297,8 @@ impl Drop for SlotGuard {
         // body), so whoever sees the slot free also sees the record, and records stay in
         // completion order.
         if let Some(tag) = self.tag.take() {
-            let record = tag.into_record(self.queued_for, busy, self.outcome);
+            let record =
+                tag.into_record(self.queued_for, busy, self.outcome, self.acquired_unix_ms);
             self.shared.record(record);
         }
         let busy_us = u64::try_from(busy.as_micros()).unwrap_or(u64::MAX);

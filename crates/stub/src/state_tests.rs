@@ -99,3 +99,31 @@ async fn the_cap_applies_to_guards_and_clearing_resets_it() -> Result<(), Box<dy
     assert_eq!(shared.take_requests().requests.len(), 1);
     Ok(())
 }
+
+// Real time here: `slot_unix_ms` is read from the wall clock when the slot is taken, so two
+// requests that ran one after the other sit on the timeline in that order, and one that never
+// got a slot has none.
+#[tokio::test]
+async fn records_say_when_each_request_got_its_slot() -> Result<(), Box<dyn std::error::Error>> {
+    let shared = one_slot(10)?;
+    let before = crate::records::unix_ms_now();
+    let first = shared.acquire_slot(tag("first")).await.ok_or("no slot")?;
+    let waited = tokio::time::timeout(
+        Duration::from_millis(20),
+        shared.acquire_slot(tag("gave-up")),
+    );
+    assert!(waited.await.is_err(), "the only slot is taken");
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    drop(first);
+    let second = shared.acquire_slot(tag("second")).await.ok_or("no slot")?;
+    drop(second);
+    let after = crate::records::unix_ms_now();
+
+    let records = shared.requests();
+    let at = |id: &str| records.iter().find(|r| r.id == id).map(|r| r.slot_unix_ms);
+    let (first, second) = (at("first").ok_or("first")?, at("second").ok_or("second")?);
+    assert!(before <= first && first <= after, "{records:?}");
+    assert!(second >= first + 30 && second <= after, "{records:?}");
+    assert_eq!(at("gave-up"), Some(0), "never had a slot: {records:?}");
+    Ok(())
+}

@@ -17,7 +17,7 @@
 #![forbid(unsafe_code)]
 
 mod redis;
-pub use redis::{RedisServer, REDIS_SERVER_VAR};
+pub use redis::{RedisOptions, RedisServer, REDIS_SERVER_VAR};
 
 use std::ffi::OsString;
 use std::io::Write;

@@ -1,5 +1,7 @@
-//! A real `redis-server` for integration tests: started on a free 127.0.0.1 port with no
-//! persistence, killed (by its own PID only) when the test ends.
+//! A real `redis-server` for integration tests: started on a free 127.0.0.1 port, by default
+//! with no persistence (or, through [`RedisOptions`], with an append-only file synced at every
+//! write, and extra environment such as libfaketime's), killed (by its own PID only) when the
+//! test ends.
 //!
 //! The binary is `$SLACKGATE_REDIS_SERVER` when set, else `redis-server` on `PATH`. A missing
 //! binary is an error, not a skip: the cluster tests are the only proof that replicas share
@@ -17,29 +19,50 @@ pub const REDIS_SERVER_VAR: &str = "SLACKGATE_REDIS_SERVER";
 /// How long a fresh server may take to answer `PING`.
 const READY_WITHIN: Duration = Duration::from_secs(10);
 
-/// A `redis-server` child process on 127.0.0.1 (`--save "" --appendonly no`): data lives
-/// in memory only, so a [`RedisServer::restart`] starts empty, like a crashed cache node.
+/// How to run a [`RedisServer`] beyond the defaults (no password, no persistence).
+#[derive(Clone, Debug, Default)]
+pub struct RedisOptions {
+    /// `requirepass`: clients must give it.
+    pub password: Option<String>,
+    /// Keep the data in this directory as an append-only file synced at every write
+    /// (`appendonly yes`, `appendfsync always`): a kill -9 and [`RedisServer::restart`] come
+    /// back with every write Redis acknowledged. `None`: memory only.
+    pub persist_in: Option<PathBuf>,
+    /// Extra environment of the server process (libfaketime's `LD_PRELOAD`, `FAKETIME_*`).
+    pub env: Vec<(String, String)>,
+}
+
+/// A `redis-server` child process on 127.0.0.1. Without persistence (`--save ""
+/// --appendonly no`) data lives in memory only, so a [`RedisServer::restart`] starts empty,
+/// like a crashed cache node.
 #[derive(Debug)]
 pub struct RedisServer {
     binary: PathBuf,
     port: u16,
-    password: Option<String>,
+    options: RedisOptions,
     child: Option<Child>,
 }
 
 impl RedisServer {
     /// Start a server on a free loopback port and wait until it answers `PING`.
     pub fn start() -> std::io::Result<RedisServer> {
-        RedisServer::start_inner(None)
+        RedisServer::start_with(RedisOptions::default())
     }
 
     /// [`RedisServer::start`] with `requirepass`: clients must give `password`.
     pub fn start_with_password(password: &str) -> std::io::Result<RedisServer> {
-        RedisServer::start_inner(Some(password.to_owned()))
+        RedisServer::start_with(RedisOptions {
+            password: Some(password.to_owned()),
+            ..RedisOptions::default()
+        })
     }
 
-    fn start_inner(password: Option<String>) -> std::io::Result<RedisServer> {
+    /// [`RedisServer::start`] with `options`.
+    pub fn start_with(options: RedisOptions) -> std::io::Result<RedisServer> {
         let binary = binary()?;
+        if let Some(dir) = &options.persist_in {
+            std::fs::create_dir_all(dir)?;
+        }
         let mut last = None;
         // A port found free can be taken by someone else before the server binds it: retry
         // with another one a few times.
@@ -48,7 +71,7 @@ impl RedisServer {
             let mut server = RedisServer {
                 binary: binary.clone(),
                 port,
-                password: password.clone(),
+                options: options.clone(),
                 child: None,
             };
             match server.spawn() {
@@ -61,7 +84,7 @@ impl RedisServer {
 
     /// `redis://[:password@]127.0.0.1:PORT/0`.
     pub fn url(&self) -> String {
-        match &self.password {
+        match &self.options.password {
             Some(pw) => format!("redis://:{pw}@127.0.0.1:{}/0", self.port),
             None => format!("redis://127.0.0.1:{}/0", self.port),
         }
@@ -80,9 +103,36 @@ impl RedisServer {
         }
     }
 
-    /// Stop (if running) and start again on the same port, empty; waits for `PING`.
+    /// The process id of the running server, if it runs (to signal it: SIGSTOP, SIGCONT).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Stop (if running) and start again on the same port, waits for `PING`: empty without
+    /// persistence, with every acknowledged write with it.
     pub fn restart(&mut self) -> std::io::Result<()> {
         self.stop();
+        self.spawn_again()
+    }
+
+    /// Stop (if running), delete the persisted data (if any) and start again on the same port,
+    /// empty: a server that lost its disk, or one that never had persistence.
+    pub fn restart_empty(&mut self) -> std::io::Result<()> {
+        self.stop();
+        if let Some(dir) = &self.options.persist_in {
+            for entry in std::fs::read_dir(dir)? {
+                let path = entry?.path();
+                if path.is_dir() {
+                    std::fs::remove_dir_all(&path)?;
+                } else {
+                    std::fs::remove_file(&path)?;
+                }
+            }
+        }
+        self.spawn_again()
+    }
+
+    fn spawn_again(&mut self) -> std::io::Result<()> {
         // The port was just released; another process taking it in between is unlikely, and
         // then the start fails with a clear error rather than silently moving.
         let mut last = None;
@@ -99,9 +149,19 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> std::io::Result<()> {
-        let dir = std::env::temp_dir();
         let mut cmd = Command::new(&self.binary);
-        cmd.args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+        cmd.args(["--save", "", "--bind", "127.0.0.1"]);
+        let dir = match &self.options.persist_in {
+            Some(dir) => {
+                cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
+                dir.clone()
+            }
+            None => {
+                cmd.args(["--appendonly", "no"]);
+                std::env::temp_dir()
+            }
+        };
+        cmd.envs(self.options.env.iter().map(|(k, v)| (k, v)))
             .arg("--port")
             .arg(self.port.to_string())
             .arg("--dir")
@@ -109,7 +169,7 @@ impl RedisServer {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        if let Some(pw) = &self.password {
+        if let Some(pw) = &self.options.password {
             cmd.arg("--requirepass").arg(pw);
         }
         let mut child = cmd.spawn().map_err(|e| {
@@ -120,7 +180,7 @@ impl RedisServer {
         })?;
         let deadline = Instant::now() + READY_WITHIN;
         loop {
-            if ping(self.port, self.password.as_deref()) {
+            if ping(self.port, self.options.password.as_deref()) {
                 self.child = Some(child);
                 return Ok(());
             }
@@ -229,6 +289,47 @@ mod tests {
         assert!(ping(port, None));
         drop(server);
         assert!(!ping(port, None));
+        Ok(())
+    }
+
+    /// Writes `SET k v` and reads `GET k` back: the value, or `None` for a nil reply.
+    fn set_then_get(port: u16, set: bool) -> std::io::Result<Option<String>> {
+        let mut s = TcpStream::connect(SocketAddr::from(([127, 0, 0, 1], port)))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        if set {
+            s.write_all(b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n")?;
+            let mut ok = [0u8; 5];
+            s.read_exact(&mut ok)?;
+        }
+        s.write_all(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n")?;
+        let mut got = [0u8; 7];
+        let n = s.read(&mut got)?;
+        Ok(match &got[..n] {
+            b"$1\r\nv\r\n" => Some("v".to_owned()),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_persistent_server_keeps_its_data_across_a_kill_unless_restarted_empty(
+    ) -> std::io::Result<()> {
+        let dir = std::env::temp_dir().join(format!("slackgate-redis-aof-{}", std::process::id()));
+        let mut server = RedisServer::start_with(RedisOptions {
+            persist_in: Some(dir.clone()),
+            ..RedisOptions::default()
+        })?;
+        assert!(server.pid().is_some());
+        assert_eq!(set_then_get(server.port(), true)?, Some("v".to_owned()));
+        server.restart()?;
+        assert_eq!(
+            set_then_get(server.port(), false)?,
+            Some("v".to_owned()),
+            "kept"
+        );
+        server.restart_empty()?;
+        assert_eq!(set_then_get(server.port(), false)?, None, "wiped");
+        drop(server);
+        let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }
 

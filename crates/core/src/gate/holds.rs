@@ -96,8 +96,9 @@ impl Gate {
     /// Requests another gate dispatched ([`HoldRecord::dispatched`]) and not yet settled in
     /// the store occupy their endpoint's slot here until their estimate plus `grace_ms` has
     /// run out: they may still run on the server, so "never above the slots" holds across a
-    /// takeover. The hold of such a request whose process is gone expires then too, not at
-    /// once: a retry of its key until then is a duplicate, not a second run.
+    /// takeover. The hold of such a request whose process is gone (or cut off) stays held for
+    /// its TTL (`hold_ttl_ms` from its creation), not expired at once: whether it ran to its
+    /// end is unknown, so a retry of its key meanwhile is a duplicate, not a second run.
     pub fn adopt_ledger(
         &mut self,
         mut records: Vec<HoldRecord>,
@@ -145,7 +146,7 @@ impl Gate {
 
     /// The requests in `records` another gate dispatched and the store has not seen settle:
     /// each takes its endpoint's slot until its estimate plus `grace_ms`, and the hold of one
-    /// whose process is gone expires then (see [`Gate::adopt_ledger`]).
+    /// whose process is gone stays held for its TTL (see [`Gate::adopt_ledger`]).
     fn inherit_dispatched(
         &mut self,
         records: &mut [HoldRecord],
@@ -154,6 +155,7 @@ impl Gate {
         me: Option<&str>,
         grace_ms: u64,
     ) {
+        let hold_ttl = self.ledger.config().hold_ttl_ms;
         for p in &mut self.pools {
             for e in &mut p.endpoints {
                 e.inherited.clear();
@@ -167,7 +169,10 @@ impl Gate {
             }
             let until = d.until(grace_ms);
             if !r.owner.as_ref().is_some_and(|o| alive.contains(o)) {
-                r.expires_at_ms = until;
+                // Whether it ran to its end is unknown (its `done` may be lost with its
+                // process, or cut off with it): its key stays held for the hold's TTL, so a
+                // retry is a duplicate rather than a second run.
+                r.expires_at_ms = until.max(r.created_at_ms.saturating_add(hold_ttl));
             }
             if until <= now {
                 continue;

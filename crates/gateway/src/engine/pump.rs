@@ -90,9 +90,9 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
         .flatten();
     let (abort_tx, abort) = oneshot::channel();
     w.abort = Some(abort_tx);
-    let sent = match (w.tx.take(), upstream) {
-        (Some(tx), Some(upstream)) => tx
-            .send(Signal::Go(Go {
+    match (w.tx.take(), upstream) {
+        (Some(tx), Some(upstream)) => {
+            let go = Go {
                 pool,
                 pool_name: st.gate.pool_name(pool).to_string(),
                 endpoint,
@@ -100,17 +100,38 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
                 upstream,
                 queue_wait_ms,
                 abort,
-            }))
-            .is_ok(),
-        // No upstream for its pool (cannot happen with a validated config):
-        // dropping the sender answers the request with an error.
-        _ => false,
-    };
-    if !sent {
-        // The client left between admission and dispatch: give the slot back now.
-        if let (Some(c), Some(w)) = (st.gate.cancel(now, job_id), st.waiting.remove(&job_id)) {
-            lines.push(end_line(&c, &w.meta, None, 0, Reason::ClientCancelled));
+            };
+            st.outbox.push((job_id, tx, go));
         }
+        // No upstream for its pool (cannot happen with a validated config): dropping the
+        // sender answers the request with an error; the slot goes back now.
+        _ => give_back(st, now, job_id, lines),
+    }
+}
+
+/// Tell the requests dispatched so far their slot (see `Shared::with_core_written`). Returns
+/// whether one had gone meanwhile (its slot given back: the caller pumps again).
+pub(crate) fn deliver(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) -> bool {
+    let mut freed = false;
+    for (job_id, tx, go) in std::mem::take(&mut st.outbox) {
+        if tx.send(Signal::Go(go)).is_err() {
+            // The client left between admission and dispatch: give the slot back now.
+            give_back(st, now, job_id, lines);
+            freed = true;
+        }
+    }
+    freed
+}
+
+/// End a dispatched job nobody will run, logging it as cancelled by its client.
+fn give_back(
+    st: &mut CoreState,
+    now: Millis,
+    job_id: slackgate_core::JobId,
+    lines: &mut Vec<LogLine>,
+) {
+    if let (Some(c), Some(w)) = (st.gate.cancel(now, job_id), st.waiting.remove(&job_id)) {
+        lines.push(end_line(&c, &w.meta, None, 0, Reason::ClientCancelled));
     }
 }
 

@@ -9,7 +9,7 @@
 use crate::config::{Config, ServerConfig};
 pub use crate::engine::job::JobGuard;
 use crate::engine::lines::{admission_body, decision_line, unqueued_line};
-use crate::engine::pump::{decide, first_endpoint, pump};
+use crate::engine::pump::{decide, deliver, first_endpoint, pump};
 use crate::engine::start::StartError;
 use crate::ledger_store::{LedgerStore, MemoryStore, StoreError};
 use crate::observe::codes::LineReason;
@@ -107,6 +107,9 @@ pub struct CoreState {
     /// Base URL of each endpoint of each pool, by pool id and endpoint id (both stable
     /// across reloads; see the core's `reconfigure`).
     pub(crate) upstreams: Vec<Vec<Option<UpstreamBase>>>,
+    /// Slots given in this transition, told to their requests once its ledger records are
+    /// queued to the store (see [`Shared::with_core_written`]).
+    pub(crate) outbox: Vec<(JobId, oneshot::Sender<Signal>, Go)>,
     /// Cluster mode: the lease epoch this replica leads under at this transition (`None`:
     /// it does not lead, or there is no cluster). Set on every entry to the core.
     pub(crate) leading: Option<u64>,
@@ -235,6 +238,7 @@ impl Shared {
                 waiting: HashMap::new(),
                 upstreams,
                 leading: None,
+                outbox: Vec::new(),
                 seq: 0,
             }),
             clock,
@@ -276,7 +280,7 @@ impl Shared {
         f: impl FnOnce(&mut CoreState, Millis, &mut Vec<LogLine>) -> R,
     ) -> (R, Option<crate::ledger_store::WriteSeq>) {
         let mut lines = Vec::new();
-        let mut written = None;
+        let mut written;
         let r = {
             // The core never panics on input; a poisoned lock would only follow a bug in this
             // file, and the state is still consistent between calls, so keep going.
@@ -285,6 +289,16 @@ impl Shared {
             st.leading = self.cluster.as_ref().and_then(|c| c.lead_epoch());
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
+            written = self.write_records(&mut st);
+            // Dispatched requests hear of their slot only now, after the records of this call
+            // (a dispatch's record among them) were queued to the store: a request that then
+            // waits for durability waits for its dispatch's record too. A request gone since
+            // gives its slot back, which may dispatch the next one.
+            while deliver(&mut st, now, &mut lines) {
+                pump(&mut st, now, &mut lines);
+                let later = self.write_records(&mut st);
+                written = written.or(later);
+            }
             // In a cluster, every decision line says whether the leader made it or a replica
             // that could reach none (its class failing open).
             if let Some(c) = &self.cluster {
@@ -294,21 +308,6 @@ impl Shared {
                 }
             }
             st.number(&mut lines);
-            let mut records = st.gate.take_ledger_records();
-            // In a cluster only the leader writes the shared ledger as a whole; another
-            // replica writes only the holds it placed itself (its fail-open decisions). The
-            // rest of what its core changes (a TTL expiry in its stale copy, say) is its own
-            // view, and must not overwrite the leader's truth.
-            if let Some(c) = &self.cluster {
-                if !c.leads() {
-                    records.retain(|r| r.owner.as_deref() == Some(c.owner.as_str()));
-                }
-            }
-            // Queued to the store's single writer while still under the lock, so records reach
-            // it in the order the core produced them (the store also keeps the highest version).
-            if !records.is_empty() {
-                written = self.store.write_numbered(records);
-            }
             r
         };
         for line in &lines {
@@ -316,6 +315,27 @@ impl Shared {
             self.log.log(line);
         }
         (r, written)
+    }
+
+    /// Queue the ledger records the core produced to the store's single writer, while still
+    /// under the core's lock, so records reach it in the order the core produced them (the
+    /// store also keeps the highest version). The write's number, if the store numbers them.
+    fn write_records(&self, st: &mut CoreState) -> Option<crate::ledger_store::WriteSeq> {
+        let mut records = st.gate.take_ledger_records();
+        // In a cluster only the leader writes the shared ledger as a whole; another replica
+        // writes only the holds it placed itself (its fail-open decisions). The rest of what
+        // its core changes (a TTL expiry in its stale copy, say) is its own view, and must not
+        // overwrite the leader's truth.
+        if let Some(c) = &self.cluster {
+            if !c.leads() {
+                records.retain(|r| r.owner.as_deref() == Some(c.owner.as_str()));
+            }
+        }
+        if records.is_empty() {
+            None
+        } else {
+            self.store.write_numbered(records)
+        }
     }
 
     /// Wait until every ledger record written so far is durable (group commit: concurrent
