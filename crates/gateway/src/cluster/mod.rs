@@ -27,6 +27,8 @@
 //! Requests between replicas carry `x-slackgate-forwarded` with the cluster's secret (kept in
 //! Redis); a client cannot forge it, so it cannot make a follower decide alone.
 
+mod relay;
+
 use crate::engine::replica::{Cluster, Route};
 use crate::engine::state::Shared;
 use crate::upstream::failure::{self, Peer, SendFailure};
@@ -160,7 +162,16 @@ async fn via_leader<L: Local>(
         Err(resp) => return resp,
     };
     let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
-    if let Ok(resp) = forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound).await {
+    let sent = forward_counted(
+        &shared,
+        &cluster,
+        url,
+        &parts,
+        bytes.clone(),
+        arrived,
+        bound,
+    );
+    if let Ok(resp) = sent.await {
         return resp;
     }
     elsewhere(local, shared, cluster, parts, bytes, target, arrived).await
@@ -179,7 +190,17 @@ async fn elsewhere<L: Local>(
     arrived: Instant,
 ) -> Response<ResBody> {
     let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
-    let forward_to = |url| forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound);
+    let forward_to = |url| {
+        forward_counted(
+            &shared,
+            &cluster,
+            url,
+            &parts,
+            bytes.clone(),
+            arrived,
+            bound,
+        )
+    };
     match cluster.route_after_next_beat().await {
         Route::Forward(next) => {
             if let Ok(resp) = forward_to(next).await {
@@ -336,6 +357,7 @@ struct NotDecided;
 
 /// [`forward`], counted in `/metrics`.
 async fn forward_counted(
+    shared: &Shared,
     cluster: &Cluster,
     base: String,
     parts: &http::request::Parts,
@@ -343,7 +365,7 @@ async fn forward_counted(
     arrived: Instant,
     bound: Duration,
 ) -> Result<Response<ResBody>, NotDecided> {
-    let r = forward(cluster, &base, parts, bytes, arrived, bound).await;
+    let r = forward(shared, cluster, &base, parts, bytes, arrived, bound).await;
     let counter = match r {
         Ok(_) => &cluster.counters.forwarded,
         Err(NotDecided) => &cluster.counters.forward_failed,
@@ -356,6 +378,7 @@ async fn forward_counted(
 /// no longer leads: the caller then decides by fail mode (the leader never saw it, or
 /// refused it before any work).
 async fn forward(
+    shared: &Shared,
     cluster: &Cluster,
     base: &str,
     parts: &http::request::Parts,
@@ -393,7 +416,18 @@ async fn forward(
     {
         return Err(NotDecided);
     }
-    Ok(relay(resp))
+    Ok(relay::relay(resp, relay_idle(cluster, shared)))
+}
+
+/// How long a relayed stream may go without a byte from the leader (see [`relay`]):
+/// `server.stream_idle_timeout_ms` plus one `cluster.lease_ttl_ms`.
+fn relay_idle(cluster: &Cluster, shared: &Shared) -> Duration {
+    Duration::from_millis(
+        shared
+            .server
+            .stream_idle_timeout_ms
+            .saturating_add(cluster.config().lease_ttl_ms),
+    )
 }
 
 /// The request as the leader at `base` gets it: this cluster's headers on it, and its
@@ -445,15 +479,4 @@ fn leader_failed(base: &UpstreamBase, failure: &SendFailure<'_>) -> Response<Res
         tracing::warn!("{}", told.message);
     }
     response::error(told.status, told.reason, &told.message, None, None)
-}
-
-/// The leader's answer, streamed back to the client without its hop-by-hop headers.
-fn relay(resp: Response<hyper::body::Incoming>) -> Response<ResBody> {
-    use http_body_util::BodyExt;
-    let (mut rparts, body) = resp.into_parts();
-    crate::wire::headers::strip_hop_by_hop(&mut rparts.headers);
-    Response::from_parts(
-        rparts,
-        body.map_err(|e| Box::new(e) as response::BoxError).boxed(),
-    )
 }
