@@ -5,6 +5,8 @@
 //!
 //! - a reservation of a class failing closed is never told 202 while Redis is down, on the
 //!   leader or on a follower;
+//! - a leader refusing a follower's connection at its per-address cap marks the refusal, and
+//!   the follower follows the class's fail mode instead of answering 502;
 //! - a relayed stream that goes silent mid-body is ended after
 //!   `server.stream_idle_timeout_ms` plus a lease TTL.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -112,6 +114,15 @@ async fn settled(leader: &Gateway, follower: &Gateway) {
     .await;
 }
 
+async fn chat_of(g: &Gateway, class: &str) -> Resp {
+    post(
+        &url(g, "/v1/chat/completions"),
+        &[("x-job-class", class)],
+        &chat(4),
+    )
+    .await
+}
+
 async fn reserve(g: &Gateway, class: &str, key: &str) -> Resp {
     let body = serde_json::json!({"idempotency_key": key, "tokens": 100, "class": class});
     post(&url(g, "/admission/v1/reserve"), &[], &body.to_string()).await
@@ -165,6 +176,38 @@ async fn settled_alone(a: &Gateway) {
         std::future::ready(leads(a))
     })
     .await;
+}
+
+/// Finding 3 of issue 25: the leader's per-address cap refuses a follower's forward before
+/// any work; the follower must then follow the class's fail mode (open: decided here;
+/// closed: 503 `cluster_unavailable`), not relay a 502.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_refused_at_the_leaders_connection_cap_follows_the_fail_mode() {
+    let redis = redis();
+    let stub = stub(4, "fixed:1500ms").await;
+    let name = unique("cap");
+    let capped = "max_connections_per_addr = 1";
+    let a = replica(&redis.url(), &name, "a", stub.local_addr(), capped, None).await;
+    settled_alone(&a).await;
+    let b = replica(&redis.url(), &name, "b", stub.local_addr(), "", None).await;
+    settled(&a, &b).await;
+    // One forward holds the follower's one connection to the leader (1.5 s upstream).
+    let holder = spawn_upstream(
+        &url(&b, "/v1/chat/completions"),
+        &stub,
+        &[("x-job-class", "interactive")],
+        chat(4),
+    )
+    .await;
+    // The next forwards need more connections: refused at the leader's cap, before any work.
+    let (open, closed) = tokio::join!(chat_of(&b, "interactive"), chat_of(&b, "batch"));
+    assert_eq!(open.status, 200, "open: decided here: {:?}", open.json());
+    assert_eq!(closed.status, 503, "closed: {:?}", closed.json());
+    assert_eq!(closed.json()["error"]["code"], "cluster_unavailable");
+    let held = holder.await.unwrap();
+    assert_eq!(held.status, 200, "{:?}", held.json());
+    b.shutdown().await;
+    a.shutdown().await;
 }
 
 /// A "leader" that answers every request with the head of a stream and one chunk, then

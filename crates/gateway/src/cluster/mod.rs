@@ -33,7 +33,7 @@ use crate::engine::replica::{Cluster, Route};
 use crate::engine::state::Shared;
 use crate::upstream::failure::{self, Peer, SendFailure};
 use crate::upstream::UpstreamBase;
-use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER};
+use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REFUSED_HEADER, REPLICA_HEADER};
 use crate::wire::request_info::class_label;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
@@ -351,8 +351,8 @@ async fn degraded<L: Local>(
     }
 }
 
-/// A forward the leader did not decide: it never reached it, or the replica there no longer
-/// leads and refused it before any work. Deciding it on this replica is then safe.
+/// A forward the leader did not decide: it never reached it, the replica there no longer
+/// leads, or its listener refused the connection at a cap: refused before any work. Deciding it on this replica is then safe.
 struct NotDecided;
 
 /// [`forward`], counted in `/metrics`.
@@ -411,8 +411,11 @@ async fn forward(
             return Ok(leader_failed(&base, &no_answer));
         }
     };
+    // Refused before any work: the replica there no longer leads, or its listener refused
+    // the connection at a cap (its per-address cap counts every forward of this follower).
     if resp.status() == StatusCode::SERVICE_UNAVAILABLE
-        && resp.headers().contains_key(NOT_LEADER_HEADER)
+        && (resp.headers().contains_key(NOT_LEADER_HEADER)
+            || resp.headers().contains_key(REFUSED_HEADER))
     {
         return Err(NotDecided);
     }
