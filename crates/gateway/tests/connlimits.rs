@@ -292,11 +292,18 @@ async fn the_admin_listener_has_its_own_caps() {
     let admin = g.gate.admin_addr().unwrap();
     let a = client_from(ip(1), admin).await;
     let b = client_from(ip(1), admin).await;
-    // The third from the same address is closed at once; another address gets in.
+    // The third from the same address is refused at once (told 503 with the cap's name,
+    // then closed); another address gets in.
     let mut third = connect_from(ip(1), admin).await;
-    let mut buf = [0u8; 16];
-    let r = timeout(WAIT, third.read(&mut buf)).await.unwrap();
-    assert!(matches!(r, Ok(0) | Err(_)), "closed: {r:?}");
+    let mut told = Vec::new();
+    let r = timeout(WAIT, third.read_to_end(&mut told)).await.unwrap();
+    assert!(r.is_ok(), "closed: {r:?}");
+    let told = String::from_utf8_lossy(&told).to_string();
+    assert!(told.starts_with("HTTP/1.1 503 "), "{told}");
+    assert!(
+        told.contains("x-slackgate-refused: per_addr_cap\r\n"),
+        "{told}"
+    );
     let (mut other, _t) = client_from(ip(2), admin).await;
     // No token configured: 401, but served.
     assert_eq!(

@@ -645,3 +645,53 @@ fn a_deposed_leaders_writes_of_other_replicas_holds_are_fenced() {
     a.flush().unwrap();
     assert_eq!(state_of(&a, "next").unwrap().state, HoldState::Held);
 }
+
+/// Issue 25: while Redis is down every request that waits for durability leaves a flush
+/// waiter with the writer; a waiter whose caller gave up (past the store's timeout) must be
+/// answered and dropped, so a flood of flushes during an outage leaves a bounded count.
+#[test]
+fn flush_waiters_stay_bounded_while_redis_is_down() {
+    let mut server = RedisServer::start().unwrap();
+    let store = Arc::new(RedisStore::open(opts(&server, "waiters")).unwrap());
+    server.stop();
+    store.write(vec![rec("stuck", 0, 1_000, HoldState::Held, 1)]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    // Five rounds of 500 flushes, each waiting out the timeout (the request path's flush).
+    for _ in 0..5 {
+        let flushes: Vec<_> = (0..500)
+            .map(|_| rt.spawn(Arc::clone(&store).flush_async()))
+            .collect();
+        for f in flushes {
+            let r = rt.block_on(f).unwrap();
+            assert!(matches!(r, Err(StoreError::Unavailable { .. })), "{r:?}");
+        }
+    }
+    // Every flush above has given up; within the writer's next rounds they are all gone.
+    let start = Instant::now();
+    while store.flushes_waiting() > 0 {
+        assert!(
+            start.elapsed() < TIMEOUT * 2 + Duration::from_secs(2),
+            "{} flush waiters still kept after their callers gave up",
+            store.flushes_waiting()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Redis returns: the store still works, and a new flush is answered.
+    server.restart().unwrap();
+    let start = Instant::now();
+    while store.flush().is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "drained in time");
+    }
+    // (The count is set after each of the writer's rounds: the last answer may come first.)
+    while store.flushes_waiting() > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "every flush answered"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

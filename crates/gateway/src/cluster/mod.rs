@@ -27,11 +27,13 @@
 //! Requests between replicas carry `x-slackgate-forwarded` with the cluster's secret (kept in
 //! Redis); a client cannot forge it, so it cannot make a follower decide alone.
 
+mod relay;
+
 use crate::engine::replica::{Cluster, Route};
 use crate::engine::state::Shared;
 use crate::upstream::failure::{self, Peer, SendFailure};
 use crate::upstream::UpstreamBase;
-use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REPLICA_HEADER};
+use crate::wire::headers::{FORWARDED_HEADER, NOT_LEADER_HEADER, REFUSED_HEADER, REPLICA_HEADER};
 use crate::wire::request_info::class_label;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
@@ -160,7 +162,16 @@ async fn via_leader<L: Local>(
         Err(resp) => return resp,
     };
     let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
-    if let Ok(resp) = forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound).await {
+    let sent = forward_counted(
+        &shared,
+        &cluster,
+        url,
+        &parts,
+        bytes.clone(),
+        arrived,
+        bound,
+    );
+    if let Ok(resp) = sent.await {
         return resp;
     }
     elsewhere(local, shared, cluster, parts, bytes, target, arrived).await
@@ -179,7 +190,17 @@ async fn elsewhere<L: Local>(
     arrived: Instant,
 ) -> Response<ResBody> {
     let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
-    let forward_to = |url| forward_counted(&cluster, url, &parts, bytes.clone(), arrived, bound);
+    let forward_to = |url| {
+        forward_counted(
+            &shared,
+            &cluster,
+            url,
+            &parts,
+            bytes.clone(),
+            arrived,
+            bound,
+        )
+    };
     match cluster.route_after_next_beat().await {
         Route::Forward(next) => {
             if let Ok(resp) = forward_to(next).await {
@@ -330,12 +351,14 @@ async fn degraded<L: Local>(
     }
 }
 
-/// A forward the leader did not decide: it never reached it, or the replica there no longer
-/// leads and refused it before any work. Deciding it on this replica is then safe.
+/// A forward the leader did not decide: it never reached it, the replica there no longer
+/// leads, or its listener refused the connection at a cap (before any work). Deciding it on
+/// this replica is then safe.
 struct NotDecided;
 
 /// [`forward`], counted in `/metrics`.
 async fn forward_counted(
+    shared: &Shared,
     cluster: &Cluster,
     base: String,
     parts: &http::request::Parts,
@@ -343,7 +366,7 @@ async fn forward_counted(
     arrived: Instant,
     bound: Duration,
 ) -> Result<Response<ResBody>, NotDecided> {
-    let r = forward(cluster, &base, parts, bytes, arrived, bound).await;
+    let r = forward(shared, cluster, &base, parts, bytes, arrived, bound).await;
     let counter = match r {
         Ok(_) => &cluster.counters.forwarded,
         Err(NotDecided) => &cluster.counters.forward_failed,
@@ -356,6 +379,7 @@ async fn forward_counted(
 /// no longer leads: the caller then decides by fail mode (the leader never saw it, or
 /// refused it before any work).
 async fn forward(
+    shared: &Shared,
     cluster: &Cluster,
     base: &str,
     parts: &http::request::Parts,
@@ -388,12 +412,26 @@ async fn forward(
             return Ok(leader_failed(&base, &no_answer));
         }
     };
+    // Refused before any work: the replica there no longer leads, or its listener refused
+    // the connection at a cap (its per-address cap counts every forward of this follower).
     if resp.status() == StatusCode::SERVICE_UNAVAILABLE
-        && resp.headers().contains_key(NOT_LEADER_HEADER)
+        && (resp.headers().contains_key(NOT_LEADER_HEADER)
+            || resp.headers().contains_key(REFUSED_HEADER))
     {
         return Err(NotDecided);
     }
-    Ok(relay(resp))
+    Ok(relay::relay(resp, relay_idle(cluster, shared)))
+}
+
+/// How long a relayed stream may go without a byte from the leader (see [`relay`]):
+/// `server.stream_idle_timeout_ms` plus one `cluster.lease_ttl_ms`.
+fn relay_idle(cluster: &Cluster, shared: &Shared) -> Duration {
+    Duration::from_millis(
+        shared
+            .server
+            .stream_idle_timeout_ms
+            .saturating_add(cluster.config().lease_ttl_ms),
+    )
 }
 
 /// The request as the leader at `base` gets it: this cluster's headers on it, and its
@@ -445,15 +483,4 @@ fn leader_failed(base: &UpstreamBase, failure: &SendFailure<'_>) -> Response<Res
         tracing::warn!("{}", told.message);
     }
     response::error(told.status, told.reason, &told.message, None, None)
-}
-
-/// The leader's answer, streamed back to the client without its hop-by-hop headers.
-fn relay(resp: Response<hyper::body::Incoming>) -> Response<ResBody> {
-    use http_body_util::BodyExt;
-    let (mut rparts, body) = resp.into_parts();
-    crate::wire::headers::strip_hop_by_hop(&mut rparts.headers);
-    Response::from_parts(
-        rparts,
-        body.map_err(|e| Box::new(e) as response::BoxError).boxed(),
-    )
 }

@@ -253,6 +253,15 @@ pub(super) enum Ack {
 }
 
 impl Ack {
+    /// Whether the waiter already went away (an async caller that timed out or was
+    /// dropped); a blocking caller's departure cannot be seen.
+    pub(super) fn abandoned(&self) -> bool {
+        match self {
+            Ack::Sync(_) => false,
+            Ack::Async(tx) => tx.is_closed(),
+        }
+    }
+
     /// Answer; a waiter that gave up (timed out, or went away) is no error.
     pub(super) fn send(self, answer: Result<(), StoreError>) {
         match self {

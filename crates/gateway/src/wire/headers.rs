@@ -9,12 +9,17 @@ pub const FORWARDED_HEADER: &str = "x-slackgate-forwarded";
 pub const REPLICA_HEADER: &str = "x-slackgate-replica";
 /// Header of a 503 from a replica that was sent a forwarded request but does not lead.
 pub const NOT_LEADER_HEADER: &str = "x-slackgate-not-leader";
+/// Header of the 503 a listener answers a connection it refuses at a connection cap, before
+/// reading any request (its value: `per_addr_cap` or `total_cap`). A follower whose forward
+/// gets it knows the leader did no work on it.
+pub const REFUSED_HEADER: &str = "x-slackgate-refused";
 
 /// Remove the headers that only travel between replicas.
 pub fn strip_cluster_headers(h: &mut HeaderMap) {
     h.remove(FORWARDED_HEADER);
     h.remove(REPLICA_HEADER);
     h.remove(NOT_LEADER_HEADER);
+    h.remove(REFUSED_HEADER);
 }
 
 /// Headers that describe one hop, never forwarded (RFC 9110 section 7.6.1).

@@ -61,6 +61,10 @@ pub const BATCH_MAX: usize = 4_096;
 pub const PRUNE_BATCH: usize = 1_000;
 /// How often the pruner runs.
 pub const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+/// Most flushes the writer holds at once: beyond, a new flush is answered at once with
+/// `Unavailable` (it would only time out). Each waiter is also dropped once its caller's
+/// timeout has passed, so the count stays at most the flushes of one timeout.
+pub const FLUSH_WAITERS_MAX: usize = 100_000;
 /// The first wait before retrying a failed write; it doubles after each failure ...
 const BACKOFF_MIN: Duration = Duration::from_millis(25);
 /// ... up to this.
@@ -155,6 +159,13 @@ impl RedisStore {
     /// Whether the last Redis call (by any of the store's threads) succeeded.
     pub fn healthy(&self) -> bool {
         self.shared.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Flushes waiting for the writer to commit their records (at most
+    /// [`FLUSH_WAITERS_MAX`]; each is answered and dropped once its caller's timeout has
+    /// passed): stays bounded while Redis is down.
+    pub fn flushes_waiting(&self) -> u64 {
+        self.shared.flushes_waiting.load(Ordering::Relaxed)
     }
 
     /// The server's URL without its password.

@@ -4,7 +4,7 @@
 
 use super::super::{Counters, StoreError};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -43,6 +43,9 @@ pub(super) struct Shared {
     pub(super) timeout: Duration,
     pub(super) counters: Counters,
     pub(super) healthy: AtomicBool,
+    /// Flushes the writer holds, waiting for their records to be committed (a gauge the
+    /// writer sets after each round; see `RedisStore::flushes_waiting`).
+    pub(super) flushes_waiting: AtomicU64,
     /// New holds the put script refused (the key was held or done by another hold), by key
     /// and the refused hold's `created_at_ms`, oldest first, bounded: asked by the request
     /// that placed the hold after its flush ([`crate::ledger_store::LedgerStore::hold_refused`]).
@@ -62,6 +65,7 @@ impl Shared {
             counters: Counters::default(),
             // Optimistic until a call says otherwise: nothing has failed yet.
             healthy: AtomicBool::new(true),
+            flushes_waiting: AtomicU64::new(0),
             refused: Mutex::new(VecDeque::new()),
             fence: Mutex::new((String::new(), 0)),
         }

@@ -7,9 +7,10 @@ use super::link::Link;
 use super::load;
 use super::put::{PutBatch, PutReply};
 use super::shared::Shared;
-use super::{BACKOFF_MAX, BACKOFF_MIN, BATCH_MAX, QUEUE_MAX};
+use super::{BACKOFF_MAX, BACKOFF_MIN, BATCH_MAX, FLUSH_WAITERS_MAX, QUEUE_MAX};
 use slackgate_core::ledger::HoldRecord;
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -20,10 +21,12 @@ pub(super) enum Msg {
     Load(mpsc::SyncSender<Result<Vec<HoldRecord>, StoreError>>),
 }
 
-/// A flush waiting for the first `upto` records the writer received to be settled.
+/// A flush waiting for the first `upto` records the writer received to be settled, until
+/// `until`: its caller gives up then (the store's timeout), so it is answered and dropped.
 struct Waiter {
     upto: u64,
     ack: Ack,
+    until: Instant,
 }
 
 /// The writer thread's state.
@@ -94,22 +97,29 @@ impl Writer {
                 self.commit_round();
             }
             self.answer_waiters();
+            self.drop_expired_waiters();
             for reply in std::mem::take(&mut self.loads) {
                 let _ = reply.send(self.load());
             }
+            self.shared
+                .flushes_waiting
+                .store(self.waiters.len() as u64, Ordering::Relaxed);
         }
     }
 
-    /// How long to wait for a message: forever when idle, until the retry when backing off,
-    /// not at all when there is something to send.
+    /// How long to wait for a message: forever when idle, until the retry when backing off
+    /// (or the first waiter's deadline, if sooner), not at all when there is something to
+    /// send.
     fn idle_wait(&self) -> Option<Duration> {
         if self.queue.is_empty() {
             return None;
         }
-        match self.retry_at {
-            Some(t) => Some(t.saturating_duration_since(Instant::now())),
-            None => Some(Duration::ZERO),
-        }
+        let until = match self.retry_at {
+            Some(t) => t,
+            None => return Some(Duration::ZERO),
+        };
+        let until = self.waiters.first().map_or(until, |w| w.until.min(until));
+        Some(until.saturating_duration_since(Instant::now()))
     }
 
     fn take(&mut self, msg: Msg) {
@@ -129,11 +139,49 @@ impl Writer {
                     );
                 }
             }
-            Msg::Flush(ack) => self.waiters.push(Waiter {
-                upto: self.received,
-                ack,
-            }),
+            Msg::Flush(ack) => self.wait(ack),
             Msg::Load(reply) => self.loads.push(reply),
+        }
+    }
+
+    /// Keep a flush until what was written before it is settled, or its caller's timeout.
+    /// At [`FLUSH_WAITERS_MAX`] (a flood of flushes while Redis is away) it is answered at
+    /// once: it could only time out.
+    fn wait(&mut self, ack: Ack) {
+        if self.waiters.len() >= FLUSH_WAITERS_MAX && self.settled() < self.received {
+            ack.send(Err(self.shared.unavailable(format!(
+                "{FLUSH_WAITERS_MAX} flushes already wait for Redis ({})",
+                self.last_error
+            ))));
+            return;
+        }
+        self.waiters.push(Waiter {
+            upto: self.received,
+            ack,
+            until: Instant::now() + self.shared.timeout,
+        });
+    }
+
+    /// Answer and drop the waiters whose callers have given up (past the store's timeout,
+    /// or gone): while Redis is down nothing else would, and every request that waits for
+    /// durability adds one.
+    fn drop_expired_waiters(&mut self) {
+        let now = Instant::now();
+        // Waiters are kept in the order they came, so by deadline: the first says whether
+        // any is due (one scan per timeout, not per round).
+        if self.waiters.first().is_none_or(|w| w.until > now) {
+            return;
+        }
+        let (expired, kept): (Vec<Waiter>, Vec<Waiter>) = std::mem::take(&mut self.waiters)
+            .into_iter()
+            .partition(|w| w.until <= now || w.ack.abandoned());
+        self.waiters = kept;
+        for w in expired {
+            w.ack.send(Err(self.shared.unavailable(format!(
+                "not committed within {} ms ({})",
+                self.shared.timeout.as_millis(),
+                self.last_error
+            ))));
         }
     }
 
