@@ -266,7 +266,7 @@ async fn spawn_gate(cfg: &Config, dir: &std::path::Path, tag: &str) -> Res<Gatew
     let log = DecisionLog::start(LogTarget::File(path), cfg.log.channel_capacity)?;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let store = match &cfg.cluster {
-        Some(c) => slackgate_gateway::server::open_cluster_store(c, cfg.gate.ledger.retention_ms)?,
+        Some(c) => slackgate_gateway::server::open_cluster_store(c, &cfg.gate.ledger)?,
         None => slackgate_gateway::server::open_store(
             &cfg.server.ledger,
             cfg.server.ledger_synchronous,

@@ -822,9 +822,8 @@ async fn start_cluster(
             replica_id: Some(format!("r{i}")),
             ..slackgate_gateway::config::ClusterConfig::default()
         };
-        let store =
-            slackgate_gateway::server::open_cluster_store(&cluster, c.gate.ledger.retention_ms)
-                .map_err(start_err("cluster ledger"))?;
+        let store = slackgate_gateway::server::open_cluster_store(&cluster, &c.gate.ledger)
+            .map_err(start_err("cluster ledger"))?;
         c.cluster = Some(cluster);
         let path = dir.join(format!("decisions-{}-r{i}.jsonl", Mode::Cluster.label()));
         let _ = std::fs::remove_file(&path);

@@ -346,7 +346,7 @@ pub async fn run_with(
 /// once per replica); otherwise `server.ledger` (a SQLite file, pruned, or `memory`).
 pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, StartError> {
     match &cfg.cluster {
-        Some(c) => open_cluster_store(c, cfg.gate.ledger.retention_ms),
+        Some(c) => open_cluster_store(c, &cfg.gate.ledger),
         None => open_store_pruned(
             &cfg.server.ledger,
             cfg.server.ledger_synchronous,
@@ -358,15 +358,17 @@ pub fn open_configured_store(cfg: &Config) -> Result<Arc<dyn LedgerStore>, Start
 }
 
 /// Open the shared ledger of a cluster, in its Redis (`server.ledger` is then not used).
+/// `ledger`'s retention and hold TTL apply to what is stored there.
 pub fn open_cluster_store(
     c: &crate::config::ClusterConfig,
-    retention_ms: u64,
+    ledger: &slackgate_core::ledger::LedgerConfig,
 ) -> Result<Arc<dyn LedgerStore>, StartError> {
     let store = crate::ledger_store::RedisStore::open(crate::ledger_store::RedisOptions {
         url: c.redis.clone(),
         prefix: format!("slackgate:{}", c.name),
         timeout: Duration::from_millis(c.redis_timeout_ms),
-        retention_ms,
+        retention_ms: ledger.retention_ms,
+        hold_ttl_ms: ledger.hold_ttl_ms,
     })
     .map_err(|e| StartError::OpenClusterLedger(Box::new(e)))?;
     Ok(Arc::new(store))

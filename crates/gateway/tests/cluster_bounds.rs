@@ -83,7 +83,7 @@ async fn replica(
         ..ClusterConfig::default()
     };
     cfg.cluster = Some(cluster.clone());
-    let store = open_cluster_store(&cluster, cfg.gate.ledger.retention_ms).unwrap();
+    let store = open_cluster_store(&cluster, &cfg.gate.ledger).unwrap();
     let log = DecisionLog::start(
         slackgate_gateway::config::LogTarget::File(temp_log(&format!("bounds-{name}-{id}"))),
         1024,

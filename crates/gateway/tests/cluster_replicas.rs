@@ -88,7 +88,7 @@ async fn replica_ttl(
         ..ClusterConfig::default()
     };
     cfg.cluster = Some(cluster.clone());
-    let store = open_cluster_store(&cluster, cfg.gate.ledger.retention_ms)?;
+    let store = open_cluster_store(&cluster, &cfg.gate.ledger)?;
     let log_path = temp_log(&format!("cluster-{name}-{id}"));
     let log = DecisionLog::start(
         slackgate_gateway::config::LogTarget::File(log_path.clone()),
@@ -356,7 +356,14 @@ async fn without_redis_or_a_tenant_key_a_replica_refuses_to_start_and_says_what_
         ..ClusterConfig::default()
     };
     cfg.cluster = Some(cluster.clone());
-    let store = open_cluster_store(&cluster, 1_000).unwrap();
+    let store = open_cluster_store(
+        &cluster,
+        &slackgate_core::ledger::LedgerConfig {
+            retention_ms: 1_000,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let log = DecisionLog::start(slackgate_gateway::config::LogTarget::Off, 16).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let err = Gateway::start(listener, &cfg, log, store, GatewayOptions::default())
@@ -471,6 +478,7 @@ async fn a_key_the_shared_ledger_holds_elsewhere_is_refused_before_it_goes_upstr
         prefix: format!("slackgate:{name}"),
         timeout: Duration::from_millis(500),
         retention_ms: 60_000,
+        hold_ttl_ms: 900_000,
     })
     .unwrap();
     let now = slackgate_gateway::support::clock::epoch_ms();
@@ -560,6 +568,7 @@ async fn a_ledger_slower_to_load_than_a_lease_does_not_let_the_lease_lapse() {
         prefix: format!("slackgate:{name}"),
         timeout: Duration::from_secs(5),
         retention_ms: 3_600_000,
+        hold_ttl_ms: 900_000,
     })
     .unwrap();
     let now = slackgate_gateway::support::clock::epoch_ms();

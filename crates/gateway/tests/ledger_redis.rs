@@ -19,6 +19,7 @@ fn opts(server: &RedisServer, prefix: &str) -> RedisOptions {
         prefix: format!("slackgate:{prefix}"),
         timeout: TIMEOUT,
         retention_ms: 60_000,
+        hold_ttl_ms: 900_000,
     }
 }
 
@@ -694,4 +695,38 @@ fn flush_waiters_stay_bounded_while_redis_is_down() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A proxied request's hold is untimed in its replica's memory (its connection settles it),
+/// but not in Redis: there it expires a hold TTL after it was placed, so a replica that died
+/// with it unsettled, and that no leader saw, does not lock its key out for ever.
+#[test]
+fn an_unsettled_proxied_hold_locks_its_key_in_redis_only_for_a_hold_ttl() {
+    let server = RedisServer::start().unwrap();
+    let mut o = opts(&server, "untimed");
+    o.hold_ttl_ms = 5_000;
+    let a = RedisStore::open(o.clone()).unwrap();
+    let b = RedisStore::open(o).unwrap();
+    let untimed = HoldRecord {
+        expires_at_ms: slackgate_core::ledger::NEVER,
+        ..owned(rec("k", 0, 1_000, HoldState::Held, 1_000), "a|1")
+    };
+    a.write(vec![untimed]);
+    a.flush().unwrap();
+    assert_eq!(state_of(&a, "k").unwrap().expires_at_ms, 6_000);
+    // Within the TTL another replica's hold of the key is refused...
+    b.write(vec![owned(
+        rec("k", 0, 5_000, HoldState::Held, 5_000),
+        "b|2",
+    )]);
+    b.flush().unwrap();
+    assert!(b.hold_refused("k", 5_000));
+    // ...after it, accepted.
+    b.write(vec![owned(
+        rec("k", 1, 6_500, HoldState::Held, 6_500),
+        "b|2",
+    )]);
+    b.flush().unwrap();
+    assert!(!b.hold_refused("k", 6_500));
+    assert_eq!(state_of(&a, "k").unwrap().owner.as_deref(), Some("b|2"));
 }

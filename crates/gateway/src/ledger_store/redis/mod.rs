@@ -81,6 +81,10 @@ pub struct RedisOptions {
     pub timeout: Duration,
     /// Settled keys older than this are pruned (their tokens folded into carry records).
     pub retention_ms: u64,
+    /// The ledger's hold TTL: a proxied request's hold, untimed in its replica's memory (its
+    /// connection settles it), is stored with this expiry from its creation, so a hold its
+    /// replica never settled (it died) does not lock its key in Redis for ever.
+    pub hold_ttl_ms: u64,
 }
 
 impl std::fmt::Debug for RedisOptions {
@@ -90,6 +94,7 @@ impl std::fmt::Debug for RedisOptions {
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .field("retention_ms", &self.retention_ms)
+            .field("hold_ttl_ms", &self.hold_ttl_ms)
             .finish()
     }
 }
@@ -128,7 +133,12 @@ impl RedisStore {
         };
         let client = client(&opts).map_err(&refuse)?;
         let keys = Keys::new(&opts.prefix);
-        let shared = Arc::new(Shared::new(shown.clone(), keys, opts.timeout));
+        let shared = Arc::new(Shared::new(
+            shown.clone(),
+            keys,
+            opts.timeout,
+            opts.hold_ttl_ms,
+        ));
         let upkeep = Arc::new(Mutex::new(Link::new(client.clone(), opts.timeout)));
         let (tx, rx) = mpsc::channel();
         let writer = Writer::new(Link::new(client, opts.timeout), Arc::clone(&shared));

@@ -6,7 +6,7 @@ use super::link::Link;
 use super::lua;
 use super::shared::Keys;
 use crate::ledger_store::prune::CARRY_PREFIX;
-use slackgate_core::ledger::{HoldRecord, GENERATED_KEY_PREFIX};
+use slackgate_core::ledger::{HoldRecord, HoldState, GENERATED_KEY_PREFIX, NEVER};
 use std::collections::HashMap;
 
 /// A batch ready for the put script.
@@ -18,9 +18,20 @@ pub(super) struct PutBatch {
 }
 
 impl PutBatch {
-    /// Coalesce `records` (see [`coalesce`]) and encode each as JSON.
-    pub(super) fn encode<'a>(records: impl Iterator<Item = &'a HoldRecord>) -> PutBatch {
-        let batch = coalesce(records);
+    /// Coalesce `records` (see [`coalesce`]) and encode each as JSON. An untimed hold (a
+    /// proxied request's: `expires_at_ms` is [`NEVER`]) is stored with an expiry `hold_ttl_ms`
+    /// after its creation: its replica settles it, or dies with it; in Redis it must not lock
+    /// its key for ever (the put script lets a new hold of the key in once it has expired).
+    pub(super) fn encode<'a>(
+        records: impl Iterator<Item = &'a HoldRecord>,
+        hold_ttl_ms: u64,
+    ) -> PutBatch {
+        let mut batch = coalesce(records);
+        for r in &mut batch {
+            if r.state == HoldState::Held && r.expires_at_ms == NEVER {
+                r.expires_at_ms = r.created_at_ms.saturating_add(hold_ttl_ms);
+            }
+        }
         let mut payload: Vec<(String, Vec<u8>)> = Vec::with_capacity(batch.len());
         let mut unstorable = 0u64;
         for r in &batch {

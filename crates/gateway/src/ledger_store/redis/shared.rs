@@ -41,6 +41,9 @@ pub(super) struct Shared {
     pub(super) shown: String,
     pub(super) keys: Keys,
     pub(super) timeout: Duration,
+    /// Stored expiry of untimed (proxied) holds, from their creation (see
+    /// [`super::RedisOptions::hold_ttl_ms`]).
+    pub(super) hold_ttl_ms: u64,
     pub(super) counters: Counters,
     pub(super) healthy: AtomicBool,
     /// Flushes the writer holds, waiting for their records to be committed (a gauge the
@@ -57,11 +60,12 @@ pub(super) struct Shared {
 
 impl Shared {
     /// State for a store at `shown` (the URL without its password) under `keys`.
-    pub(super) fn new(shown: String, keys: Keys, timeout: Duration) -> Shared {
+    pub(super) fn new(shown: String, keys: Keys, timeout: Duration, hold_ttl_ms: u64) -> Shared {
         Shared {
             shown,
             keys,
             timeout,
+            hold_ttl_ms,
             counters: Counters::default(),
             // Optimistic until a call says otherwise: nothing has failed yet.
             healthy: AtomicBool::new(true),

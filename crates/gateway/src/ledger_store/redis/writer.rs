@@ -215,7 +215,7 @@ impl Writer {
     /// Returns whether it was committed.
     fn commit_round(&mut self) -> bool {
         let n = self.queue.len().min(BATCH_MAX);
-        let batch = PutBatch::encode(self.queue.range(..n));
+        let batch = PutBatch::encode(self.queue.range(..n), self.shared.hold_ttl_ms);
         let unstorable = batch.unstorable;
         let outcome = batch.send(&mut self.link, &self.shared.keys, self.shared.fence());
         match outcome {
