@@ -15,7 +15,9 @@
 //!
 //! Without `redis-server` the test is reported skipped (a failure under CI); without
 //! libfaketime (`apt-get install faketime`, or `SLACKGATE_LIBFAKETIME=PATH`) it runs without
-//! the clock steps and says so (a failure under CI).
+//! the clock steps and says so (a failure under CI). Debian's redis-server hangs under
+//! libfaketime alone (its jemalloc calls `clock_gettime` while libfaketime initialises): the
+//! run builds a small shim of ours with `cc` (`faults/libc_malloc.c`) and preloads it first.
 #![cfg(unix)]
 
 #[path = "faults/checker.rs"]
@@ -324,10 +326,12 @@ impl Run {
         let evidence = Evidence {
             slots: N,
             lease_ttl_ms: LEASE_TTL_MS,
+            hold_ttl_ms: HOLD_TTL_MS,
             margin_ms: 500,
             attempts,
             upstream,
             admissions: admissions(&cluster),
+            failed_runs: failed_runs(&cluster),
             faults,
             held: quiesce.held,
         };
@@ -440,6 +444,26 @@ fn admissions(c: &Cluster) -> BTreeMap<String, Vec<Admission>> {
                     replica: i,
                     mode: mode.to_owned(),
                 });
+            }
+        }
+    }
+    out
+}
+
+/// Per key, its runs that were sent upstream and did not end `completed` (an upstream
+/// timeout or error, a cancel once dispatched): such a run's hold is settled cancelled, its
+/// tokens wasted, and a retry of its key is legitimate.
+fn failed_runs(c: &Cluster) -> BTreeMap<String, usize> {
+    let mut out: BTreeMap<String, usize> = BTreeMap::new();
+    for i in 0..c.replicas.len() {
+        for l in c.log_lines(i) {
+            let Some(key) = l["idempotency_key"].as_str() else {
+                continue;
+            };
+            let failed_completion = l["action"] == "complete" && l["reason"] != "completed";
+            let cancelled_running = l["action"] == "cancel" && !l["service_ms"].is_null();
+            if failed_completion || cancelled_running {
+                *out.entry(key.to_owned()).or_default() += 1;
             }
         }
     }

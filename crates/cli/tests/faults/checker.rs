@@ -14,7 +14,12 @@
 //!   durable hold or dispatch record, which a new leader then cannot count;
 //! - **keys**: no idempotency key reaches the upstream twice, unless one of its admissions was
 //!   a fail-open one (the exception `key_spent_twice_by_fail_open`, which includes an `open`
-//!   class's run while Redis was out of reach), or Redis restarted empty between the two runs
+//!   class's run while Redis was out of reach), or all its runs but one failed (timed out,
+//!   broke, cancelled once sent: `key_retried_after_a_failed_run`, a legitimate retry: the
+//!   failed run's hold is settled cancelled), or the second run came more than a hold TTL
+//!   after the first (`key_rerun_after_its_hold_ttl`: a key whose run's fate is unknown, its
+//!   replica dead or cut off with it, is held for the hold TTL, then expires), or Redis
+//!   restarted empty between the two runs
 //!   (`key_spent_twice_after_redis_lost_data`: a settled key that no running replica knew is
 //!   gone, docs/deployment.md "Redis");
 //! - **deadline**: every request is answered within its deadline plus one lease TTL (plus a
@@ -79,11 +84,16 @@ pub struct Fault {
 pub struct Evidence {
     pub slots: usize,
     pub lease_ttl_ms: u64,
+    /// The ledger's hold TTL: a key whose run's fate is unknown (its replica died with it,
+    /// its `done` lost) is held this long, then may run again.
+    pub hold_ttl_ms: u64,
     /// Added to every bound: time a 2-core machine may lose between the gate and the client.
     pub margin_ms: u64,
     pub attempts: Vec<Attempt>,
     pub upstream: Vec<Upstream>,
     pub admissions: BTreeMap<String, Vec<Admission>>,
+    /// Per key, its runs sent upstream that did not end `completed` (see `faults.rs`).
+    pub failed_runs: BTreeMap<String, usize>,
     pub faults: Vec<Fault>,
     /// Keys still `held` in the shared ledger after quiescing, with their records.
     pub held: Vec<(String, String)>,
@@ -258,8 +268,13 @@ impl Evidence {
                 self.faults_at(at)
             );
             let first = runs.iter().map(|u| u.slot_unix_ms).min().unwrap_or(0);
-            if runs.iter().any(|u| self.ran_fail_open(key, u.slot_unix_ms)) {
+            let failed = self.failed_runs.get(key).copied().unwrap_or(0);
+            if runs.len().saturating_sub(failed) <= 1 {
+                f.exception("key_retried_after_a_failed_run", what);
+            } else if runs.iter().any(|u| self.ran_fail_open(key, u.slot_unix_ms)) {
                 f.exception("key_spent_twice_by_fail_open", what);
+            } else if at.saturating_sub(first) > self.hold_ttl_ms {
+                f.exception("key_rerun_after_its_hold_ttl", what);
             } else if self.redis_emptied(first, at) {
                 f.exception("key_spent_twice_after_redis_lost_data", what);
             } else {
@@ -381,10 +396,12 @@ mod tests {
         Evidence {
             slots: 2,
             lease_ttl_ms: 1000,
+            hold_ttl_ms: 8_000,
             margin_ms: 500,
             attempts: Vec::new(),
             upstream,
             admissions,
+            failed_runs: BTreeMap::new(),
             faults: vec![Fault {
                 kind: "leader_sigstop",
                 target: "r0".to_owned(),
@@ -548,6 +565,37 @@ mod tests {
         );
         // Both runs after the loss: a violation.
         e.upstream = vec![up("c", 3_000, 10), up("c", 5_000, 10)];
+        assert_eq!(e.check().violations["key_spent_twice"].len(), 1);
+    }
+
+    #[test]
+    fn a_key_retried_after_its_run_failed_is_not_spent_twice() {
+        let mut e = evidence(
+            vec![up("t", 100, 2_000), up("t", 3_000, 10)],
+            admitted(&[("t", 0, "leader"), ("t", 1, "leader")]),
+        );
+        e.attempts = vec![asked("t", "closed")];
+        e.failed_runs.insert("t".to_owned(), 1);
+        let f = e.check();
+        assert_eq!(f.violation_count(), 0, "{f:?}");
+        assert_eq!(f.exceptions["key_retried_after_a_failed_run"].len(), 1);
+        // Two runs that both completed: a violation, whatever failed besides.
+        e.upstream.push(up("t", 5_000, 10));
+        assert_eq!(e.check().violations["key_spent_twice"].len(), 1);
+    }
+
+    #[test]
+    fn a_key_run_again_only_after_its_hold_ttl_is_a_documented_exception() {
+        let mut e = evidence(
+            vec![up("h", 100, 10), up("h", 9_000, 10)],
+            admitted(&[("h", 0, "leader"), ("h", 1, "leader")]),
+        );
+        e.attempts = vec![asked("h", "closed")];
+        let f = e.check();
+        assert_eq!(f.violation_count(), 0, "{f:?}");
+        assert_eq!(f.exceptions["key_rerun_after_its_hold_ttl"].len(), 1);
+        // Within the hold TTL: a violation.
+        e.upstream = vec![up("h", 100, 10), up("h", 7_000, 10)];
         assert_eq!(e.check().violations["key_spent_twice"].len(), 1);
     }
 }
