@@ -932,6 +932,27 @@ fn a_leader_paused_past_its_lease_never_overshoots_the_slots() -> Res {
         }
         // Nothing went upstream that was not answered 200: a handed-back request was not sent.
         assert_eq!(stub["requests"].as_u64(), Some(served), "{stub}");
+        // The ex-leader handed its queue back (a cancel line each, `cluster_unavailable`),
+        // and another replica decided those requests.
+        let handed: Vec<String> = c
+            .log_lines(leader)
+            .into_iter()
+            .filter(|l| l["action"] == "cancel" && l["reason"] == "cluster_unavailable")
+            .filter_map(|l| l["idempotency_key"].as_str().map(str::to_owned))
+            .collect();
+        assert!(!handed.is_empty(), "the ex-leader handed nothing back");
+        for key in &handed {
+            let decided_elsewhere = survivors.iter().any(|&i| {
+                c.log_lines(i)
+                    .iter()
+                    .any(|l| l["idempotency_key"] == key.as_str() && l["cluster"] == "leader")
+            });
+            assert!(
+                decided_elsewhere,
+                "{key} handed back but decided by no other leader"
+            );
+        }
+        println!("paused leader: handed back {handed:?}");
         Ok(())
     })
 }

@@ -331,7 +331,8 @@ impl Run {
             attempts,
             upstream,
             admissions: admissions(&cluster),
-            failed_runs: failed_runs(&cluster),
+            failed_runs: ended_runs(&cluster, false),
+            completed_runs: ended_runs(&cluster, true),
             faults,
             held: quiesce.held,
         };
@@ -450,19 +451,25 @@ fn admissions(c: &Cluster) -> BTreeMap<String, Vec<Admission>> {
     out
 }
 
-/// Per key, its runs that were sent upstream and did not end `completed` (an upstream
-/// timeout or error, a cancel once dispatched): such a run's hold is settled cancelled, its
-/// tokens wasted, and a retry of its key is legitimate.
-fn failed_runs(c: &Cluster) -> BTreeMap<String, usize> {
+/// Per key, its runs that were sent upstream and ended `completed` (`completed`), or did not
+/// (an upstream timeout or error, a cancel once dispatched: such a run's hold is settled
+/// cancelled, its tokens wasted, and a retry of its key is legitimate).
+fn ended_runs(c: &Cluster, completed: bool) -> BTreeMap<String, usize> {
     let mut out: BTreeMap<String, usize> = BTreeMap::new();
     for i in 0..c.replicas.len() {
         for l in c.log_lines(i) {
             let Some(key) = l["idempotency_key"].as_str() else {
                 continue;
             };
+            let ended_ok = l["action"] == "complete" && l["reason"] == "completed";
             let failed_completion = l["action"] == "complete" && l["reason"] != "completed";
             let cancelled_running = l["action"] == "cancel" && !l["service_ms"].is_null();
-            if failed_completion || cancelled_running {
+            let counts = if completed {
+                ended_ok
+            } else {
+                failed_completion || cancelled_running
+            };
+            if counts {
                 *out.entry(key.to_owned()).or_default() += 1;
             }
         }

@@ -94,6 +94,8 @@ pub struct Evidence {
     pub admissions: BTreeMap<String, Vec<Admission>>,
     /// Per key, its runs sent upstream that did not end `completed` (see `faults.rs`).
     pub failed_runs: BTreeMap<String, usize>,
+    /// Per key, its runs that ended `completed` in a decision log.
+    pub completed_runs: BTreeMap<String, usize>,
     pub faults: Vec<Fault>,
     /// Keys still `held` in the shared ledger after quiescing, with their records.
     pub held: Vec<(String, String)>,
@@ -145,19 +147,25 @@ impl Evidence {
     /// allows: admitted alone (degraded), or an `open` class while a fault cut the replicas
     /// off from Redis (its hold or dispatch record not durable).
     fn ran_fail_open(&self, key: &str, t: u64) -> bool {
-        self.fail_open(key) || (self.class_of(key) == Some("open") && self.redis_faulted(t))
+        self.fail_open(key) || (self.class_of(key) == Some("open") && self.redis_faulted(key, t))
     }
 
     fn class_of(&self, key: &str) -> Option<&'static str> {
         self.attempts.iter().find(|a| a.key == key).map(|a| a.class)
     }
 
-    /// A fault between the replicas and Redis in force at `t` (or ended a lease before).
-    fn redis_faulted(&self, t: u64) -> bool {
+    /// A fault between Redis and a replica that admitted `key` (a fault of that replica's
+    /// proxy, or of Redis itself) in force at `t` or ended a lease before.
+    fn redis_faulted(&self, key: &str, t: u64) -> bool {
+        let admitters: Vec<String> = self
+            .admissions
+            .get(key)
+            .map(|a| a.iter().map(|a| format!("proxy r{}", a.replica)).collect())
+            .unwrap_or_default();
         self.faults.iter().any(|x| {
-            (x.kind.starts_with("proxy_") || x.kind.starts_with("redis_"))
-                && x.start_unix_ms <= t
-                && t <= x.end_unix_ms + self.lease_ttl_ms
+            let reaches = x.kind.starts_with("redis_")
+                || (x.kind.starts_with("proxy_") && admitters.contains(&x.target));
+            reaches && x.start_unix_ms <= t && t <= x.end_unix_ms + self.lease_ttl_ms
         })
     }
 
@@ -269,11 +277,14 @@ impl Evidence {
             );
             let first = runs.iter().map(|u| u.slot_unix_ms).min().unwrap_or(0);
             let failed = self.failed_runs.get(key).copied().unwrap_or(0);
+            let completed = self.completed_runs.get(key).copied().unwrap_or(0);
+            // Runs no decision log saw end (their replica died or was cut off with them).
+            let unknown = runs.len().saturating_sub(failed + completed);
             if runs.len().saturating_sub(failed) <= 1 {
                 f.exception("key_retried_after_a_failed_run", what);
             } else if runs.iter().any(|u| self.ran_fail_open(key, u.slot_unix_ms)) {
                 f.exception("key_spent_twice_by_fail_open", what);
-            } else if at.saturating_sub(first) > self.hold_ttl_ms {
+            } else if at.saturating_sub(first) > self.hold_ttl_ms && unknown > 0 {
                 f.exception("key_rerun_after_its_hold_ttl", what);
             } else if self.redis_emptied(first, at) {
                 f.exception("key_spent_twice_after_redis_lost_data", what);
@@ -402,6 +413,7 @@ mod tests {
             upstream,
             admissions,
             failed_runs: BTreeMap::new(),
+            completed_runs: BTreeMap::new(),
             faults: vec![Fault {
                 kind: "leader_sigstop",
                 target: "r0".to_owned(),
@@ -591,9 +603,15 @@ mod tests {
             admitted(&[("h", 0, "leader"), ("h", 1, "leader")]),
         );
         e.attempts = vec![asked("h", "closed")];
+        // The first run's end is in no log (its replica died with it); the second completed.
+        e.completed_runs.insert("h".to_owned(), 1);
         let f = e.check();
         assert_eq!(f.violation_count(), 0, "{f:?}");
         assert_eq!(f.exceptions["key_rerun_after_its_hold_ttl"].len(), 1);
+        // Both completed: the first's `done` was known, so the rerun is a violation.
+        e.completed_runs.insert("h".to_owned(), 2);
+        assert_eq!(e.check().violations["key_spent_twice"].len(), 1);
+        e.completed_runs.insert("h".to_owned(), 1);
         // Within the hold TTL: a violation.
         e.upstream = vec![up("h", 100, 10), up("h", 7_000, 10)];
         assert_eq!(e.check().violations["key_spent_twice"].len(), 1);

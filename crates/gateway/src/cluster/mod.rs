@@ -93,7 +93,11 @@ pub async fn serve<L: Local>(
     }
     match route {
         // A follower asks again itself when the answer is that this replica stopped leading.
-        Route::Local if forwarded => local.serve(shared, req, target).await,
+        Route::Local if forwarded => {
+            req.extensions_mut()
+                .insert(crate::engine::state::RoutedAsLeader);
+            local.serve(shared, req, target).await
+        }
         Route::Local => match read_whole(&shared, req).await {
             Ok((parts, bytes)) => {
                 here_first(local, shared, cluster, parts, bytes, target, arrived).await
@@ -132,7 +136,9 @@ async fn here_first<L: Local>(
     target: Target,
     arrived: Instant,
 ) -> Response<ResBody> {
-    let req = Request::from_parts(parts.clone(), http_body_util::Full::new(bytes.clone()));
+    let mut req = Request::from_parts(parts.clone(), http_body_util::Full::new(bytes.clone()));
+    req.extensions_mut()
+        .insert(crate::engine::state::RoutedAsLeader);
     let resp = local.serve(Arc::clone(&shared), req, target).await;
     if !is_not_leader(&resp) {
         return resp;

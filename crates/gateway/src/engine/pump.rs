@@ -100,6 +100,7 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
                 upstream,
                 queue_wait_ms,
                 abort,
+                led_epoch: w.meta.led_epoch,
             };
             st.outbox.push((job_id, tx, go));
         }
@@ -259,6 +260,12 @@ pub(crate) fn decide(
     }
     meta.tokens_held = d.tokens_held;
     meta.led_epoch = st.leading;
+    if meta.routed_as_leader && st.leading.is_none() {
+        // Routed here as leader, decided after the lease ran out: it must not run as this
+        // replica's own (fail-open) decision. Epoch 0 is never a lease's: it is handed back.
+        meta.led_epoch = Some(0);
+        st.stray_led = true;
+    }
     meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
     d
 }

@@ -9,7 +9,7 @@
 use crate::config::{Config, ServerConfig};
 pub use crate::engine::job::JobGuard;
 use crate::engine::lines::{admission_body, decision_line, unqueued_line};
-use crate::engine::pump::{decide, deliver, first_endpoint, pump};
+use crate::engine::pump::{decide, deliver, first_endpoint, hand_back_queued, pump};
 use crate::engine::start::StartError;
 use crate::ledger_store::{LedgerStore, MemoryStore, StoreError};
 use crate::observe::codes::LineReason;
@@ -23,6 +23,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::oneshot;
+
+/// A request extension: the cluster routed this request to be decided here as leader (see
+/// [`JobMeta::routed_as_leader`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RoutedAsLeader;
 
 /// A slot, as [`Signal::Go`] gives it.
 #[derive(Debug)]
@@ -39,6 +44,9 @@ pub struct Go {
     pub upstream: UpstreamBase,
     /// Time it waited in the queue.
     pub queue_wait_ms: u64,
+    /// Cluster mode: the lease epoch it was admitted under as leader (see
+    /// [`JobMeta::led_epoch`]); checked again right before it goes upstream.
+    pub led_epoch: Option<u64>,
     /// Fires if the gate cancels the job while it runs (a drain with `cancel`, the end of
     /// the shutdown grace period), with the reason.
     pub abort: oneshot::Receiver<Reason>,
@@ -87,6 +95,9 @@ pub struct JobMeta {
     /// a gate alone, or a replica deciding by fail mode). It is dispatched only while this
     /// replica still leads under that epoch.
     pub led_epoch: Option<u64>,
+    /// Cluster mode: routed here to be decided as leader ([`RoutedAsLeader`]). Decided once
+    /// this replica no longer leads, it is handed back rather than decided alone.
+    pub routed_as_leader: bool,
 }
 
 pub(crate) struct Waiting {
@@ -113,6 +124,9 @@ pub struct CoreState {
     /// Cluster mode: the lease epoch this replica leads under at this transition (`None`:
     /// it does not lead, or there is no cluster). Set on every entry to the core.
     pub(crate) leading: Option<u64>,
+    /// A request routed here as leader was admitted after the lease was lost: hand it back
+    /// at the end of this transition.
+    pub(crate) stray_led: bool,
     /// Sequence number of the last log line; every line gets the next one under this lock,
     /// so `seq` is the order in which the core decided.
     seq: u64,
@@ -238,6 +252,7 @@ impl Shared {
                 waiting: HashMap::new(),
                 upstreams,
                 leading: None,
+                stray_led: false,
                 outbox: Vec::new(),
                 seq: 0,
             }),
@@ -286,9 +301,17 @@ impl Shared {
             // file, and the state is still consistent between calls, so keep going.
             let mut st = self.core.lock().unwrap_or_else(|p| p.into_inner());
             let now = self.clock.now_ms();
+            let was = st.leading;
             st.leading = self.cluster.as_ref().and_then(|c| c.lead_epoch());
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
+            // Fencing: the lease was lost (or changed epoch) since the last transition, or a
+            // request routed here as leader was admitted without it: what was queued as
+            // leader goes back, unsent (see `pump::hand_back_queued`).
+            let deposed = was.is_some() && was != st.leading;
+            if deposed || std::mem::take(&mut st.stray_led) {
+                hand_back_queued(&mut st, now, &mut lines);
+            }
             written = self.write_records(&mut st);
             // Dispatched requests hear of their slot only now, after the records of this call
             // (a dispatch's record among them) were queued to the store: a request that then
@@ -491,7 +514,13 @@ impl Shared {
     /// handed back, unsent (each goes to the new leader, or follows its class's fail mode).
     /// Returns how many.
     pub fn hand_back_deposed(&self) -> usize {
-        self.with_core(crate::engine::pump::hand_back_queued)
+        self.with_core(hand_back_queued)
+    }
+
+    /// Cluster mode: the lease epoch this replica leads under now (`None`: it does not lead,
+    /// or there is no cluster).
+    pub fn lead_epoch(&self) -> Option<u64> {
+        self.cluster.as_ref().and_then(|c| c.lead_epoch())
     }
 
     /// Where requests that are not admission-controlled go: the first live pool's upstream.

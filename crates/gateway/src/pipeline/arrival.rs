@@ -163,6 +163,11 @@ pub(super) fn offer(shared: &Shared, a: &Arrival, asked: &Asked) -> (CoreRequest
         attempt: h.attempt,
         path: a.path.clone(),
         arrived_epoch_ms: a.now_epoch,
+        routed_as_leader: a
+            .parts
+            .extensions
+            .get::<crate::engine::state::RoutedAsLeader>()
+            .is_some(),
         ..JobMeta::default()
     };
     (core_req, meta)

@@ -25,6 +25,10 @@ pub(super) fn refused(guard: JobGuard, why: SlotRefused) -> Response<ResBody> {
         SlotRefused::Answer(resp) => resp,
         SlotRefused::LedgerDown(e) => ledger_unavailable(guard, &e),
         SlotRefused::Duplicate(key) => duplicate_in_store(guard, &key),
+        SlotRefused::Deposed => {
+            guard.cancel_with(Reason::ClusterUnavailable, 0);
+            response::not_leader()
+        }
     }
 }
 

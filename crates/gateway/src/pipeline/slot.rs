@@ -30,6 +30,9 @@ pub(super) enum SlotRefused {
     LedgerDown(crate::ledger_store::StoreError),
     /// The shared ledger refused its hold: another replica holds or has done the key.
     Duplicate(String),
+    /// Cluster mode: this replica stopped leading while the request waited for the store;
+    /// it goes back unsent (to the new leader, or its class's fail mode).
+    Deposed,
 }
 
 /// Ask the core. A refusal is answered now; an admitted job waits in the queue.
@@ -93,6 +96,11 @@ pub(super) async fn wait(
                 // The one atomic check-and-hold across replicas: the shared ledger's script
                 // refused this hold because the key is held or done there.
                 return Err(SlotRefused::Duplicate(key));
+            }
+            // Fencing, once more after the wait for the store: still the leader it was
+            // admitted by, or it goes back unsent.
+            if go.led_epoch.is_some() && shared.lead_epoch() != go.led_epoch {
+                return Err(SlotRefused::Deposed);
             }
             Ok(go)
         }

@@ -86,6 +86,8 @@ struct Lease {
     /// The share last given to the gate (set again only when it changes: the lease thread
     /// must not wait for the core's lock while a takeover's adoption holds it).
     share: Option<u32>,
+    /// The lease epoch this replica leads under (while `leading`).
+    epoch: u64,
     /// The shared ledger being read for a takeover (on its own thread, while this one goes
     /// on renewing the lease).
     adopting: Option<Loading>,
@@ -203,6 +205,10 @@ fn beat_ok(
     let was_leading = st.leading;
     match (mine, st.leading) {
         (true, false) if waited => take_over(gate, cluster, st, &alive, beat.epoch),
+        // The lease lapsed and this replica took it again, under a new epoch: another may
+        // have led meanwhile, and its writes are fenced on the old one. Lead afresh: step
+        // down (its queue handed back), wait the lease out and take the ledger over again.
+        (true, true) if beat.epoch != st.epoch => lead_afresh(gate, cluster, st, &beat),
         (true, true) if st.lost_data => write_ledger_back(gate, st, &alive),
         (true, true) => expire_orphans_once_a_ttl(gate, st, &alive),
         (false, true) => step_down(gate, cluster, st, &beat.holder),
@@ -394,6 +400,7 @@ fn take_over(
     match loaded {
         Ok(n) => {
             st.leading = true;
+            st.epoch = epoch;
             st.lost_data = false;
             cluster
                 .counters
@@ -454,6 +461,24 @@ fn step_down(gate: &Shared, cluster: &Cluster, st: &mut Lease, holder: &str) {
     gate.cluster_event(
         Event::LeaderLost,
         Some(format!("the lease is held by {:?}", split_member(holder).0)),
+    );
+}
+
+/// This replica leads, and finds it holds the lease under a new epoch: its lease lapsed and
+/// it took it again (a pause past the lease that nobody else used, Redis restarted empty).
+/// Another replica may have led meanwhile: stop leading (the queue is handed back), wait the
+/// lease out (a whole TTL at least) and take the ledger over afresh.
+fn lead_afresh(gate: &Shared, cluster: &Cluster, st: &mut Lease, beat: &Beat) {
+    st.leading = false;
+    let ttl = cluster.cfg.lease_ttl_ms;
+    st.standby_until = Some(Instant::now() + Duration::from_millis(beat.wait_ms.max(ttl)));
+    cluster.counters.leader_lost.fetch_add(1, Ordering::Relaxed);
+    gate.cluster_event(
+        Event::LeaderLost,
+        Some(format!(
+            "the lease lapsed and was taken again (epoch {} to {}): leading afresh",
+            st.epoch, beat.epoch
+        )),
     );
 }
 
