@@ -163,8 +163,10 @@ impl Evidence {
             .map(|a| a.iter().map(|a| format!("proxy r{}", a.replica)).collect())
             .unwrap_or_default();
         self.faults.iter().any(|x| {
+            // A proxy fault's target is `proxy r<i>`, a delay's followed by its amount.
+            let proxy_of = |p: &String| x.target == *p || x.target.starts_with(&format!("{p} "));
             let reaches = x.kind.starts_with("redis_")
-                || (x.kind.starts_with("proxy_") && admitters.contains(&x.target));
+                || (x.kind.starts_with("proxy_") && admitters.iter().any(proxy_of));
             reaches && x.start_unix_ms <= t && t <= x.end_unix_ms + self.lease_ttl_ms
         })
     }

@@ -260,12 +260,6 @@ pub(crate) fn decide(
     }
     meta.tokens_held = d.tokens_held;
     meta.led_epoch = st.leading;
-    if meta.routed_as_leader && st.leading.is_none() {
-        // Routed here as leader, decided after the lease ran out: it must not run as this
-        // replica's own (fail-open) decision. Epoch 0 is never a lease's: it is handed back.
-        meta.led_epoch = Some(0);
-        st.stray_led = true;
-    }
     meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
     d
 }

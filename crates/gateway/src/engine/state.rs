@@ -95,8 +95,8 @@ pub struct JobMeta {
     /// a gate alone, or a replica deciding by fail mode). It is dispatched only while this
     /// replica still leads under that epoch.
     pub led_epoch: Option<u64>,
-    /// Cluster mode: routed here to be decided as leader ([`RoutedAsLeader`]). Decided once
-    /// this replica no longer leads, it is handed back rather than decided alone.
+    /// Cluster mode: routed here to be decided as leader ([`RoutedAsLeader`]). Once this
+    /// replica no longer leads it is not decided here ([`Admission::NotLeader`]).
     pub routed_as_leader: bool,
 }
 
@@ -124,9 +124,6 @@ pub struct CoreState {
     /// Cluster mode: the lease epoch this replica leads under at this transition (`None`:
     /// it does not lead, or there is no cluster). Set on every entry to the core.
     pub(crate) leading: Option<u64>,
-    /// A request routed here as leader was admitted after the lease was lost: hand it back
-    /// at the end of this transition.
-    pub(crate) stray_led: bool,
     /// Sequence number of the last log line; every line gets the next one under this lock,
     /// so `seq` is the order in which the core decided.
     seq: u64,
@@ -208,6 +205,9 @@ pub enum Admission {
         /// flush before dispatch answers for it ([`Shared::durable_for`]).
         hold_write: Option<crate::ledger_store::WriteSeq>,
     },
+    /// Cluster mode: routed here to be decided as leader, and this replica no longer leads.
+    /// Nothing was decided: the request goes where the lease is now.
+    NotLeader,
 }
 
 impl Shared {
@@ -252,7 +252,6 @@ impl Shared {
                 waiting: HashMap::new(),
                 upstreams,
                 leading: None,
-                stray_led: false,
                 outbox: Vec::new(),
                 seq: 0,
             }),
@@ -305,11 +304,9 @@ impl Shared {
             st.leading = self.cluster.as_ref().and_then(|c| c.lead_epoch());
             let r = f(&mut st, now, &mut lines);
             pump(&mut st, now, &mut lines);
-            // Fencing: the lease was lost (or changed epoch) since the last transition, or a
-            // request routed here as leader was admitted without it: what was queued as
-            // leader goes back, unsent (see `pump::hand_back_queued`).
-            let deposed = was.is_some() && was != st.leading;
-            if deposed || std::mem::take(&mut st.stray_led) {
+            // Fencing: the lease was lost (or changed epoch) since the last transition: what
+            // was queued as leader goes back, unsent (see `pump::hand_back_queued`).
+            if was.is_some() && was != st.leading {
                 hand_back_queued(&mut st, now, &mut lines);
             }
             written = self.write_records(&mut st);
@@ -454,6 +451,12 @@ impl Shared {
         mut meta: JobMeta,
     ) -> Admission {
         let (mut admission, written) = self.with_core_written(|st, now, lines| {
+            if meta.routed_as_leader && st.leading.is_none() {
+                // Fencing: routed here as leader, and the lease ran out meanwhile. Decided
+                // here it would be this replica's own decision on its share, which its class
+                // may not allow: it is not decided here at all.
+                return Admission::NotLeader;
+            }
             let d = decide(st, now, label, &mut req, &mut meta);
             // Only a capacity rejection names somewhere else to go: another pool would refuse
             // a switched-off class, a duplicate key or a spent grant just the same.

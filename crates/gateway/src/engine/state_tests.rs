@@ -42,6 +42,7 @@ fn queue(s: &Arc<Shared>) -> (oneshot::Receiver<Signal>, JobGuard) {
     match s.admit_labeled(None, request(), JobMeta::default()) {
         Admission::Queued { signal, guard, .. } => (signal, guard),
         Admission::Rejected(d, _) => panic!("rejected: {d:?}"),
+        Admission::NotLeader => panic!("not leader"),
     }
 }
 
@@ -160,4 +161,22 @@ fn a_replica_alone_reads_the_fail_mode_of_the_class_the_core_classifies() {
     assert_eq!(mode(&long_name), FailMode::Open);
     assert_eq!(mode(&format!("{long_name}x")), FailMode::Closed);
     assert_eq!(mode("   "), FailMode::Closed);
+}
+
+/// Fencing: a request the cluster routed here to be decided as leader is not decided once
+/// this replica does not lead (here: no lease at all): nothing enters the core, no slot, no
+/// hold, no log line; it goes where the lease is now.
+#[test]
+fn a_request_routed_as_leader_to_a_replica_that_does_not_lead_is_not_decided() {
+    let s = shared();
+    let meta = JobMeta {
+        routed_as_leader: true,
+        ..JobMeta::default()
+    };
+    assert!(matches!(
+        s.admit_labeled(None, request(), meta),
+        Admission::NotLeader
+    ));
+    assert_eq!(pool(&s), (0, 0));
+    assert_eq!(s.with_core(|st, _, _| st.gate.ledger_stats().held), 0);
 }

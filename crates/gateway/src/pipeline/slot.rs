@@ -48,6 +48,7 @@ pub(super) fn decide(
     let label = asked.headers.class_label.as_deref();
     match shared.admit_labeled(label, offer, meta) {
         Admission::Rejected(d, body) => Err(rejection(&d, &body)),
+        Admission::NotLeader => Err(response::not_leader()),
         Admission::Queued {
             decision,
             signal,
