@@ -114,13 +114,16 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
 /// whether one had gone meanwhile (its slot given back: the caller pumps again).
 pub(crate) fn deliver(st: &mut CoreState, now: Millis, lines: &mut Vec<LogLine>) -> bool {
     let mut freed = false;
-    for (job_id, tx, go) in std::mem::take(&mut st.outbox) {
+    // The buffer goes back afterwards, so that its allocation is reused.
+    let mut outbox = std::mem::take(&mut st.outbox);
+    for (job_id, tx, go) in outbox.drain(..) {
         if tx.send(Signal::Go(go)).is_err() {
             // The client left between admission and dispatch: give the slot back now.
             give_back(st, now, job_id, lines);
             freed = true;
         }
     }
+    st.outbox = outbox;
     freed
 }
 
