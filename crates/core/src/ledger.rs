@@ -243,6 +243,29 @@ impl Ledger {
         Some(r.clone())
     }
 
+    /// Another gate settled a hold this ledger has `held` (the same hold: attempt, creation
+    /// and owner), as `settled` says, read back from a shared store: take its state and
+    /// tokens. Returns whether it applied. Nothing is produced to persist (the store has it).
+    pub fn learn_settled(&mut self, now: Millis, settled: &HoldRecord) -> bool {
+        let same = self.holds.get(&settled.key).is_some_and(|r| {
+            r.state == HoldState::Held
+                && r.attempt == settled.attempt
+                && r.created_at_ms == settled.created_at_ms
+                && r.owner == settled.owner
+        });
+        if !same || settled.state == HoldState::Held {
+            return false;
+        }
+        self.end(
+            now,
+            &settled.key,
+            settled.state,
+            settled.tokens_spent,
+            settled.tokens_wasted,
+        )
+        .is_some()
+    }
+
     /// Mark a held key as a reservation-API hold (called right after `reserve`).
     pub fn mark_reservation(&mut self, key: &str) -> Option<HoldRecord> {
         let r = self.holds.get_mut(key)?;

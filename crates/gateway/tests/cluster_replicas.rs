@@ -641,3 +641,102 @@ async fn a_ledger_slower_to_load_than_a_lease_does_not_let_the_lease_lapse() {
     assert_eq!(a.status().leader_lost, 0);
     a.gate.shutdown().await;
 }
+
+/// A new leader adopts a live replica's unsettled hold (that replica decided it alone, by fail
+/// mode) and then learns from Redis when that replica settles it, within about a lease TTL:
+/// it no longer keeps the hold `held` (its tokens held, an expiry to write later) after the
+/// replica that placed it wrote `done`. The live replica is a registry entry kept fresh here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_learns_a_live_replicas_settlement_of_an_adopted_hold() {
+    use redis::Commands;
+    use slackgate_core::ledger::{HoldRecord, HoldState};
+    use slackgate_gateway::ledger_store::{LedgerStore, RedisOptions, RedisStore};
+    let redis = redis();
+    let stub = stub(2, "fixed:20ms").await;
+    let name = unique("learn");
+    let ttl = 900u64;
+    // Replica c checks in (its registry entry, refreshed on Redis's clock) but never leads.
+    let c_member = "c|http://127.0.0.1:9|c0ffee".to_string();
+    let c_owner = "c|c0ffee".to_string();
+    let registry = format!("slackgate:{name}:replicas");
+    let url = redis.url();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let keep_alive = {
+        let (stop, registry, member) = (stop.clone(), registry.clone(), c_member.clone());
+        std::thread::spawn(move || {
+            let mut conn = redis::Client::open(url.as_str())
+                .unwrap()
+                .get_connection()
+                .unwrap();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let (s, us): (u64, u64) = redis::cmd("TIME").query(&mut conn).unwrap();
+                let _: () = conn.zadd(&registry, &member, s * 1000 + us / 1000).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    let a = replica_ttl(&redis.url(), &name, "a", stub.local_addr(), ttl)
+        .await
+        .unwrap();
+    wait_leads(&a, "a leads").await;
+    let b = replica_ttl(&redis.url(), &name, "b", stub.local_addr(), ttl)
+        .await
+        .unwrap();
+    let store = RedisStore::open(RedisOptions {
+        url: redis.url(),
+        prefix: format!("slackgate:{name}"),
+        timeout: Duration::from_millis(500),
+        retention_ms: 60_000,
+        hold_ttl_ms: 900_000,
+    })
+    .unwrap();
+    let now = slackgate_gateway::support::clock::epoch_ms();
+    let held = HoldRecord {
+        key: "K".into(),
+        tenant: None,
+        state: HoldState::Held,
+        attempt: 0,
+        tokens_held: 10,
+        tokens_spent: 0,
+        tokens_wasted: 0,
+        created_at_ms: now,
+        expires_at_ms: slackgate_core::ledger::NEVER,
+        updated_at_ms: now,
+        version: now,
+        prior_spent: 0,
+        prior_wasted: 0,
+        reservation: false,
+        owner: Some(c_owner.clone()),
+        dispatched: None,
+    };
+    store.write(vec![held.clone()]);
+    store.flush().unwrap();
+    // a hands the lease over; b adopts K, the hold of c, which still checks in.
+    a.gate.shutdown().await;
+    wait_leads(&b, "b leads").await;
+    let state = || {
+        b.gate
+            .shared()
+            .with_core(|st, _, _| st.gate.ledger().get("K").map(|h| h.state))
+    };
+    assert_eq!(state(), Some(HoldState::Held), "b adopted c's hold");
+    // c settles it: its own record.
+    store.fence(&c_owner, 0);
+    store.write(vec![HoldRecord {
+        state: HoldState::Done,
+        tokens_spent: 9,
+        updated_at_ms: now + 5,
+        version: now + 5,
+        ..held
+    }]);
+    store.flush().unwrap();
+    wait_until(
+        Duration::from_millis(4 * ttl),
+        "the leader learns c's settlement",
+        || std::future::ready(state() == Some(HoldState::Done)),
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = keep_alive.join();
+    b.gate.shutdown().await;
+}

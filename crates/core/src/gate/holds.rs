@@ -188,6 +188,32 @@ impl Gate {
         }
     }
 
+    /// Keys held here for another gate of the cluster (their holds name another owner, no
+    /// job of this gate holds them): their settlement happens elsewhere, and is learned from
+    /// the shared store ([`Gate::learn_settled`]). At most `limit`.
+    pub fn foreign_held(&self, limit: usize) -> Vec<String> {
+        let me = self.hold_owner.as_deref();
+        let live = self.live_keys();
+        self.ledger
+            .records()
+            .filter(|r| r.state == crate::ledger::HoldState::Held && !r.reservation)
+            .filter(|r| r.owner.is_some() && r.owner.as_deref() != me)
+            .filter(|r| !live.contains(&r.key))
+            .map(|r| r.key.clone())
+            .take(limit)
+            .collect()
+    }
+
+    /// Take the settlements another gate wrote for holds held here (records read back from
+    /// the shared store for [`Gate::foreign_held`]'s keys). Returns how many applied.
+    pub fn learn_settled(&mut self, now: Millis, records: &[HoldRecord]) -> usize {
+        let now = self.clock(now);
+        records
+            .iter()
+            .filter(|r| self.ledger.learn_settled(now, r))
+            .count()
+    }
+
     /// The live job holding `key`, if any.
     pub fn job_for_key(&self, key: &str) -> Option<JobId> {
         self.keys

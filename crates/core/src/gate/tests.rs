@@ -944,3 +944,41 @@ fn a_dead_leaders_queued_holds_expire_at_once_and_a_gate_alone_marks_no_dispatch
         .iter()
         .all(|r| r.dispatched.is_none()));
 }
+
+#[test]
+fn a_leader_learns_another_gates_settlement_of_a_hold_it_keeps_for_it() {
+    use crate::ledger::{HoldRecord, HoldState};
+    let mut g = Gate::new(cfg(2, 800.0)).unwrap();
+    g.set_hold_owner("b");
+    let held = shared_hold("k", HoldState::Held, Some("c"));
+    g.adopt_ledger(
+        vec![held.clone()],
+        2_000,
+        &["c".to_string()].into(),
+        false,
+        0,
+    );
+    g.take_ledger_records();
+    assert_eq!(g.foreign_held(10), vec!["k".to_string()]);
+    // Another hold of the key (a different owner) settling changes nothing here.
+    let other = HoldRecord {
+        state: HoldState::Done,
+        owner: Some("x".into()),
+        version: 600,
+        ..held.clone()
+    };
+    assert_eq!(g.learn_settled(2_100, &[other]), 0);
+    assert_eq!(g.ledger().get("k").map(|h| h.state), Some(HoldState::Held));
+    // Its own replica's `done`: taken, with its spend, and nothing to write back.
+    let done = HoldRecord {
+        state: HoldState::Done,
+        tokens_spent: 90,
+        version: 600,
+        ..held
+    };
+    assert_eq!(g.learn_settled(2_100, &[done]), 1);
+    assert_eq!(g.ledger().get("k").map(|h| h.state), Some(HoldState::Done));
+    assert_eq!(g.ledger().get("k").map(|h| h.tokens_spent), Some(90));
+    assert!(g.take_ledger_records().is_empty());
+    assert!(g.foreign_held(10).is_empty());
+}

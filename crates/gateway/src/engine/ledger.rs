@@ -175,6 +175,19 @@ impl Shared {
         rx
     }
 
+    /// Cluster mode, on the leader about once a TTL: the holds it keeps for other replicas
+    /// (adopted while they were held) are read back from the shared store, and those their
+    /// replicas have settled since are settled here too. Blocking (a Redis call): on the lease
+    /// thread. Returns how many.
+    pub fn learn_foreign_settlements(&self) -> Result<usize, StoreError> {
+        let keys = self.with_core(|st, _, _| st.gate.foreign_held(LEARN_BATCH));
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let records = self.store.read(&keys)?;
+        Ok(self.with_core(|st, now, _| st.gate.learn_settled(now, &records)))
+    }
+
     /// Take over the shared ledger from `records` (what [`Shared::load_shared_ledger`] read):
     /// see the core's `Gate::adopt_ledger`. Returns the records adopted.
     pub fn adopt_loaded(
@@ -261,3 +274,6 @@ fn load_shared(
     let _ = store.flush();
     store.load()
 }
+
+/// Foreign holds read back per round by [`Shared::learn_foreign_settlements`].
+const LEARN_BATCH: usize = 1_000;

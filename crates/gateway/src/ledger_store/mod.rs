@@ -90,6 +90,11 @@ pub trait LedgerStore: Send + Sync + 'static {
     /// `epoch` is the lease's current one (fencing a deposed leader). Stores that one process
     /// owns ignore it.
     fn fence(&self, _owner: &str, _epoch: u64) {}
+    /// The records of `keys` as the store has them now (a shared store: what other replicas
+    /// wrote). Stores that one process owns have nothing newer than its memory: none.
+    fn read(&self, _keys: &[String]) -> Result<Vec<HoldRecord>, StoreError> {
+        Ok(Vec::new())
+    }
     /// [`LedgerStore::flush`] for async callers (the request path): resolves when everything
     /// written so far is durable, without parking a thread per waiter. The default runs
     /// `flush` on tokio's blocking pool.

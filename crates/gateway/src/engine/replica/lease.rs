@@ -442,6 +442,9 @@ fn write_ledger_back(gate: &Shared, st: &mut Lease, alive: &HashSet<String>) {
 fn expire_orphans_once_a_ttl(gate: &Shared, st: &mut Lease, alive: &HashSet<String>) {
     st.beats += 1;
     if st.beats.is_multiple_of(3) {
+        // Settlements of the holds kept for live replicas first: only those still held
+        // after it can be orphans. A failed read is retried a TTL later.
+        let _ = gate.learn_foreign_settlements();
         let n = gate.expire_orphans(alive);
         if n > 0 {
             gate.cluster_event(

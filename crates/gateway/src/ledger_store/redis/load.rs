@@ -67,6 +67,37 @@ pub(super) fn scan_all(link: &mut Link, shared: &Shared) -> Result<Vec<HoldRecor
     Ok(out)
 }
 
+/// The records of `keys` (one `HMGET`); absent and unreadable ones are left out.
+pub(super) fn read_keys(
+    link: &mut Link,
+    shared: &Shared,
+    keys: &[String],
+) -> Result<Vec<HoldRecord>, StoreError> {
+    if keys.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut cmd = redis::cmd("HMGET");
+    cmd.arg(&shared.keys.holds);
+    for k in keys {
+        cmd.arg(k);
+    }
+    let values: Vec<Option<Vec<u8>>> = match link.query(&cmd) {
+        Ok(v) => {
+            shared.saw(true);
+            v
+        }
+        Err(e) => {
+            shared.saw(false);
+            return Err(shared.unavailable(format!("read: {e}")));
+        }
+    };
+    Ok(keys
+        .iter()
+        .zip(values)
+        .filter_map(|(k, v)| parse_entry(k.as_bytes(), &v?).ok())
+        .collect())
+}
+
 /// One hash entry back into a record, or why it cannot be (hand edits, another program).
 fn parse_entry(field: &[u8], value: &[u8]) -> Result<HoldRecord, String> {
     let field = String::from_utf8_lossy(field);

@@ -239,6 +239,11 @@ impl LedgerStore for RedisStore {
         self.shared.set_fence(owner, epoch);
     }
 
+    fn read(&self, keys: &[String]) -> Result<Vec<HoldRecord>, StoreError> {
+        let mut link = self.upkeep.lock().unwrap_or_else(|p| p.into_inner());
+        load::read_keys(&mut link, &self.shared, keys)
+    }
+
     /// Commits what was queued before, then reads the whole hash with `HSCAN` (in steps, so
     /// Redis is never blocked by one huge reply). Unreadable entries are skipped and counted.
     fn load(&self) -> Result<Vec<HoldRecord>, StoreError> {
