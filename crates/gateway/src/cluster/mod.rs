@@ -143,7 +143,16 @@ async fn here_first<L: Local>(
     if !is_not_leader(&resp) {
         return resp;
     }
-    elsewhere(local, shared, cluster, parts, bytes, target, arrived).await
+    elsewhere(
+        local,
+        shared,
+        cluster,
+        (parts, bytes),
+        target,
+        arrived,
+        None,
+    )
+    .await
 }
 
 /// The answer of a replica that no longer leads and did nothing with the request.
@@ -163,37 +172,24 @@ async fn via_leader<L: Local>(
     url: String,
     arrived: Instant,
 ) -> Response<ResBody> {
-    let (parts, bytes) = match read_whole(&shared, req).await {
-        Ok(r) => r,
-        Err(resp) => return resp,
-    };
-    let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
-    let sent = forward_counted(
-        &shared,
-        &cluster,
-        url,
-        &parts,
-        bytes.clone(),
-        arrived,
-        bound,
-    );
-    if let Ok(resp) = sent.await {
-        return resp;
+    match read_whole(&shared, req).await {
+        Ok(whole) => elsewhere(local, shared, cluster, whole, target, arrived, Some(url)).await,
+        Err(resp) => resp,
     }
-    elsewhere(local, shared, cluster, parts, bytes, target, arrived).await
 }
 
-/// The replica that was asked did not decide the request (it no longer leads, or is gone):
-/// the lease may just have changed hands, so ask Redis now and go where the answer says;
-/// then by the class's fail mode.
+/// Send the request to `first` when given (the leader last seen); when the replica there does
+/// not decide it (it no longer leads, or is gone), or none was given (this replica stopped
+/// leading before sending it), the lease may just have changed hands: ask Redis now and go
+/// where the answer says; then by the class's fail mode.
 async fn elsewhere<L: Local>(
     local: L,
     shared: Arc<Shared>,
     cluster: Arc<Cluster>,
-    parts: http::request::Parts,
-    bytes: Bytes,
+    (parts, bytes): (http::request::Parts, Bytes),
     target: Target,
     arrived: Instant,
+    first: Option<String>,
 ) -> Response<ResBody> {
     let bound = forward_bound(&shared, &cluster, &parts.headers, arrived);
     let forward_to = |url| {
@@ -207,6 +203,11 @@ async fn elsewhere<L: Local>(
             bound,
         )
     };
+    if let Some(url) = first {
+        if let Ok(resp) = forward_to(url).await {
+            return resp;
+        }
+    }
     match cluster.route_after_next_beat().await {
         Route::Forward(next) => {
             if let Ok(resp) = forward_to(next).await {

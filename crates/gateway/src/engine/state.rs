@@ -320,9 +320,9 @@ impl Shared {
                 written = written.or(later);
             }
             // In a cluster, every decision line says whether the leader made it or a replica
-            // that could reach none (its class failing open).
-            if let Some(c) = &self.cluster {
-                let mode = c.local_mode().as_str();
+            // that could reach none (its class failing open): as read on entry (`leading`).
+            if self.cluster.is_some() {
+                let mode = crate::engine::replica::Role::deciding(st.leading.is_some()).as_str();
                 for line in lines.iter_mut().filter(|l| l.action.decides()) {
                     line.cluster = Some(mode);
                 }
@@ -347,7 +347,7 @@ impl Shared {
         // its core changes (a TTL expiry in its stale copy, say) is its own view, and must not
         // overwrite the leader's truth.
         if let Some(c) = &self.cluster {
-            if !c.leads() {
+            if st.leading.is_none() {
                 records.retain(|r| r.owner.as_deref() == Some(c.owner.as_str()));
             }
         }

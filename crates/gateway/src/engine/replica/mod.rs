@@ -364,11 +364,7 @@ impl Cluster {
 
     /// `leader` or `degraded` for a decision made here (`None` when this replica forwards).
     pub fn local_mode(&self) -> Role {
-        if self.leads() {
-            Role::Leader
-        } else {
-            Role::Degraded
-        }
+        Role::deciding(self.leads())
     }
 
     /// Flags were set on this replica: write them to Redis at once (the lease thread retries
@@ -485,6 +481,16 @@ pub enum Role {
 }
 
 impl Role {
+    /// The role of a decision made here: `leader` while this replica `leads`, `degraded`
+    /// otherwise (deciding alone by fail mode).
+    pub fn deciding(leads: bool) -> Role {
+        if leads {
+            Role::Leader
+        } else {
+            Role::Degraded
+        }
+    }
+
     /// The stable name (`/stats`, the decision log's `cluster` field).
     pub fn as_str(self) -> &'static str {
         match self {
