@@ -32,6 +32,9 @@ pub struct SimArgs {
     /// (displacement on, for the `slackgate` and `slackgate-displace` rows alike).
     #[arg(long, value_name = "MS")]
     pub displace_within: Option<u64>,
+    /// Set slackgate's pool `headroom`: `learned`, `off` or a number of slots.
+    #[arg(long, value_parser = parse_headroom)]
+    pub headroom: Option<slackgate_core::config::Headroom>,
     /// Skip the clairvoyant reference run (false rejections are not counted).
     #[arg(long)]
     pub no_reference: bool,
@@ -56,6 +59,9 @@ pub fn run(a: SimArgs) -> Result<()> {
         for c in s.classes.iter_mut().filter(|c| c.deadline_ms.is_some()) {
             c.displace_within_ms = Some(window);
         }
+    }
+    if let Some(h) = a.headroom {
+        s.slackgate.headroom = Some(h);
     }
     if let Some(load) = a.load {
         match s.trace.as_mut() {
@@ -117,4 +123,17 @@ pub fn run(a: SimArgs) -> Result<()> {
         writeln!(out, "{markdown}")?;
     }
     Ok(())
+}
+
+/// `--headroom`: as the config takes it.
+fn parse_headroom(v: &str) -> Result<slackgate_core::config::Headroom, String> {
+    use slackgate_core::config::Headroom;
+    match v {
+        "learned" => Ok(Headroom::Learned),
+        "off" | "0" => Ok(Headroom::Off),
+        n => n
+            .parse::<u32>()
+            .map(Headroom::Slots)
+            .map_err(|_| format!("expected learned, off or a number of slots, not {n:?}")),
+    }
 }

@@ -535,6 +535,10 @@ pub struct SlackgateSpec {
     /// The pool's `forecast_refused_weight` (default: the gate's).
     #[serde(default)]
     pub forecast_refused_weight: Option<f64>,
+    /// The pool's `headroom` (`"learned"`, `"off"` or a number of slots; default: the
+    /// gate's).
+    #[serde(default)]
+    pub headroom: Option<slackgate_core::config::Headroom>,
 }
 
 impl Default for SlackgateSpec {
@@ -546,6 +550,7 @@ impl Default for SlackgateSpec {
             forecast: true,
             forecast_window_ms: None,
             forecast_refused_weight: None,
+            headroom: None,
         }
     }
 }

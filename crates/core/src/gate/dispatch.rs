@@ -34,6 +34,19 @@ impl Gate {
             let Some(id) = self.next_queued(pi) else {
                 continue;
             };
+            let pool_id = PoolId(pi);
+            let held = self
+                .jobs
+                .get(&id)
+                .is_some_and(|j| self.held_for_headroom(now, pool_id, j));
+            if held {
+                // Kept for the higher classes' arrivals (see `headroom`): it waits in its
+                // queue, and its dispatch line will say for how long.
+                if let Some(j) = self.jobs.get_mut(&id) {
+                    j.held_since.get_or_insert(now);
+                }
+                continue;
+            }
             let Some(job) = self.jobs.get(&id).cloned() else {
                 continue;
             };
@@ -48,7 +61,6 @@ impl Gate {
                 && !self.cfg.shadow
                 && !job.protected
                 && job.slack_after(now, 0).is_some_and(|s| s < 0);
-            let pool_id = PoolId(pi);
             self.record_start_error(now, pool_id, &job, dead);
             if dead || closing {
                 self.drop_unstarted(now, id, &job, pool_id, closing);
@@ -137,6 +149,7 @@ impl Gate {
                 started: now,
                 est: est.service_ms,
                 endpoint,
+                lane: job.class,
             },
         );
         if let Some(e) = pool.endpoints.get_mut(endpoint) {
@@ -171,6 +184,7 @@ impl Gate {
             est_service_ms: est.service_ms,
             in_flight,
             pool_depth,
+            held_ms: job.held_since.map(|t| now.saturating_sub(t)),
         });
     }
 
