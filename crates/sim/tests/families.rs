@@ -467,3 +467,105 @@ fn a_silent_shape_draws_nothing_and_does_not_hang() {
     let s = Scenario::parse("f.toml", &text, Path::new(".")).unwrap();
     assert!(arrivals(&s).is_empty());
 }
+
+#[test]
+fn each_family_file_refuses_hostile_edits_with_field_and_line() {
+    let cases: &[(&str, &str, &str, &str)] = &[
+        (
+            "family-waves.toml",
+            "period_s = 20",
+            "period_s = 0",
+            "arrivals.waves[0].period_s",
+        ),
+        (
+            "family-waves.toml",
+            "amplitude = 0.4",
+            "amplitude = nan",
+            "arrivals.waves[1].amplitude",
+        ),
+        (
+            "family-waves.toml",
+            "phase = 0.5",
+            "phase = -0.5",
+            "arrivals.waves[2].phase",
+        ),
+        (
+            "family-diurnal.toml",
+            "high = 2.0",
+            "high = -2.0",
+            "arrivals.diurnal.high",
+        ),
+        (
+            "family-diurnal.toml",
+            "low = 0.25",
+            "low = inf",
+            "arrivals.diurnal.low",
+        ),
+        (
+            "family-size-shift.toml",
+            "at_s = 300",
+            "at_s = 600",
+            "arrivals.size_shifts[0].at_s",
+        ),
+        (
+            "family-size-shift.toml",
+            "output_scale = 2.5",
+            "output_scale = 1e12",
+            "arrivals.size_shifts[1].output_scale",
+        ),
+        (
+            "family-heldback-lognormal-bursts.toml",
+            "calm_s = 45",
+            "calm_s = nan",
+            "arrivals.bursts.calm_s",
+        ),
+        (
+            "family-heldback-lognormal-bursts.toml",
+            "factor = 5.0",
+            "factor = -5.0",
+            "arrivals.bursts.factor",
+        ),
+        (
+            "family-heldback-lognormal-bursts.toml",
+            "classes = [\"interactive\", \"batch\"]",
+            "classes = [\"interactive\", \"batsh\"]",
+            "arrivals.bursts.classes[1]",
+        ),
+    ];
+    for (file, from, to, field) in cases {
+        let text = std::fs::read_to_string(scenarios_dir().join(file)).unwrap();
+        assert!(text.contains(from), "{file}: {from}");
+        let bad = text.replacen(from, to, 1);
+        let line = bad.lines().position(|l| l.trim() == *to).unwrap() + 1;
+        match Scenario::parse(file, &bad, Path::new(".")) {
+            Err(ScenarioError::Field {
+                line: got,
+                field: f,
+                message,
+                ..
+            }) => {
+                assert_eq!(f, *field, "{file}: {to}: {message}");
+                assert_eq!(got, line, "{file}: {to}: {message}");
+            }
+            other => panic!("{file}: {to}: expected a field error, got {other:?}"),
+        }
+    }
+    // Every family refuses a NaN, negative or infinite base rate, and absurd sizes.
+    for file in FAMILIES {
+        let text = std::fs::read_to_string(scenarios_dir().join(file)).unwrap();
+        let rate = text.lines().find(|l| l.starts_with("rate = ")).unwrap();
+        for to in ["rate = nan", "rate = -1.0", "rate = inf", "rate = 0.0"] {
+            let e = Scenario::parse(file, &text.replacen(rate, to, 1), Path::new(".")).unwrap_err();
+            assert!(
+                e.to_string().contains("field arrivals.rate"),
+                "{file}: {to}: {e}"
+            );
+        }
+        let bad = text.replacen("max_tokens = 2048", "max_tokens = 99999999999", 1);
+        let e = Scenario::parse(file, &bad, Path::new(".")).unwrap_err();
+        assert!(
+            e.to_string().contains("max_tokens") || e.to_string().contains("u32"),
+            "{file}: {e}"
+        );
+    }
+}
