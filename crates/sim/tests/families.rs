@@ -569,3 +569,29 @@ fn each_family_file_refuses_hostile_edits_with_field_and_line() {
         );
     }
 }
+
+#[test]
+fn every_family_runs_under_every_policy_within_the_bound() {
+    let policies: Vec<String> = slackgate_sim::scenario::known_policies()
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for file in FAMILIES {
+        for load in [1.0, 4.0] {
+            let mut s = family(file);
+            scale_to_load(&mut s, load).unwrap();
+            let (rep, _) = slackgate_sim::simulate(&s, &policies).unwrap();
+            for p in &rep.policies {
+                let name = format!("{file} at {load}: {}", p.policy);
+                assert_eq!(p.protocol_errors, 0, "{name}");
+                let t = &p.total;
+                assert_eq!(
+                    t.on_time + t.late + t.rejected + t.dropped + t.abandoned + t.failed,
+                    t.requests,
+                    "{name}: every request ends exactly once"
+                );
+                assert!(t.on_time_work_s <= rep.bound_work_s + 1e-6, "{name}");
+            }
+        }
+    }
+}
