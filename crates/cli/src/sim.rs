@@ -22,7 +22,10 @@ pub struct SimArgs {
     /// default: the scenario's.
     #[arg(long = "noise", value_delimiter = ',')]
     pub noise: Vec<f64>,
-    /// Override a trace scenario's load (multiple of capacity), e.g. 1, 2 or 4.
+    /// Run at this offered load (multiple of capacity, as the report's "offered load":
+    /// deadline work over what the slots serve), e.g. 1, 2 or 4. A trace is compressed or
+    /// stretched in time; a generated scenario keeps its time axis and has its rate (and its
+    /// arrival cap) scaled until the offered load is within 1% of the figure.
     #[arg(long)]
     pub load: Option<f64>,
     /// Do not tell slackgate each request's (noisy) size: it uses the class's learned mean.
@@ -64,10 +67,7 @@ pub fn run(a: SimArgs) -> Result<()> {
         s.slackgate.headroom = Some(h);
     }
     if let Some(load) = a.load {
-        match s.trace.as_mut() {
-            Some(t) => t.load = Some(load),
-            None => bail!("--load applies to trace scenarios only"),
-        }
+        slackgate_sim::load::scale_to_load(&mut s, load)?;
     }
     let names = if a.policies.is_empty() {
         s.policy_names()
