@@ -36,7 +36,7 @@ pub struct SimArgs {
     #[arg(long, value_name = "MS")]
     pub displace_within: Option<u64>,
     /// Set slackgate's pool `headroom`: `learned`, `off` or a number of slots.
-    #[arg(long, value_parser = parse_headroom)]
+    #[arg(long)]
     pub headroom: Option<slackgate_core::config::Headroom>,
     /// Skip the clairvoyant reference run (false rejections are not counted).
     #[arg(long)]
@@ -123,17 +123,4 @@ pub fn run(a: SimArgs) -> Result<()> {
         writeln!(out, "{markdown}")?;
     }
     Ok(())
-}
-
-/// `--headroom`: as the config takes it.
-fn parse_headroom(v: &str) -> Result<slackgate_core::config::Headroom, String> {
-    use slackgate_core::config::Headroom;
-    match v {
-        "learned" => Ok(Headroom::Learned),
-        "off" | "0" => Ok(Headroom::Off),
-        n => n
-            .parse::<u32>()
-            .map(Headroom::Slots)
-            .map_err(|_| format!("expected learned, off or a number of slots, not {n:?}")),
-    }
 }

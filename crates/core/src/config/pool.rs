@@ -86,15 +86,25 @@ impl TryFrom<HeadroomSetting> for Headroom {
     type Error = String;
     fn try_from(v: HeadroomSetting) -> Result<Self, Self::Error> {
         match v {
-            HeadroomSetting::Word(w) if w == "learned" => Ok(Headroom::Learned),
-            HeadroomSetting::Word(w) if w == "off" => Ok(Headroom::Off),
-            HeadroomSetting::Word(w) => Err(format!(
-                "headroom must be \"learned\", \"off\" or a number of slots, not {w:?}"
-            )),
+            HeadroomSetting::Word(w) => w.parse(),
             HeadroomSetting::Slots(0) => Ok(Headroom::Off),
             HeadroomSetting::Slots(n) => u32::try_from(n)
                 .map(Headroom::Slots)
                 .map_err(|_| format!("headroom must be a number of slots from 0, not {n}")),
+        }
+    }
+}
+
+/// `learned`, `off` or a number of slots (a command line's `--headroom`).
+impl std::str::FromStr for Headroom {
+    type Err = String;
+    fn from_str(w: &str) -> Result<Self, Self::Err> {
+        match w {
+            "learned" => Ok(Headroom::Learned),
+            "off" | "0" => Ok(Headroom::Off),
+            n => n.parse::<u32>().map(Headroom::Slots).map_err(|_| {
+                format!("headroom must be \"learned\", \"off\" or a number of slots, not {w:?}")
+            }),
         }
     }
 }

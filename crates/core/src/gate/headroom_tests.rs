@@ -44,7 +44,7 @@ fn best_effort_work_leaves_the_pinned_headroom_free_for_the_class_above() {
     assert_eq!(
         (
             snap.pools[0].headroom_slots,
-            snap.pools[0].headroom_free_slots
+            snap.pools[0].headroom_reserved_slots
         ),
         (1, 1)
     );
@@ -158,4 +158,55 @@ fn a_pinned_headroom_must_leave_lower_classes_a_slot() {
     assert_eq!(e, Some("pools[0].headroom".to_string()));
     c.pools[0].headroom = Headroom::Slots(3);
     assert_eq!(c.validate(), Ok(()));
+}
+
+#[test]
+fn held_best_effort_work_does_not_block_work_with_a_deadline_below_it() {
+    // prod (100) > probe (50, best effort, held) > nightly (10, 60 s deadline, never held).
+    let mut c = cfg(4, 100.0);
+    c.pools[0].headroom = Headroom::Slots(1);
+    c.classes[1].max_queue_age_ms = None;
+    c.classes[1].priority = 50;
+    c.classes.push(crate::config::ClassConfig {
+        name: "nightly".into(),
+        priority: 10,
+        deadline_ms: Some(60_000),
+        pool: "free".into(),
+        ..crate::config::ClassConfig::default()
+    });
+    let mut g = Gate::new(c).unwrap();
+    for i in 0..4 {
+        g.offer(0, keyed(&g, "probe", &format!("p{i}")));
+    }
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 3, "the fourth is held");
+    // A nightly request (its projection counts the held job ahead of it, the conservative
+    // side) starts now on the free slot, past the held probe, instead of waiting behind it.
+    let e = g.offer(1, keyed(&g, "nightly", "e"));
+    assert_eq!(e.action, Action::Admit);
+    assert_eq!(dispatched(&drain(&mut g, 1)), vec![(e.job_id, None)]);
+}
+
+#[test]
+fn a_neighbours_load_never_holds_best_effort_work() {
+    // The server's gauges say neighbours run on every slot the gate does not use: the gate
+    // still counts its own slots for the headroom (as it does for what it sends), so the
+    // best-effort work is not held forever on a reading.
+    let mut g = gate(Headroom::Slots(1));
+    g.set_server_reading(0, PoolId(0), 0, Some((4, 0)), 500);
+    let d = g.offer(0, keyed(&g, "probe", "p"));
+    assert_eq!(d.action, Action::Admit);
+    assert_eq!(dispatched(&drain(&mut g, 0)), vec![(d.job_id, None)]);
+}
+
+#[test]
+fn a_pinned_headroom_keeps_nothing_for_a_disabled_class() {
+    let mut c = cfg(4, 100.0);
+    c.pools[0].headroom = Headroom::Slots(2);
+    c.classes[0].enabled = false;
+    c.classes[1].max_queue_age_ms = None;
+    let mut g = Gate::new(c).unwrap();
+    for i in 0..4 {
+        g.offer(0, keyed(&g, "probe", &format!("p{i}")));
+    }
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 4);
 }

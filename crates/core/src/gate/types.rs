@@ -150,8 +150,8 @@ pub enum Event {
         in_flight: u32,
         /// Still queued on the pool.
         pool_depth: u32,
-        /// How long it was held back by the pool's headroom (kept free for higher classes)
-        /// while a slot was free; `None` when it never was.
+        /// The time since the pool's headroom (slots kept for higher classes) first held it
+        /// back from a free slot; `None` when it never did.
         held_ms: Option<u64>,
     },
     /// This queued job will not be sent: answer its client with the reason.

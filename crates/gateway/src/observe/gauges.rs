@@ -276,14 +276,14 @@ const POOL_GAUGES: [PoolGauge; 8] = [
     (
         "slackgate_headroom_slots",
         "Slots the pool keeps for its higher classes' arrivals (the headroom, learned or \
-         pinned), as its lowest class sees it.",
+         pinned), as its best-effort classes see it.",
         |p| f64::from(p.headroom_slots),
     ),
     (
-        "slackgate_headroom_free_slots",
-        "Slots lower classes may not take now: the headroom less what the higher classes \
-         already run.",
-        |p| f64::from(p.headroom_free_slots),
+        "slackgate_headroom_reserved_slots",
+        "Slots best-effort work of lower classes may not take now: the headroom less what \
+         the higher classes already run.",
+        |p| f64::from(p.headroom_reserved_slots),
     ),
     (
         "slackgate_estimator_overhead_seconds",

@@ -72,8 +72,8 @@ pub struct LogLine {
     /// On `dispatch`, `drop`, `complete` and `cancel` lines: jobs queued on the pool, every
     /// class, after the event.
     pub pool_depth: Option<u32>,
-    /// On `dispatch` lines of best-effort work the pool's headroom held back: how long it
-    /// waited with a slot free, kept for higher classes (absent when it was not held).
+    /// On `dispatch` lines of best-effort work the pool's headroom held back: the time since
+    /// it first waited with a slot free, kept for higher classes (absent when never held).
     pub headroom_held_ms: Option<u64>,
     /// `admit`, `reject`, `shadow_reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`,
     /// and the operator events `flag`, `reload`, `shutdown`.

@@ -320,7 +320,7 @@ fn queues(shared: &Shared) -> serde_json::Value {
                 "oldest_in_flight_age_ms": p.oldest_in_flight_age_ms,
                 "in_flight_remaining_ms": p.in_flight_remaining_ms, "retired": p.retired,
                 "headroom_slots": p.headroom_slots,
-                "headroom_free_slots": p.headroom_free_slots,
+                "headroom_reserved_slots": p.headroom_reserved_slots,
                 "endpoints": p.endpoints,
             })
         })
