@@ -155,3 +155,9 @@ scripts/check-alerts.sh
 
 echo "== python: openai SDK and curl against a live gate"
 scripts/test-python.sh
+
+# The container image (deploy/Containerfile): its final stage built from the release binary
+# the Python suite just built, the image's own files run with buildah (the stub and the gate,
+# /healthz, /readyz, a request through, SIGTERM); about 5 s. Installs Debian's buildah.
+echo "== container image: scripts/image.sh"
+scripts/image.sh
