@@ -161,3 +161,11 @@ scripts/test-python.sh
 # /healthz, /readyz, a request through, SIGTERM); about 5 s. Installs Debian's buildah.
 echo "== container image: scripts/image.sh"
 scripts/image.sh
+
+# The Kubernetes manifests (deploy/k8s): every overlay rendered offline with kubectl's
+# Kustomize and checked against the gate's config and binary, then broken on purpose; about
+# 2 s. Fails, naming kubectl, when it is missing.
+echo "== Kubernetes manifests: scripts/check-k8s.py"
+k8s_started=$(date +%s)
+"$(scripts/venv.sh)" scripts/check-k8s.py
+echo "check-k8s took $(( $(date +%s) - k8s_started )) s"
