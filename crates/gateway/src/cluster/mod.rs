@@ -475,7 +475,7 @@ fn leader_request(
 /// body took and the forwarding so far come out of them.
 fn charge_time_spent(headers: &mut HeaderMap, arrived: Instant) {
     let spent = u64::try_from(arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
-    for name in ["x-deadline-ms", "x-slo-ttft-ms"] {
+    for name in ["x-deadline-ms", "x-slo-ttft-ms", "x-llm-d-slo-ttft-ms"] {
         let left = relative_ms(headers, name).map(|ms| ms.saturating_sub(spent).max(1));
         if let Some(left) = left {
             headers.insert(name, HeaderValue::from(left));
