@@ -326,6 +326,27 @@ def self_test(rendered, binary):
     return failed, caught
 
 
+def check_examples():
+    """Every metric an example under deploy/k8s/examples queries is one the gate exports (the
+    table in docs/reference.md, which a test holds to a live scrape)."""
+    import re
+    with open(os.path.join(ROOT, "docs", "reference.md")) as f:
+        exported = set(re.findall(r"^\| `(slackgate_[a-z_]+)` \|", f.read(), re.M))
+    need(exported, "no metrics table in docs/reference.md")
+    folder = os.path.join(ROOT, "deploy", "k8s", "examples")
+    checked = 0
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        for d in docs:
+            for t in d.get("spec", {}).get("triggers", []):
+                query = t.get("metadata", {}).get("query", "")
+                for m in re.findall(r"slackgate_[a-z_]+", query):
+                    need(m in exported, f"examples/{name} queries {m}, which the gate does not export")
+                    checked += 1
+    return checked
+
+
 def main():
     binary = os.environ.get("SLACKGATE_BIN") or os.path.join(
         os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "slackgate")
@@ -352,6 +373,11 @@ def main():
         except Failure as e:
             failed += 1
             print(f"check-k8s: overlays/{name}: FAILED: {e}", file=sys.stderr)
+    try:
+        print(f"check-k8s: examples: {check_examples()} metric names in queries, all exported")
+    except Failure as e:
+        failed += 1
+        print(f"check-k8s: examples: FAILED: {e}", file=sys.stderr)
     bad, caught = self_test(rendered, binary)
     failed += bad
     if failed:
