@@ -169,3 +169,9 @@ echo "== Kubernetes manifests: scripts/check-k8s.py"
 k8s_started=$(date +%s)
 "$(scripts/venv.sh)" scripts/check-k8s.py
 echo "check-k8s took $(( $(date +%s) - k8s_started )) s"
+
+# LiteLLM in front of the gate (docs/deployment.md, "LiteLLM in front"): a real LiteLLM proxy
+# in its own .venv-litellm (about 3 minutes to install the first time, then nothing), the
+# run about 15 s.
+echo "== LiteLLM in front: scripts/test-litellm.sh"
+scripts/test-litellm.sh
