@@ -69,9 +69,15 @@ trap cleanup EXIT
 
 echo "image.sh: staging $bin and what it links (ldd)"
 scripts/image-rootfs.sh "$bin" "$work/context/image"
-# The staged directory stands in for the builder stage: nothing is pulled or compiled.
+# The staged directory stands in for the builder stage: nothing is pulled or compiled. The
+# image this tag named before is removed afterwards (vfs keeps a full copy of each).
+previous=$(bh images --quiet --no-trunc "$image" 2>/dev/null | head -1 || true)
 bh bud --quiet --build-context "builder=$work/context" -f deploy/Containerfile -t "$image" \
   "$work/context" >/dev/null
+current=$(bh images --quiet --no-trunc "$image" | head -1)
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+  bh rmi "$previous" >/dev/null 2>&1 || true
+fi
 size=$(bh images --format '{{.Size}}' "$image" | head -1)
 echo "image.sh: built $image ($size)"
 
