@@ -171,7 +171,7 @@ k8s_started=$(date +%s)
 echo "check-k8s took $(( $(date +%s) - k8s_started )) s"
 
 # LiteLLM in front of the gate (docs/deployment.md, "LiteLLM in front"): a real LiteLLM proxy
-# in its own .venv-litellm (about 3 minutes to install the first time, then nothing), the
-# run about 15 s.
+# in its own virtualenv cached outside the checkout (1.5-4 minutes to create on a new
+# machine, then nothing), the run about 15 s.
 echo "== LiteLLM in front: scripts/test-litellm.sh"
 scripts/test-litellm.sh

@@ -2,7 +2,7 @@
 """LiteLLM in front of the gate, the gate in front of the stub: a real LiteLLM proxy, a real
 gate and the stub, each a process on a free loopback port, every wait bounded.
 
-    python tests/litellm/litellm_hop.py      (scripts/test-litellm.sh runs it in .venv-litellm)
+    python tests/litellm/litellm_hop.py      (scripts/test-litellm.sh runs it in LiteLLM's venv)
 
 The recipe under test (docs/deployment.md, "LiteLLM in front"): LiteLLM's
 `general_settings.forward_client_headers_to_llm_api: true` and `litellm_settings.num_retries:
