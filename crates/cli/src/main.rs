@@ -7,6 +7,7 @@
 //! - `slackgate check FILE [--probe]` (or `--config FILE`)
 //! - `slackgate tenant-id [--config FILE] [--ledger PATH] [--header] [KEY ...]`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
+//! - `slackgate sim-matrix [SCENARIO.toml ...] [--load 1,2,4] [--noise 0,0.3] [--json]`
 //! - `slackgate drill SCENARIO.toml [--time-scale F] [--real-upstream URL] [--json] [--out DIR]`
 //! - `slackgate calibrate --upstream URL [--model NAME] [--slots N] [--quick]`
 
@@ -14,6 +15,7 @@ mod calibrate;
 mod check;
 mod diagnostics;
 mod drill;
+mod matrix;
 mod sim;
 
 use anyhow::{bail, Context, Result};
@@ -45,6 +47,9 @@ enum Command {
     Check(check::CheckArgs),
     /// Simulate a scenario under several admission policies and compare them.
     Sim(sim::SimArgs),
+    /// Run one policy over many scenarios at loads 1, 2, 4 and noise 0, 0.3: admitted on time
+    /// per class, and the worst row (issue 26's matrix).
+    SimMatrix(matrix::MatrixArgs),
     /// Run a scenario live over HTTP through a real gate and stub, gate on versus off.
     Drill(drill::DrillArgs),
     /// Measure a model server's cost curve (alone and under concurrency) and print priors.
@@ -195,6 +200,7 @@ fn main() -> Result<()> {
     // The simulator is plain CPU work: no runtime.
     let cli = match cli.command {
         Command::Sim(a) => return sim::run(a),
+        Command::SimMatrix(a) => return matrix::run(a),
         // The drill builds its own runtime.
         Command::Drill(a) => return drill::run(a),
         Command::Calibrate(a) => return calibrate::run(a),
@@ -214,7 +220,9 @@ fn main() -> Result<()> {
             header,
             keys,
         } => tenant_id(config.as_deref(), ledger.as_deref(), header, keys),
-        Command::Sim(_) | Command::Drill(_) | Command::Calibrate(_) => Ok(()),
+        Command::Sim(_) | Command::SimMatrix(_) | Command::Drill(_) | Command::Calibrate(_) => {
+            Ok(())
+        }
     }
 }
 

@@ -22,7 +22,10 @@ pub struct SimArgs {
     /// default: the scenario's.
     #[arg(long = "noise", value_delimiter = ',')]
     pub noise: Vec<f64>,
-    /// Override a trace scenario's load (multiple of capacity), e.g. 1, 2 or 4.
+    /// Run at this offered load (multiple of capacity, as the report's "offered load":
+    /// deadline work over what the slots serve), e.g. 1, 2 or 4. A trace is compressed or
+    /// stretched in time; a generated scenario keeps its time axis and has its rate (and its
+    /// arrival cap) scaled until the offered load is within 1% of the figure.
     #[arg(long)]
     pub load: Option<f64>,
     /// Do not tell slackgate each request's (noisy) size: it uses the class's learned mean.
@@ -32,6 +35,9 @@ pub struct SimArgs {
     /// (displacement on, for the `slackgate` and `slackgate-displace` rows alike).
     #[arg(long, value_name = "MS")]
     pub displace_within: Option<u64>,
+    /// Set slackgate's pool `headroom`: `learned`, `off` or a number of slots.
+    #[arg(long)]
+    pub headroom: Option<slackgate_core::config::Headroom>,
     /// Skip the clairvoyant reference run (false rejections are not counted).
     #[arg(long)]
     pub no_reference: bool,
@@ -57,11 +63,11 @@ pub fn run(a: SimArgs) -> Result<()> {
             c.displace_within_ms = Some(window);
         }
     }
+    if let Some(h) = a.headroom {
+        s.slackgate.headroom = Some(h);
+    }
     if let Some(load) = a.load {
-        match s.trace.as_mut() {
-            Some(t) => t.load = Some(load),
-            None => bail!("--load applies to trace scenarios only"),
-        }
+        slackgate_sim::load::scale_to_load(&mut s, load)?;
     }
     let names = if a.policies.is_empty() {
         s.policy_names()

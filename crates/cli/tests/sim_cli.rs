@@ -109,3 +109,94 @@ fn displace_within_turns_displacement_on_for_the_slackgate_row() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("displace_within_ms"), "{err}");
 }
+
+#[test]
+fn load_scales_a_generated_scenario() {
+    for load in ["1", "4"] {
+        let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+            .arg("sim")
+            .arg(scenarios().join("family-waves.toml"))
+            .args([
+                "--policy",
+                "slackgate",
+                "--no-reference",
+                "--json",
+                "--load",
+                load,
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+        let got = v["offered_load"].as_f64().unwrap();
+        let want: f64 = load.parse().unwrap();
+        assert!((got / want - 1.0).abs() <= 0.01, "--load {load}: {got}");
+    }
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim")
+        .arg(scenarios().join("family-waves.toml"))
+        .arg("--load=-2")
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.contains("--load -2: must be a positive multiple"),
+        "{err}"
+    );
+}
+
+#[test]
+fn sim_matrix_prints_rows_and_the_worst_line() {
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim-matrix")
+        .arg(scenarios().join("family-size-shift.toml"))
+        .arg(scenarios().join("seed-001-reservations.toml"))
+        .args(["--load", "1,2", "--noise", "0", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let md = String::from_utf8_lossy(&run.stdout);
+    // Two classes and one class, at two loads.
+    assert_eq!(
+        md.lines()
+            .filter(|l| l.starts_with("| family-size-shift |"))
+            .count(),
+        4
+    );
+    assert_eq!(
+        md.lines()
+            .filter(|l| l.starts_with("| seed-001-reservations |"))
+            .count(),
+        2
+    );
+    assert!(md.contains("worst admitted on time (slackgate): "), "{md}");
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim-matrix")
+        .arg(scenarios().join("seed-001-reservations.toml"))
+        .args(["--load", "2", "--noise", "0.3", "--json", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(run.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(v["rows"].as_array().map(Vec::len), Some(1));
+    assert_eq!(v["rows"][0]["noise"], 0.3);
+    // A hostile figure is an error naming it, not a panic.
+    let run = Command::new(env!("CARGO_BIN_EXE_slackgate"))
+        .arg("sim-matrix")
+        .arg(scenarios().join("seed-001-reservations.toml"))
+        .args(["--noise", "nan", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(err.contains("estimator_noise"), "{err}");
+}

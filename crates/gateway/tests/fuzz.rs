@@ -389,7 +389,7 @@ fn config_text() -> impl Strategy<Value = String> {
     );
     let pool = table(
         "[[pools]]\nname = \"default\"\nupstream = \"http://127.0.0.1:9\"",
-        vec!["slots", "max_depth_factor", "max_queued"],
+        vec!["slots", "max_depth_factor", "max_queued", "headroom"],
     );
     let prior = table(
         "[pools.prior]",

@@ -32,6 +32,7 @@ const WAIT: Duration = Duration::from_secs(10);
 /// Listed fields this test's traffic does not set, each covered by a test of its own.
 const NOT_EXERCISED: &[(&str, &str, &str)] = &[
     ("admit", "displaced_job_id", "displacement.rs"),
+    ("dispatch", "headroom_held_ms", "headroom.rs"),
     (
         "shadow_reject",
         "displaced_job_id",

@@ -8,11 +8,14 @@
 pub mod bound;
 pub mod chart;
 pub mod engine;
+pub mod load;
+pub mod matrix;
 pub mod policies;
 pub mod policy;
 pub mod report;
 pub mod rng;
 pub mod scenario;
+pub mod shape;
 pub mod trace;
 pub mod workload;
 

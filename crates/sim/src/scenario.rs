@@ -247,6 +247,30 @@ pub struct Arrivals {
     /// Classes in a fixed repeating order instead of drawn by `share`.
     #[serde(default)]
     pub class_sequence: Vec<String>,
+    /// Sinusoidal swings of the rate (`shape`; Poisson only).
+    #[serde(default)]
+    pub waves: Vec<crate::shape::Wave>,
+    /// A rise and fall of the rate over the run (`shape`; Poisson only).
+    #[serde(default)]
+    pub diurnal: Option<crate::shape::Diurnal>,
+    /// Markov-modulated bursts, synchronized over classes (`shape`; Poisson only).
+    #[serde(default)]
+    pub bursts: Option<crate::shape::Bursts>,
+    /// Size changes from a time on (`shape`).
+    #[serde(default)]
+    pub size_shifts: Vec<crate::shape::SizeShift>,
+}
+
+impl Arrivals {
+    /// The time-varying part of the arrivals.
+    pub fn shape(&self) -> crate::shape::Shape<'_> {
+        crate::shape::Shape {
+            waves: &self.waves,
+            diurnal: self.diurnal.as_ref(),
+            bursts: self.bursts.as_ref(),
+            size_shifts: &self.size_shifts,
+        }
+    }
 }
 
 /// One rule assigning trace rows to a class; the first matching rule wins.
@@ -535,6 +559,10 @@ pub struct SlackgateSpec {
     /// The pool's `forecast_refused_weight` (default: the gate's).
     #[serde(default)]
     pub forecast_refused_weight: Option<f64>,
+    /// The pool's `headroom` (`"learned"`, `"off"` or a number of slots; default: the
+    /// gate's).
+    #[serde(default)]
+    pub headroom: Option<slackgate_core::config::Headroom>,
 }
 
 impl Default for SlackgateSpec {
@@ -546,6 +574,7 @@ impl Default for SlackgateSpec {
             forecast: true,
             forecast_window_ms: None,
             forecast_refused_weight: None,
+            headroom: None,
         }
     }
 }
@@ -817,6 +846,7 @@ impl Scenario {
                 return Err((at("factor"), "must be a non-negative number".into()));
             }
         }
+        crate::shape::validate_in(self)?;
         for (i, name) in a.class_sequence.iter().enumerate() {
             if self.class_index(name).is_none() {
                 return Err((

@@ -34,6 +34,7 @@ const STREAM_CLASSES: u64 = 2;
 const STREAM_SIZES: u64 = 3;
 const STREAM_NOISE: u64 = 4;
 const STREAM_RULES: u64 = 5;
+const STREAM_BURSTS: u64 = 6;
 
 /// Every request of the scenario, sorted by arrival.
 pub fn generate(s: &Scenario) -> Result<Vec<Arrival>, ScenarioError> {
@@ -43,8 +44,11 @@ pub fn generate(s: &Scenario) -> Result<Vec<Arrival>, ScenarioError> {
     let mut sizes = root.fork(STREAM_SIZES);
     let mut noise = root.fork(STREAM_NOISE);
     let mut rules = root.fork(STREAM_RULES);
+    let bursts = root.fork(STREAM_BURSTS);
     let mut out = if s.arrivals.process == Process::Trace {
         replay(s, &mut rules)?
+    } else if s.arrivals.shape().modulated() {
+        modulated(s, &mut gaps, &mut classes, &mut sizes, bursts)
     } else {
         generated(s, &mut gaps, &mut classes, &mut sizes)
     };
@@ -164,20 +168,99 @@ fn generated(s: &Scenario, gaps: &mut Rng, classes: &mut Rng, sizes: &mut Rng) -
             let name = &a.class_sequence[(n as usize) % a.class_sequence.len()];
             s.class_index(name).unwrap_or(0)
         };
-        let c = &s.classes[class];
-        let prompt_tokens = sample(&c.prompt_tokens, sizes);
-        let output_tokens = sample(&c.output_tokens, sizes).min(c.max_tokens);
-        out.push(Arrival {
-            request: 0,
-            at_ms: (t * 1000.0).round() as u64,
-            class,
-            prompt_tokens,
-            output_tokens,
-            max_tokens: c.max_tokens,
-            expected_output_tokens: output_tokens,
-            forced_service_ms: None,
-        });
+        out.push(sized(s, class, t, sizes));
         n += 1;
+    }
+    out
+}
+
+/// A generated request of `class` sent at `t_s`, its sizes drawn from the class's
+/// distributions and scaled by the size shift in force.
+fn sized(s: &Scenario, class: usize, t_s: f64, sizes: &mut Rng) -> Arrival {
+    let c = &s.classes[class];
+    let mut prompt_tokens = sample(&c.prompt_tokens, sizes);
+    let mut output_tokens = sample(&c.output_tokens, sizes);
+    let (p, o) = s.arrivals.shape().size_scale(&c.name, t_s);
+    // Kept apart so scenarios without a shift draw exactly the sizes they always did.
+    if (p, o) != (1.0, 1.0) {
+        let scale =
+            |v: u32, f: f64| (f64::from(v) * f).round().clamp(0.0, f64::from(u32::MAX)) as u32;
+        prompt_tokens = scale(prompt_tokens, p);
+        output_tokens = scale(output_tokens, o);
+    }
+    let output_tokens = output_tokens.min(c.max_tokens);
+    Arrival {
+        request: 0,
+        at_ms: (t_s * 1000.0).round() as u64,
+        class,
+        prompt_tokens,
+        output_tokens,
+        max_tokens: c.max_tokens,
+        expected_output_tokens: output_tokens,
+        forced_service_ms: None,
+    }
+}
+
+/// Arrivals whose rate varies by class over time (`shape`), by thinning: candidates of a
+/// Poisson process at the peak rate, each kept with probability rate(t) / peak and given the
+/// class whose share of the rate at t its one uniform draw falls in. Candidate times scale as
+/// 1 / rate and the keep-or-class draw does not depend on the rate, so scaling `arrivals.rate`
+/// moves the same arrivals smoothly (what `--load` relies on).
+fn modulated(
+    s: &Scenario,
+    gaps: &mut Rng,
+    classes: &mut Rng,
+    sizes: &mut Rng,
+    bursts: Rng,
+) -> Vec<Arrival> {
+    let a = &s.arrivals;
+    let shape = a.shape();
+    let total_share: f64 = s.classes.iter().map(|c| c.share).sum();
+    let step_peak = a.steps.iter().map(|st| st.factor).fold(1.0, f64::max);
+    let base: Vec<f64> = s
+        .classes
+        .iter()
+        .map(|c| a.rate * c.share / total_share)
+        .collect();
+    let peak: f64 = s
+        .classes
+        .iter()
+        .zip(&base)
+        .map(|(c, b)| b * step_peak * shape.peak_factor(&c.name))
+        .sum();
+    let mut switch = a
+        .bursts
+        .as_ref()
+        .map(|b| crate::shape::BurstSwitch::new(b, bursts));
+    let limit = a.count.unwrap_or(u64::MAX);
+    let mut out = Vec::new();
+    let mut t = 0.0f64;
+    while peak > 0.0 && (out.len() as u64) < limit {
+        t += gaps.exp(peak);
+        if t >= s.duration_s {
+            break;
+        }
+        // Each candidate's sizes come from a generator of its own, so a candidate kept at one
+        // rate and not at another never shifts the sizes of those after it.
+        let mut own = sizes.fork(0);
+        let bursting = switch.as_mut().is_some_and(|sw| sw.bursting_at(t));
+        let step = factor_at(s, t);
+        let mut x = classes.uniform() * peak;
+        let mut pick = None;
+        for (i, c) in s.classes.iter().enumerate() {
+            let rate = base[i]
+                * step
+                * shape.smooth_factor(&c.name, t, s.duration_s)
+                * shape.burst_factor(&c.name, bursting);
+            if x < rate {
+                pick = Some(i);
+                break;
+            }
+            x -= rate;
+        }
+        if let Some(class) = pick {
+            out.push(sized(s, class, t, &mut own));
+        }
     }
     out
 }

@@ -17,7 +17,7 @@ mod tests;
 mod validate;
 
 pub use pool::{
-    AuthConfig, EndpointConfig, HealthConfig, LimitsConfig, PoolConfig, ServerKind,
+    AuthConfig, EndpointConfig, Headroom, HealthConfig, LimitsConfig, PoolConfig, ServerKind,
     ServerMetricsConfig, TlsConfig, DEFAULT_CONTEXT_TOKENS, DEFAULT_PROBE_INTERVAL_MS,
     MAX_LIMIT_TOKENS,
 };

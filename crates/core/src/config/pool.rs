@@ -33,6 +33,12 @@ pub struct PoolConfig {
     /// The share of a higher class's refused work (refused for want of capacity) counted as
     /// demand in the forecast, beside all of its admitted work.
     pub forecast_refused_weight: f64,
+    /// Slots kept free for the work of higher classes that cannot wait (trunk reservation):
+    /// a lower class's job starts only while at least this many slots, less those the higher
+    /// classes already run, stay free after it. `"learned"` (the default) sizes it from the
+    /// higher classes' recent demand; a number pins it; `"off"` (or 0) turns it off. See
+    /// [`Headroom`].
+    pub headroom: Headroom,
     /// Several servers behind the pool, each with its own slots, in place of one `upstream`:
     /// the pool's capacity is the sum of its healthy endpoints' slots, and each dispatched
     /// request goes to the endpoint that can start it soonest. Empty: one endpoint, the
@@ -50,6 +56,57 @@ pub struct PoolConfig {
     /// What one request may ask of the pool's servers: their context window and output
     /// limit. A declared size is client input; these bound it (see [`LimitsConfig`]).
     pub limits: LimitsConfig,
+}
+
+/// A pool's headroom for urgent work (see [`PoolConfig::headroom`]): in TOML `"learned"`,
+/// `"off"` or a number of slots.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(try_from = "HeadroomSetting")]
+pub enum Headroom {
+    /// Sized per pool from the higher classes' demand over the forecast window (see the
+    /// gate's `headroom` module): about their mean busy slots plus half its square root.
+    #[default]
+    Learned,
+    /// No headroom: a free slot goes to whatever is queued first by priority.
+    Off,
+    /// This many slots, pinned (at most the pool's slots less one: lower classes always
+    /// keep a slot).
+    Slots(u32),
+}
+
+/// How `headroom` is written in TOML: a word or a number.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum HeadroomSetting {
+    Word(String),
+    Slots(i64),
+}
+
+impl TryFrom<HeadroomSetting> for Headroom {
+    type Error = String;
+    fn try_from(v: HeadroomSetting) -> Result<Self, Self::Error> {
+        match v {
+            HeadroomSetting::Word(w) => w.parse(),
+            HeadroomSetting::Slots(0) => Ok(Headroom::Off),
+            HeadroomSetting::Slots(n) => u32::try_from(n)
+                .map(Headroom::Slots)
+                .map_err(|_| format!("headroom must be a number of slots from 0, not {n}")),
+        }
+    }
+}
+
+/// `learned`, `off` or a number of slots (a command line's `--headroom`).
+impl std::str::FromStr for Headroom {
+    type Err = String;
+    fn from_str(w: &str) -> Result<Self, Self::Err> {
+        match w {
+            "learned" => Ok(Headroom::Learned),
+            "off" | "0" => Ok(Headroom::Off),
+            n => n.parse::<u32>().map(Headroom::Slots).map_err(|_| {
+                format!("headroom must be \"learned\", \"off\" or a number of slots, not {w:?}")
+            }),
+        }
+    }
 }
 
 /// The largest request the servers of a pool can take. A request whose prompt plus
@@ -335,6 +392,7 @@ impl Default for PoolConfig {
             upstream: None,
             forecast_window_ms: 300_000,
             forecast_refused_weight: 0.5,
+            headroom: Headroom::Learned,
             endpoints: Vec::new(),
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),

@@ -290,6 +290,22 @@ impl PoolConfig {
                 "must be between 0 and 1",
             ));
         }
+        if let super::Headroom::Slots(n) = self.headroom {
+            let slots = if self.endpoints.is_empty() {
+                self.slots
+            } else {
+                self.endpoints.iter().map(|e| e.slots).sum()
+            };
+            if n >= slots.max(1) {
+                return Err(ConfigError::new(
+                    at("headroom"),
+                    format!(
+                        "{n} slots of {slots} would leave lower classes none: at most {}",
+                        slots.saturating_sub(1)
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }

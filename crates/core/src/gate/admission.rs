@@ -519,5 +519,6 @@ fn queued_job(o: &Offer, reason: Reason, key: String, generated_key: bool) -> Jo
         deadline_is_absolute: req.deadline_is_absolute,
         promised_wait: e.wait,
         promised_total: e.wait.saturating_add(e.est.service_ms),
+        held_since: None,
     }
 }

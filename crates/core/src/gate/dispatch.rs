@@ -31,7 +31,8 @@ impl Gate {
             let Some(endpoint) = self.pools[pi].place(now) else {
                 continue;
             };
-            let Some(id) = self.next_queued(pi) else {
+            let pool_id = PoolId(pi);
+            let Some(id) = self.next_startable(now, pool_id) else {
                 continue;
             };
             let Some(job) = self.jobs.get(&id).cloned() else {
@@ -48,7 +49,6 @@ impl Gate {
                 && !self.cfg.shadow
                 && !job.protected
                 && job.slack_after(now, 0).is_some_and(|s| s < 0);
-            let pool_id = PoolId(pi);
             self.record_start_error(now, pool_id, &job, dead);
             if dead || closing {
                 self.drop_unstarted(now, id, &job, pool_id, closing);
@@ -60,11 +60,36 @@ impl Gate {
         false
     }
 
-    /// The job a pool runs next: highest priority first; among equal priorities, earliest
-    /// deadline.
-    fn next_queued(&self, pi: usize) -> Option<JobId> {
+    /// The job a pool runs next, past the ones the headroom holds back (each is marked
+    /// held, for its dispatch line): the next queued job of the lanes not held.
+    fn next_startable(&mut self, now: Millis, pool: PoolId) -> Option<JobId> {
+        let mut held: Vec<LaneId> = Vec::new();
+        loop {
+            let (lane, id) = self.next_queued(pool.0, &held)?;
+            let hold = self
+                .jobs
+                .get(&id)
+                .is_some_and(|j| self.held_for_headroom(now, pool, j));
+            if !hold {
+                return Some(id);
+            }
+            // Kept for the higher classes' arrivals (see `headroom`): it waits in its queue
+            // (and, best effort sorting last, so does the rest of its lane's queue).
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.held_since.get_or_insert(now);
+            }
+            held.push(lane);
+        }
+    }
+
+    /// The job a pool runs next, leaving out the lanes in `skip`: highest priority first;
+    /// among equal priorities, earliest deadline.
+    fn next_queued(&self, pi: usize, skip: &[LaneId]) -> Option<(LaneId, JobId)> {
         let mut best: Option<(u32, QueueKey, LaneId, JobId)> = None;
         for cid in &self.pools[pi].classes {
+            if skip.contains(cid) {
+                continue;
+            }
             let c = &self.classes[cid.0];
             if let Some((key, id)) = c.queue.front() {
                 match best {
@@ -76,7 +101,7 @@ impl Gate {
                 }
             }
         }
-        best.map(|(_, _, _, id)| id)
+        best.map(|(_, _, lane, id)| (lane, id))
     }
 
     /// Teach the job's class how late it starts against its promise (a job dropped now
@@ -137,6 +162,7 @@ impl Gate {
                 started: now,
                 est: est.service_ms,
                 endpoint,
+                lane: job.class,
             },
         );
         if let Some(e) = pool.endpoints.get_mut(endpoint) {
@@ -171,6 +197,7 @@ impl Gate {
             est_service_ms: est.service_ms,
             in_flight,
             pool_depth,
+            held_ms: job.held_since.map(|t| now.saturating_sub(t)),
         });
     }
 

@@ -198,6 +198,9 @@ mod evaluate;
 mod forecast;
 #[cfg(test)]
 mod forecast_tests;
+mod headroom;
+#[cfg(test)]
+mod headroom_tests;
 mod holds;
 mod learning;
 #[cfg(test)]

@@ -301,7 +301,9 @@ impl Gate {
     }
 
     /// Projected wait for a slot given the work ahead: nothing if a slot is free for it,
-    /// otherwise in-flight remainder plus queued work, spread over the slots.
+    /// otherwise in-flight remainder plus queued work, spread over the slots. (The headroom
+    /// holds back only work without a deadline, whose wait promises nothing: see
+    /// `headroom`.)
     pub(super) fn projected_wait(
         &self,
         pool: PoolId,

@@ -131,6 +131,7 @@ impl Gate {
         p.max_queued = pc.max_queued;
         p.forecast_bucket_ms = forecast_bucket_ms(pc);
         p.forecast_refused_weight = pc.forecast_refused_weight;
+        p.headroom = pc.headroom;
         p.default_output_tokens = pc.prior.default_output_tokens;
         p.limits = pc.limits.clone();
         PoolId(i)
@@ -148,6 +149,7 @@ impl Gate {
             max_queued: pc.max_queued,
             forecast_bucket_ms: forecast_bucket_ms(pc),
             forecast_refused_weight: pc.forecast_refused_weight,
+            headroom: pc.headroom,
             default_output_tokens: pc.prior.default_output_tokens,
             limits: pc.limits.clone(),
             discovered_context: None,

@@ -58,6 +58,13 @@ pub struct PoolSnapshot {
     /// How long the oldest in-flight job has held its slot (a stuck slot shows here while
     /// the queue itself may be empty: seed 002's eval).
     pub oldest_in_flight_age_ms: u64,
+    /// The headroom (`headroom`): slots kept for higher classes, learned or pinned, as the
+    /// pool's best-effort classes (no default deadline) see it: the most any is kept from.
+    pub headroom_slots: u32,
+    /// Of those, the slots a best-effort class may not take now (the headroom less what the
+    /// classes above it already run; the most over those classes): its queued job waits
+    /// while no more than this many slots are free.
+    pub headroom_reserved_slots: u32,
     /// Learned service-time model.
     pub estimator: EstimatorSnapshot,
     /// Whether the estimator learns from completions (`prior.learn`).
@@ -181,6 +188,17 @@ impl Gate {
     /// One pool's view: its slots and work, its estimator and its endpoints.
     fn pool_snapshot(&self, now: Millis, pool: PoolId) -> PoolSnapshot {
         let p = &self.pools[pool.0];
+        // Over the classes it holds back: those without a default deadline (work with a
+        // deadline is never held).
+        let most = |f: &dyn Fn(u32) -> u32| {
+            p.classes
+                .iter()
+                .map(|l| &self.classes[l.0])
+                .filter(|l| l.default_deadline_ms.is_none())
+                .map(|l| f(l.priority))
+                .max()
+                .unwrap_or(0)
+        };
         PoolSnapshot {
             name: p.name.clone(),
             slots: p.slots,
@@ -193,6 +211,8 @@ impl Gate {
                 .map(|run| now.saturating_sub(run.started))
                 .max()
                 .unwrap_or(0),
+            headroom_slots: most(&|q| self.headroom_target(now, pool, q)),
+            headroom_reserved_slots: most(&|q| self.headroom_now(now, pool, q)),
             estimator: p.estimator.snapshot(),
             learning: p.prior.learn,
             warming_up: p.estimator.warming_up(),

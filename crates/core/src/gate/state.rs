@@ -46,6 +46,8 @@ pub(super) struct Job {
     /// promise was made on (see [`LaneState::wait_margin`]).
     pub(super) promised_wait: u64,
     pub(super) promised_total: u64,
+    /// When the pool's headroom first held it back from a free slot (see `headroom`).
+    pub(super) held_since: Option<Millis>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -279,6 +281,8 @@ pub(super) struct Running {
     pub(super) started: Millis,
     pub(super) est: u64,
     pub(super) endpoint: usize,
+    /// Its lane: the headroom counts the slots urgent classes already hold.
+    pub(super) lane: LaneId,
 }
 
 #[derive(Debug)]
@@ -298,6 +302,8 @@ pub(super) struct PoolState {
     pub(super) forecast_bucket_ms: u64,
     /// Configured `forecast_refused_weight`.
     pub(super) forecast_refused_weight: f64,
+    /// Configured `headroom` (see [`super::headroom`]).
+    pub(super) headroom: crate::config::Headroom,
     pub(super) default_output_tokens: u32,
     /// The configured limits (`[pools.limits]`) and the smallest context window its
     /// servers reported (see [`Gate::set_discovered_context`]).

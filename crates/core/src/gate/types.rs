@@ -150,6 +150,9 @@ pub enum Event {
         in_flight: u32,
         /// Still queued on the pool.
         pool_depth: u32,
+        /// The time since the pool's headroom (slots kept for higher classes) first held it
+        /// back from a free slot; `None` when it never did.
+        held_ms: Option<u64>,
     },
     /// This queued job will not be sent: answer its client with the reason.
     Drop {

@@ -284,6 +284,36 @@ mod tests {
         assert!(c.is_ok(), "{c:?}");
     }
 
+    /// `headroom`: a word or a number of slots, with a reason for anything else.
+    #[test]
+    fn headroom_is_learned_off_or_a_number_of_slots() {
+        use slackgate_core::config::Headroom;
+        let parse = |v: &str| {
+            Config::from_toml(&format!("[[pools]]\nname = \"default\"\nslots = 4\n{v}\n"))
+                .map(|c| c.gate.pools[0].headroom)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(parse(""), Ok(Headroom::Learned));
+        assert_eq!(parse("headroom = \"learned\""), Ok(Headroom::Learned));
+        assert_eq!(parse("headroom = \"off\""), Ok(Headroom::Off));
+        assert_eq!(parse("headroom = 0"), Ok(Headroom::Off));
+        assert_eq!(parse("headroom = 3"), Ok(Headroom::Slots(3)));
+        for (bad, says) in [
+            ("headroom = 4", "would leave lower classes none"),
+            ("headroom = -1", "from 0"),
+            ("headroom = 99999999999", "from 0"),
+            ("headroom = \"lots\"", "\"learned\", \"off\" or a number"),
+            ("headroom = 1.5", "headroom"),
+            ("headroom = true", "headroom"),
+            ("headroom = [1]", "headroom"),
+        ] {
+            match parse(bad) {
+                Err(e) => assert!(e.contains(says), "{bad}: {e}"),
+                Ok(h) => panic!("{bad} parsed as {h:?}"),
+            }
+        }
+    }
+
     /// `slots` is the key; the old `max_in_flight` still works for one release, with a
     /// warning naming the entry, and a pool may not say both.
     #[test]

@@ -46,6 +46,7 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
         est_service_ms,
         in_flight,
         pool_depth,
+        held_ms,
         ..
     } = ev
     else {
@@ -77,6 +78,7 @@ fn dispatched(st: &mut CoreState, now: Millis, ev: Event, lines: &mut Vec<LogLin
     line.est_service_ms = Some(est_service_ms);
     line.in_flight = Some(in_flight);
     line.pool_depth = Some(pool_depth);
+    line.headroom_held_ms = held_ms;
     lines.push(line);
     if w.reservation {
         // The worker holds the slot from now until it commits or cancels.

@@ -256,7 +256,7 @@ fn pool_label(p: &PoolSnapshot) -> [(&'static str, &str); 1] {
 type PoolGauge = (&'static str, &'static str, fn(&PoolSnapshot) -> f64);
 
 /// Per pool, before `slackgate_estimator_samples_total` (the page's order since it began).
-const POOL_GAUGES: [PoolGauge; 6] = [
+const POOL_GAUGES: [PoolGauge; 8] = [
     (
         "slackgate_in_flight",
         "Requests holding an upstream slot, per pool.",
@@ -272,6 +272,18 @@ const POOL_GAUGES: [PoolGauge; 6] = [
         "Slots in force (requests sent upstream at once), per pool: its available \
          endpoints' slots, summed.",
         |p| f64::from(p.slots),
+    ),
+    (
+        "slackgate_headroom_slots",
+        "Slots the pool keeps for its higher classes' arrivals (the headroom, learned or \
+         pinned), as its best-effort classes see it.",
+        |p| f64::from(p.headroom_slots),
+    ),
+    (
+        "slackgate_headroom_reserved_slots",
+        "Slots best-effort work of lower classes may not take now: the headroom less what \
+         the higher classes already run.",
+        |p| f64::from(p.headroom_reserved_slots),
     ),
     (
         "slackgate_estimator_overhead_seconds",

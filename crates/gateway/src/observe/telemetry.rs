@@ -72,6 +72,9 @@ pub struct LogLine {
     /// On `dispatch`, `drop`, `complete` and `cancel` lines: jobs queued on the pool, every
     /// class, after the event.
     pub pool_depth: Option<u32>,
+    /// On `dispatch` lines of best-effort work the pool's headroom held back: the time since
+    /// it first waited with a slot free, kept for higher classes (absent when never held).
+    pub headroom_held_ms: Option<u64>,
     /// `admit`, `reject`, `shadow_reject`, `dispatch`, `drop`, `complete`, `cancel`, `error`,
     /// and the operator events `flag`, `reload`, `shutdown`.
     pub action: LineAction,
@@ -178,7 +181,7 @@ const DECISION: [&str; 16] = concat_fields(
 );
 const DECISION_ADMITTED: [&str; 18] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
 const DECISION_REJECTED: [&str; 17] = concat_fields(DECISION, ["status"]);
-const DISPATCH: [&str; 14] = concat_fields(
+const DISPATCH: [&str; 15] = concat_fields(
     JOB,
     [
         "endpoint",
@@ -187,6 +190,7 @@ const DISPATCH: [&str; 14] = concat_fields(
         "est_service_ms",
         "in_flight",
         "pool_depth",
+        "headroom_held_ms",
     ],
 );
 const DROP: [&str; 15] = concat_fields(

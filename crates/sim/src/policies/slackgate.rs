@@ -64,6 +64,7 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             .slackgate
             .forecast_refused_weight
             .unwrap_or(PoolConfig::default().forecast_refused_weight),
+        headroom: s.slackgate.headroom.unwrap_or_default(),
         ..PoolConfig::default()
     };
     let classes = s

@@ -319,6 +319,8 @@ fn queues(shared: &Shared) -> serde_json::Value {
                 "pool": p.name, "slots": p.slots, "in_flight": p.in_flight, "depth": p.depth,
                 "oldest_in_flight_age_ms": p.oldest_in_flight_age_ms,
                 "in_flight_remaining_ms": p.in_flight_remaining_ms, "retired": p.retired,
+                "headroom_slots": p.headroom_slots,
+                "headroom_reserved_slots": p.headroom_reserved_slots,
                 "endpoints": p.endpoints,
             })
         })
