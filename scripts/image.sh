@@ -92,10 +92,12 @@ gate_port=$(free_port)
 # Two containers of the same image: the fake model and the gate in front of it.
 stub_c=$(bh from --quiet --name "slackgate-image-stub-$$" "$image"); containers+=("$stub_c")
 gate_c=$(bh from --quiet --name "slackgate-image-gate-$$" "$image"); containers+=("$gate_c")
-bh run --isolation chroot "$stub_c" -- /usr/local/bin/slackgate stub \
+# buildah itself in the background (not through `bh`, a function: $! would be a subshell,
+# and a signal to it would not reach buildah or what it runs).
+buildah --storage-driver vfs run --isolation chroot "$stub_c" -- /usr/local/bin/slackgate stub \
   --listen "127.0.0.1:$stub_port" --slots 2 --latency fixed:5ms >"$work/stub.log" 2>&1 &
 pids+=($!)
-bh run --isolation chroot "$gate_c" -- /usr/local/bin/slackgate serve \
+buildah --storage-driver vfs run --isolation chroot "$gate_c" -- /usr/local/bin/slackgate serve \
   --listen "127.0.0.1:$gate_port" --upstream "http://127.0.0.1:$stub_port" --slots 2 \
   --log "/var/lib/slackgate/decisions.jsonl" >"$work/gate.log" 2>&1 &
 pids+=($!)
@@ -142,5 +144,11 @@ owner=$(stat -c '%u' "$mnt/var/lib/slackgate/slackgate-ledger.db") \
 [ "$owner" = 65532 ] || fail "the ledger belongs to uid $owner, not 65532"
 grep -q '"action":"admit"' "$mnt/var/lib/slackgate/decisions.jsonl" || fail "no admit line logged"
 files=$(cd "$mnt" && find . -type f | sort | tr '\n' ' ')
+# The stub's container ends with its buildah (SIGTERM: buildah kills what it runs).
+kill -TERM "${pids[0]}"
+for _ in $(seq 1 50); do kill -0 "${pids[0]}" 2>/dev/null || break; sleep 0.1; done
+if curl -s --max-time 1 -o /dev/null "http://127.0.0.1:$stub_port/v1/models"; then
+  fail "the stub still answers after its buildah run ended"
+fi
 echo "image.sh: the gate stopped on SIGTERM; ledger and decision log written as uid 65532"
 echo "image.sh: files in the image after the run: $files"
