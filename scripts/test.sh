@@ -155,3 +155,23 @@ scripts/check-alerts.sh
 
 echo "== python: openai SDK and curl against a live gate"
 scripts/test-python.sh
+
+# The container image (deploy/Containerfile): its final stage built from the release binary
+# the Python suite just built, the image's own files run with buildah (the stub and the gate,
+# /healthz, /readyz, a request through, SIGTERM); about 5 s. Installs Debian's buildah.
+echo "== container image: scripts/image.sh"
+scripts/image.sh
+
+# The Kubernetes manifests (deploy/k8s): every overlay rendered offline with kubectl's
+# Kustomize and checked against the gate's config and binary, then broken on purpose; about
+# 2 s. Fails, naming kubectl, when it is missing.
+echo "== Kubernetes manifests: scripts/check-k8s.py"
+k8s_started=$(date +%s)
+"$(scripts/venv.sh)" scripts/check-k8s.py
+echo "check-k8s took $(( $(date +%s) - k8s_started )) s"
+
+# LiteLLM in front of the gate (docs/deployment.md, "LiteLLM in front"): a real LiteLLM proxy
+# in its own virtualenv cached outside the checkout (1.5-4 minutes to create on a new
+# machine, then nothing), the run about 15 s.
+echo "== LiteLLM in front: scripts/test-litellm.sh"
+scripts/test-litellm.sh

@@ -4,7 +4,7 @@
 //! - `slackgate serve --config FILE [--listen ADDR] [--upstream URL] [--slots N]
 //!   [--admin-listen ADDR]` (SIGHUP reloads the config; SIGTERM drains and stops)
 //! - `slackgate stub --listen ADDR --slots N --latency SPEC [--idle-close-ms N]`
-//! - `slackgate check --config FILE [--probe]`
+//! - `slackgate check FILE [--probe]` (or `--config FILE`)
 //! - `slackgate tenant-id [--config FILE] [--ledger PATH] [--header] [KEY ...]`
 //! - `slackgate sim SCENARIO.toml [--policy NAME ...] [--noise 0,0.3,0.6] [--json] [--out DIR]`
 //! - `slackgate sim-matrix [SCENARIO.toml ...] [--load 1,2,4] [--noise 0,0.3] [--json]`
@@ -12,6 +12,7 @@
 //! - `slackgate calibrate --upstream URL [--model NAME] [--slots N] [--quick]`
 
 mod calibrate;
+mod check;
 mod diagnostics;
 mod drill;
 mod matrix;
@@ -43,15 +44,7 @@ enum Command {
     /// Run a fake OpenAI-compatible upstream (for tests, drills and demos).
     Stub(StubArgs),
     /// Validate a configuration file and explain what is wrong, with the field path.
-    Check {
-        /// The TOML file.
-        #[arg(long)]
-        config: PathBuf,
-        /// Then connect to every endpoint of every pool (TCP, TLS, `GET health.path` with the
-        /// pool's key) and report each; exits non-zero if any fails.
-        #[arg(long)]
-        probe: bool,
-    },
+    Check(check::CheckArgs),
     /// Simulate a scenario under several admission policies and compare them.
     Sim(sim::SimArgs),
     /// Run one policy over many scenarios at loads 1, 2, 4 and noise 0, 0.3: admitted on time
@@ -220,13 +213,7 @@ fn main() -> Result<()> {
     match cli {
         Command::Serve(a) => rt.block_on(serve(a)),
         Command::Stub(a) => rt.block_on(stub(a)),
-        Command::Check { config, probe } => {
-            check(&config)?;
-            if probe {
-                rt.block_on(probe_endpoints(&config))?;
-            }
-            Ok(())
-        }
+        Command::Check(a) => check::run(&rt, a),
         Command::TenantId {
             config,
             ledger,
@@ -301,106 +288,6 @@ fn tenant_id(
     Ok(())
 }
 
-/// `check --probe`: one line per endpoint, ok with what it answered or the error chain.
-async fn probe_endpoints(path: &std::path::Path) -> Result<()> {
-    let cfg =
-        Config::from_file(path).with_context(|| format!("{} is not valid", path.display()))?;
-    let env = slackgate_gateway::upstream::process_env();
-    let reports = slackgate_gateway::upstream::probe::probe_pools(&cfg.gate.pools, env)
-        .await
-        .map_err(anyhow::Error::msg)?;
-    println!("probing {} endpoints:", reports.len());
-    for r in &reports {
-        println!("  {r}");
-    }
-    let failed = reports.iter().filter(|r| r.outcome.is_err()).count();
-    if failed > 0 {
-        bail!("{failed} of {} endpoints failed the probe", reports.len());
-    }
-    Ok(())
-}
-
-fn check(path: &std::path::Path) -> Result<()> {
-    warn_deprecated(path);
-    let cfg =
-        Config::from_file(path).with_context(|| format!("{} is not valid", path.display()))?;
-    // The admin token file is read at start: a missing or short one would stop `serve`.
-    if let Some(token) = &cfg.admin.token_file {
-        let text = std::fs::read_to_string(token)
-            .with_context(|| format!("admin.token_file: cannot read {}", token.display()))?;
-        let min = slackgate_gateway::ops::control::MIN_TOKEN_LEN;
-        if text.trim().len() < min {
-            bail!("admin.token_file: the token must be at least {min} characters");
-        }
-    }
-    println!(
-        "{}: ok ({} pools, {} classes)",
-        path.display(),
-        cfg.gate.pools.len(),
-        cfg.gate.classes.len()
-    );
-    for c in &cfg.gate.classes {
-        let overflow = c
-            .overflow_pool
-            .as_ref()
-            .map(|o| format!("  overflow {o} ({:?})", c.overflow).to_lowercase())
-            .unwrap_or_default();
-        let displace = c
-            .displace_within_ms
-            .map(|w| format!("  displaces queued work admitted within {w}ms"))
-            .unwrap_or_default();
-        println!(
-            "  class {:<12} priority {:>4}  pool {:<10} deadline {:>8}  max_queue_age {:>8}  {}{overflow}{displace}",
-            c.name,
-            c.priority,
-            c.pool,
-            c.deadline_ms.map_or("none".into(), |d| format!("{d}ms")),
-            c.max_queue_age_ms
-                .map_or("none".into(), |d| format!("{d}ms")),
-            if c.enabled { "enabled" } else { "DISABLED" }
-        );
-    }
-    // Displacement judges sizes: say what it costs to judge them badly, or to trust them.
-    let displacing: Vec<&str> = cfg
-        .gate
-        .classes
-        .iter()
-        .filter(|c| c.displace_within_ms.is_some())
-        .map(|c| c.name.as_str())
-        .collect();
-    if !displacing.is_empty() {
-        let classes = displacing.join(", ");
-        if cfg.server.trust_size_hint {
-            println!(
-                "  warning: displacement ({classes}) with server.trust_size_hint = true: a client that under-declares X-Expected-Output-Tokens can displace other tenants' queued work (victims are chosen regardless of tenant)"
-            );
-        } else {
-            println!(
-                "  warning: displacement ({classes}) without server.trust_size_hint: sizes are judged by class means and quantiles, not trusted hints, so it cannot tell which queued request is long; simulate with --no-hint before relying on it (BENCHMARKS.md, \"False rejections: what revoking an admission buys\")"
-            );
-        }
-    }
-    // At or above the upstream's own keep-alive, the gate reuses connections the server is
-    // closing: each such request then needs a retry on a fresh connection.
-    let idle_ms = cfg.server.upstream_idle_timeout_ms;
-    if idle_ms >= 5_000 {
-        println!(
-            "  warning: server.upstream_idle_timeout_ms = {idle_ms}: llama.cpp's server, uvicorn (vLLM) and Node close idle keep-alive connections after 5000 ms; keep it below the upstream's keep-alive (slackgate_upstream_retries_total counts the stale connections hit)"
-        );
-    }
-    if cfg.gate.admit_always {
-        println!("  admit_always = true: the gate admits everything (rollback)");
-    }
-    if cfg.gate.shadow {
-        println!("  shadow = true: would-be rejections are admitted and logged as shadow_reject");
-    }
-    match cfg.admin.listen {
-        Some(a) => println!("  admin API on {a}"),
-        None => println!("  admin API off (no [admin] section)"),
-    }
-    Ok(())
-}
-
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
@@ -424,7 +311,7 @@ async fn shutdown_signal() {
 }
 
 /// Print a warning for each key `path` still spells the old way (read for one more release).
-fn warn_deprecated(path: &std::path::Path) {
+pub(crate) fn warn_deprecated(path: &std::path::Path) {
     if let Ok(text) = std::fs::read_to_string(path) {
         for w in Config::deprecations(&text) {
             eprintln!("slackgate: warning: {}: {w}", path.display());

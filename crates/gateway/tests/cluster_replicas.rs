@@ -20,6 +20,8 @@ const TOML: &str = r#"
 default_class = "batch"
 [server]
 tenant_hash_key = "00112233445566778899aabbccddeeff"
+[server.class_map]
+objectives = { "critical" = "interactive" }
 [[pools]]
 name = "default"
 upstream = "{UPSTREAM}"
@@ -310,6 +312,15 @@ async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_whe
         Some("cluster_unavailable")
     );
     assert!(closed.header("retry-after").is_some());
+    // Labelled the llm-d way: the objective's class (open) decides the fail mode alone too,
+    // not the default class (closed).
+    let objective = post(
+        &a.url("/v1/chat/completions"),
+        &[("x-llm-d-inference-objective", "critical")],
+        &chat(4),
+    )
+    .await;
+    assert_eq!(objective.status, 200, "{:?}", objective.json());
     redis.restart().unwrap();
     wait_leads(&a, "the lone replica leads").await;
     let closed = ask(&a, "batch", None).await;

@@ -318,9 +318,14 @@ async fn every_endpoint_out_refuses_deadline_work_at_once() {
         &chat(8),
     )
     .await;
-    assert_eq!(r.status, 429);
+    // No capacity at all: 503, not the 429 of contended capacity.
+    assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
     assert!(r.header("retry-after").is_some());
+    assert_eq!(
+        r.header("x-llm-d-request-dropped-reason").as_deref(),
+        Some("upstream_unavailable")
+    );
     assert_eq!(a.stats().requests, 0);
 }
 

@@ -31,6 +31,7 @@ use slackgate_gateway::config::Config;
 use slackgate_gateway::engine::state::Shared;
 use slackgate_gateway::ledger_store::MemoryStore;
 use slackgate_gateway::support::tenant::TenantHasher;
+use slackgate_gateway::wire::labels::ClassMap;
 use slackgate_gateway::wire::request_info::{parse_body, parse_body_lenient, parse_headers_with};
 use slackgate_gateway::DecisionLog;
 use std::collections::BTreeSet;
@@ -166,6 +167,10 @@ const HEADERS: &[&str] = &[
     "x-deadline-ms",
     "x-deadline",
     "x-slo-ttft-ms",
+    "x-llm-d-slo-ttft-ms",
+    "x-llm-d-inference-objective",
+    "x-smg-priority",
+    "x-dynamo-request-priority",
     "x-job-class",
     "authorization",
     "x-tenant",
@@ -206,13 +211,18 @@ fn header_value() -> impl Strategy<Value = Vec<u8>> {
 #[test]
 fn fuzz_request_headers() {
     let hasher = TenantHasher::new([7; 16]);
+    let class_map: ClassMap = toml::from_str(
+        "objectives = { \"critical\" = \"interactive\" }\npriorities = [{ min = -10, max = 10, class = \"batch\" }]",
+    )
+    .unwrap();
     let strategy = (
         prop::collection::vec((prop::sample::select(HEADERS), header_value()), 0..8),
         any::<bool>(),
         any::<u64>(),
+        header_value(),
     );
     runner(20_000)
-        .run(&strategy, |(pairs, trust, now)| {
+        .run(&strategy, |(pairs, trust, now, body)| {
             let mut h = HeaderMap::new();
             for (name, value) in pairs {
                 // Only what a client can put on the wire: hyper refuses the rest before us.
@@ -232,6 +242,13 @@ fn fuzz_request_headers() {
                     }
                     Err(e) => prop_assert!(client_reason(e.reason), "{:?}", e.reason),
                 }
+            }
+            // The labels other tools send: a class name, none, or a client error.
+            let body_priority = std::str::from_utf8(&body).ok();
+            match class_map.label(&h, body_priority) {
+                Ok(Some(label)) => prop_assert!(!label.is_empty() && label.len() <= 64),
+                Ok(None) => {}
+                Err(e) => prop_assert!(client_reason(e.reason), "{:?}", e.reason),
             }
             Ok(())
         })

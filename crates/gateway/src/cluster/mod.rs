@@ -240,6 +240,13 @@ fn settle_bound(shared: &Shared, cluster: &Cluster, headers: &HeaderMap) -> Dura
     deadline_ms(shared, headers).map_or(bound, |ms| bound.min(Duration::from_millis(ms)))
 }
 
+/// The request's class label as the pipeline will read it, as far as the headers tell:
+/// `X-Job-Class`, else what `[server.class_map]` makes of the headers other tools send (a
+/// malformed one counts as none here; the pipeline refuses it with the reason).
+fn label(shared: &Shared, headers: &HeaderMap) -> Option<String> {
+    class_label(headers).or_else(|| shared.server.class_map.label(headers, None).ok().flatten())
+}
+
 /// The request's deadline in ms from its arrival, as far as a replica can tell before the
 /// pipeline reads it: `x-deadline-ms`, else `X-Deadline` (epoch ms) less now, else its
 /// class's deadline.
@@ -248,7 +255,7 @@ fn deadline_ms(shared: &Shared, headers: &HeaderMap) -> Option<u64> {
         .map(|at| at.saturating_sub(crate::support::clock::epoch_ms()));
     relative_ms(headers, "x-deadline-ms")
         .or(absolute)
-        .or_else(|| shared.class_deadline_ms(class_label(headers).as_deref()))
+        .or_else(|| shared.class_deadline_ms(label(shared, headers).as_deref()))
 }
 
 /// How long a follower waits for the leader's answer to a forward: the request's deadline
@@ -286,7 +293,7 @@ fn relative_ms(headers: &HeaderMap, name: &str) -> Option<u64> {
 fn charge_wait(shared: &Shared, headers: &mut HeaderMap, arrived: Instant) {
     let has_deadline = headers.contains_key("x-deadline-ms") || headers.contains_key("x-deadline");
     if !has_deadline {
-        if let Some(ms) = shared.class_deadline_ms(class_label(headers).as_deref()) {
+        if let Some(ms) = shared.class_deadline_ms(label(shared, headers).as_deref()) {
             headers.insert("x-deadline-ms", HeaderValue::from(ms));
         }
     }
@@ -322,7 +329,7 @@ async fn degraded<L: Local>(
     req: Request<Bytes>,
     target: Target,
 ) -> Response<ResBody> {
-    let label = class_label(req.headers());
+    let label = label(&shared, req.headers());
     let mode = match target {
         Target::Proxy(_) => shared.fail_mode(label.as_deref()),
         // The reservation API names its class in the body; a worker's hold is only as good
@@ -475,7 +482,7 @@ fn leader_request(
 /// body took and the forwarding so far come out of them.
 fn charge_time_spent(headers: &mut HeaderMap, arrived: Instant) {
     let spent = u64::try_from(arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
-    for name in ["x-deadline-ms", "x-slo-ttft-ms"] {
+    for name in ["x-deadline-ms", "x-slo-ttft-ms", "x-llm-d-slo-ttft-ms"] {
         let left = relative_ms(headers, name).map(|ms| ms.saturating_sub(spent).max(1));
         if let Some(left) = left {
             headers.insert(name, HeaderValue::from(left));

@@ -2,6 +2,7 @@
 //! settings, and their checks.
 
 use super::err;
+use crate::wire::labels::ClassMap;
 use serde::Deserialize;
 use slackgate_core::ConfigError;
 use std::net::SocketAddr;
@@ -115,6 +116,9 @@ pub struct ServerConfig {
     /// connection is closed at once. Behind a proxy every client shares its address: set it
     /// to `max_connections` there.
     pub max_connections_per_addr: usize,
+    /// Classes for requests labelled the way other tools label them (llm-d's objective, a
+    /// priority number): `[server.class_map]`, see [`ClassMap`].
+    pub class_map: ClassMap,
 }
 
 impl Default for ServerConfig {
@@ -142,6 +146,7 @@ impl Default for ServerConfig {
             idle_timeout_ms: 75_000,
             max_connections: 10_000,
             max_connections_per_addr: 1_000,
+            class_map: ClassMap::default(),
         }
     }
 }

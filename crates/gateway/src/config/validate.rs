@@ -33,6 +33,16 @@ impl Config {
         self.server.check_connections()?;
         self.admin.check()?;
         self.server.check_config_poll()?;
+        let classes = &self.gate.classes;
+        let is_class = |name: &str| {
+            classes
+                .iter()
+                .any(|c| c.name == name || c.aliases.iter().any(|a| a == name))
+        };
+        self.server
+            .class_map
+            .check(is_class)
+            .map_err(|(path, message)| err(&path, &message))?;
         check_log(&self.log)?;
         for (i, p) in self.gate.pools.iter().enumerate() {
             check_pool_urls(i, p)?;

@@ -35,6 +35,11 @@ struct DecisionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabel {
+    pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabels {
     pool: String,
     status: u16,
@@ -79,6 +84,7 @@ pub struct Metrics {
     upstream_retries: Family<RetryLabels, Counter>,
     endpoint_events: Family<EventLabels, Counter>,
     scrapes: Family<OutcomeLabels, Counter>,
+    refused_work: Family<PoolLabel, Counter<f64, std::sync::atomic::AtomicU64>>,
     turnaround: Timings,
     ttft: Timings,
     queue_wait: Timings,
@@ -96,6 +102,7 @@ impl Default for Metrics {
             upstream_retries: Family::default(),
             endpoint_events: Family::default(),
             scrapes: Family::default(),
+            refused_work: Family::default(),
             turnaround: timings(),
             ttft: timings(),
             queue_wait: timings(),
@@ -165,6 +172,12 @@ impl Metrics {
             "slackgate_server_metrics_scrapes_total",
             "Scrapes of an endpoint's own metrics (server_metrics), by outcome: ok, or why the reading was not used.",
             self.scrapes.clone(),
+        );
+        register(
+            r,
+            "slackgate_refused_work_seconds_total",
+            "Estimated service seconds of first attempts refused for want of capacity (queue_age_exceeded, queue_depth_exceeded, projected_wait_exceeds_slack, upstream_unavailable), per pool: its rate is the slots the pool lacked to serve them in time (the scaling signal).",
+            self.refused_work.clone(),
         );
         for (name, help, family) in [
             (
@@ -301,7 +314,28 @@ impl Metrics {
             LineAction::Job(Action::Cancel) => {
                 self.tokens(class, 0, line.tokens_wasted.unwrap_or(0))
             }
+            LineAction::Job(Action::Reject) => self.refused(line),
             _ => {}
+        }
+    }
+
+    /// The scaling signal: a request refused because its pool had no room for it in time adds
+    /// its estimated service time. Over a window, that work divided by the window is how many
+    /// more slots would have served it: a pool of N slots under a steady load needing M reads
+    /// about M - N (`rate(slackgate_refused_work_seconds_total[5m])`). Retries (an attempt
+    /// number above 0) are left out, so a client retrying a refusal does not count its work
+    /// twice; refusals that more slots would not help (a disabled class, a duplicate, a spent
+    /// grant) never count.
+    fn refused(&self, line: &crate::observe::telemetry::LogLine) {
+        let LineReason::Gate(reason) = line.reason else {
+            return;
+        };
+        if !reason.is_capacity() || line.attempt.unwrap_or(0) > 0 {
+            return;
+        }
+        if let (Some(pool), Some(ms)) = (&line.pool, line.est_service_ms) {
+            let labels = PoolLabel { pool: pool.clone() };
+            self.refused_work.get_or_create(&labels).inc_by(ms_to_s(ms));
         }
     }
 }
@@ -343,5 +377,33 @@ mod tests {
         m.observe(&line(Reason::UpstreamTimeout, Some(0))); // cut off at the deadline
         m.observe(&line(Reason::Completed, Some(-1))); // late
         assert_eq!(breaches(&m), Some(2));
+    }
+
+    #[test]
+    fn refused_work_counts_first_attempts_refused_for_capacity() {
+        let m = Metrics::default();
+        let line =
+            |reason: Reason, est: u64, attempt: Option<u32>| crate::observe::telemetry::LogLine {
+                class: Some("interactive".into()),
+                pool: Some("gpu".into()),
+                action: Action::Reject.into(),
+                reason: reason.into(),
+                est_service_ms: Some(est),
+                attempt,
+                ..Default::default()
+            };
+        m.observe(&line(Reason::ProjectedWaitExceedsSlack, 1500, None));
+        m.observe(&line(Reason::QueueDepthExceeded, 500, Some(0)));
+        m.observe(&line(Reason::UpstreamUnavailable, 1000, None));
+        // Not capacity, or a retry: not counted.
+        m.observe(&line(Reason::BudgetExhausted, 9000, None));
+        m.observe(&line(Reason::ClassDisabled, 9000, None));
+        m.observe(&line(Reason::ProjectedWaitExceedsSlack, 9000, Some(1)));
+        let page = m.page().render();
+        assert!(
+            page.contains("slackgate_refused_work_seconds_total{pool=\"gpu\"} 3.0\n")
+                || page.contains("slackgate_refused_work_seconds_total{pool=\"gpu\"} 3\n"),
+            "{page}"
+        );
     }
 }

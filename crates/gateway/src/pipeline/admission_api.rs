@@ -346,6 +346,8 @@ fn unreserved_status(reason: Reason) -> StatusCode {
         // During shutdown: 503 like the proxy's, so a worker tries another replica rather
         // than waiting for this one.
         Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        // No endpoint of the pool takes work: no capacity, not contended capacity.
+        Reason::UpstreamUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         // More tokens than the pool's context window: no retry can succeed.
         Reason::ContextLengthExceeded => StatusCode::BAD_REQUEST,
         _ => StatusCode::TOO_MANY_REQUESTS,

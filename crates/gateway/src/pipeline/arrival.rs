@@ -70,7 +70,7 @@ where
 {
     let refuse = |e| bad_request(shared, &a.path, a.raw_label.clone(), e);
     let server = &shared.server;
-    let headers = parse_headers_with(
+    let mut headers = parse_headers_with(
         &a.parts.headers,
         a.now_epoch,
         server.trust_tenant_header,
@@ -98,6 +98,13 @@ where
             b
         }
     };
+    // Without X-Job-Class: the class other tools name (llm-d's objective, a priority number).
+    if headers.class_label.is_none() {
+        headers.class_label = server
+            .class_map
+            .label(&a.parts.headers, body.priority.as_deref())
+            .map_err(refuse)?;
+    }
     Ok(Asked {
         headers,
         body,

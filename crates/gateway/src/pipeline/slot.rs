@@ -228,12 +228,13 @@ fn rejection(d: &Decision, body: &AdmissionBody) -> Response<ResBody> {
         other => format!("rejected: {other}"),
     };
     // A duplicate is a conflict with the key's existing hold (409, as seed 001 answers it);
-    // a gate shutting down is unavailable, not overloaded (503: another replica can serve
-    // it now); every other refusal is "not now" (429).
+    // no capacity at all is 503, as routers and clients expect it: the gate shutting down,
+    // or no endpoint of the pool taking work (another replica or pool may serve it now);
+    // every other refusal is contended capacity, "not now" (429).
     // A request too big for the servers is bad input (400, as the servers answer it).
     let status = match d.reason {
         Reason::RejectDuplicate => StatusCode::CONFLICT,
-        Reason::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        Reason::ShuttingDown | Reason::UpstreamUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         Reason::ContextLengthExceeded => StatusCode::BAD_REQUEST,
         _ => StatusCode::TOO_MANY_REQUESTS,
     };

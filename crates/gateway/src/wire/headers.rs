@@ -64,3 +64,9 @@ pub fn upstream_request_headers(mut h: HeaderMap) -> HeaderMap {
     strip_cluster_headers(&mut h);
     h
 }
+
+/// On every request the gate answers itself instead of serving (a refusal, a drop, an
+/// upstream failure): the reason code, the same as `x-slackgate-reason`, under the name
+/// llm-d's router gives its own drop reason, so clients and dashboards built for that router
+/// read ours without knowing slackgate.
+pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";

@@ -39,7 +39,7 @@ pub struct HeaderInfo {
     pub deadline_in_ms: Option<u64>,
     /// `X-Deadline`: absolute, epoch milliseconds.
     pub deadline_epoch_ms: Option<u64>,
-    /// `x-slo-ttft-ms`: relative budget for the first token.
+    /// `x-llm-d-slo-ttft-ms` or its alias `x-slo-ttft-ms`: relative budget for the first token.
     pub first_token_in_ms: Option<u64>,
     /// Hash of the bearer key (or the `X-Tenant` header).
     pub tenant: Option<String>,
@@ -91,6 +91,11 @@ fn relative(name: &str, h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
     let Some(v) = header_str(h, name)? else {
         return Ok(None);
     };
+    bounded_ms(name, v).map(Some)
+}
+
+/// A relative budget: 1 ms to a day.
+fn bounded_ms(name: &str, v: &str) -> Result<u64, BadRequest> {
     let ms = parse_ms(name, v)?;
     if ms == 0 || ms > MAX_DEADLINE_MS {
         return Err(bad(
@@ -98,8 +103,39 @@ fn relative(name: &str, h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
             format!("{name}: {ms} ms is outside 1..={MAX_DEADLINE_MS}"),
         ));
     }
-    Ok(Some(ms))
+    Ok(ms)
 }
+
+/// The first-token budget: llm-d's `x-llm-d-slo-ttft-ms`, or `x-slo-ttft-ms` (its older name,
+/// which inference-perf sends). Each is read as [`relative`] reads a budget; copies of either,
+/// or both names, must agree: a second value a proxy appended must not pass unnoticed.
+fn first_token(h: &HeaderMap) -> Result<Option<u64>, BadRequest> {
+    let mut found: Option<(&str, u64)> = None;
+    for name in FIRST_TOKEN_HEADERS {
+        for v in h.get_all(name) {
+            let text = v.to_str().map(str::trim).map_err(|_| {
+                bad(
+                    Reason::InvalidDeadline,
+                    format!("{name}: not visible ASCII"),
+                )
+            })?;
+            let ms = bounded_ms(name, text)?;
+            match found {
+                Some((first, seen)) if seen != ms => {
+                    return Err(bad(
+                        Reason::InvalidDeadline,
+                        format!("{name}: {ms} ms disagrees with {first}: {seen} ms"),
+                    ))
+                }
+                _ => found = Some((name, ms)),
+            }
+        }
+    }
+    Ok(found.map(|(_, ms)| ms))
+}
+
+/// The first-token budget's names, llm-d's current one first.
+pub const FIRST_TOKEN_HEADERS: [&str; 2] = ["x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"];
 
 /// The `X-Job-Class` label: trimmed, cut one character past the longest class name (so an
 /// over-long label matches no class rather than a shorter one), `None` when absent, empty or
@@ -135,7 +171,7 @@ pub fn parse_headers_with(
     tenants: &crate::support::tenant::TenantHasher,
 ) -> Result<HeaderInfo, BadRequest> {
     let deadline_in_ms = relative("x-deadline-ms", h)?;
-    let first_token_in_ms = relative("x-slo-ttft-ms", h)?;
+    let first_token_in_ms = first_token(h)?;
     let deadline_epoch_ms = absolute_deadline(h, now_epoch_ms)?;
     let class_label = class_label(h);
     let tenant = tenant(h, trust_tenant_header, tenants);
@@ -269,6 +305,9 @@ pub struct BodyInfo {
     pub stream: bool,
     /// `model`, for the log.
     pub model: Option<String>,
+    /// `priority` (vLLM's field) as JSON text, read only when `[server.class_map]` maps
+    /// priorities (`labels::ClassMap::label` parses it).
+    pub priority: Option<String>,
 }
 
 /// Parse an OpenAI request body (chat, completion or embedding). It must be a JSON object.
@@ -310,6 +349,9 @@ pub fn parse_body(bytes: &[u8]) -> Result<(serde_json::Value, BodyInfo), BadRequ
         max_tokens,
         stream,
         model,
+        priority: obj
+            .get("priority")
+            .map(|p| p.to_string().chars().take(64).collect()),
     };
     Ok((v, info))
 }

@@ -146,14 +146,19 @@ pub fn error(
     admission: Option<&AdmissionBody>,
     retry: Option<RetryAdvice>,
 ) -> Response<ResBody> {
-    with_code(
+    let mut r = with_code(
         status,
         reason.as_str(),
         error_type(reason),
         message,
         admission,
         retry,
-    )
+    );
+    r.headers_mut().insert(
+        crate::wire::headers::DROPPED_REASON_HEADER,
+        HeaderValue::from_static(reason.as_str()),
+    );
+    r
 }
 
 fn with_code(
@@ -191,6 +196,10 @@ fn with_code(
 pub fn add_retry_headers(resp: &mut Response<ResBody>, reason: Reason, retry: Option<RetryAdvice>) {
     resp.headers_mut().insert(
         "x-slackgate-reason",
+        HeaderValue::from_static(reason.as_str()),
+    );
+    resp.headers_mut().insert(
+        crate::wire::headers::DROPPED_REASON_HEADER,
         HeaderValue::from_static(reason.as_str()),
     );
     set_retry(resp, retry);
@@ -326,6 +335,10 @@ mod tests {
         assert_eq!(r.headers()["retry-after"], "2");
         assert_eq!(r.headers()["retry-after-ms"], "1001");
         assert_eq!(r.headers()["x-should-retry"], "true");
+        assert_eq!(
+            r.headers()["x-llm-d-request-dropped-reason"],
+            "projected_wait_exceeds_slack"
+        );
         assert_eq!(
             r.headers()["x-slackgate-reason"],
             "projected_wait_exceeds_slack"
