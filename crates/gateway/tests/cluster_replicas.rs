@@ -22,6 +22,7 @@ default_class = "batch"
 tenant_hash_key = "00112233445566778899aabbccddeeff"
 [server.class_map]
 objectives = { "critical" = "interactive" }
+priorities = [{ min = 0, max = 9, class = "interactive" }]
 [[pools]]
 name = "default"
 upstream = "{UPSTREAM}"
@@ -321,6 +322,10 @@ async fn a_replica_started_while_redis_is_down_serves_by_fail_mode_and_joins_whe
     )
     .await;
     assert_eq!(objective.status, 200, "{:?}", objective.json());
+    // And vLLM's way, by the body's `priority`: read from the body it holds.
+    let body = r#"{"model":"stub","priority":3,"messages":[{"role":"user","content":"hi"}],"max_tokens":4}"#;
+    let by_priority = post(&a.url("/v1/chat/completions"), &[], body).await;
+    assert_eq!(by_priority.status, 200, "{:?}", by_priority.json());
     redis.restart().unwrap();
     wait_leads(&a, "the lone replica leads").await;
     let closed = ask(&a, "batch", None).await;

@@ -240,11 +240,26 @@ fn settle_bound(shared: &Shared, cluster: &Cluster, headers: &HeaderMap) -> Dura
     deadline_ms(shared, headers).map_or(bound, |ms| bound.min(Duration::from_millis(ms)))
 }
 
-/// The request's class label as the pipeline will read it, as far as the headers tell:
-/// `X-Job-Class`, else what `[server.class_map]` makes of the headers other tools send (a
-/// malformed one counts as none here; the pipeline refuses it with the reason).
-fn label(shared: &Shared, headers: &HeaderMap) -> Option<String> {
-    class_label(headers).or_else(|| shared.server.class_map.label(headers, None).ok().flatten())
+/// The request's class label as the pipeline will read it, as far as the headers (and the
+/// body, once read) tell: `X-Job-Class`, else what `[server.class_map]` makes of the headers
+/// other tools send and the body's `priority` (a malformed one counts as none here; the
+/// pipeline refuses it with the reason).
+fn label(shared: &Shared, headers: &HeaderMap, body: Option<&[u8]>) -> Option<String> {
+    class_label(headers).or_else(|| {
+        let priority = body.and_then(|b| crate::wire::request_info::parse_body_lenient(b).priority);
+        shared
+            .server
+            .class_map
+            .label(headers, priority.as_deref())
+            .ok()
+            .flatten()
+    })
+}
+
+/// Before its body is read, a request without a label may still be classed by the body's
+/// `priority` (when `[server.class_map]` maps priorities): its class is not known yet.
+fn class_unknown_before_body(shared: &Shared, headers: &HeaderMap) -> bool {
+    label(shared, headers, None).is_none() && !shared.server.class_map.priorities.is_empty()
 }
 
 /// The request's deadline in ms from its arrival, as far as a replica can tell before the
@@ -255,7 +270,7 @@ fn deadline_ms(shared: &Shared, headers: &HeaderMap) -> Option<u64> {
         .map(|at| at.saturating_sub(crate::support::clock::epoch_ms()));
     relative_ms(headers, "x-deadline-ms")
         .or(absolute)
-        .or_else(|| shared.class_deadline_ms(label(shared, headers).as_deref()))
+        .or_else(|| shared.class_deadline_ms(label(shared, headers, None).as_deref()))
 }
 
 /// How long a follower waits for the leader's answer to a forward: the request's deadline
@@ -292,8 +307,10 @@ fn relative_ms(headers: &HeaderMap, name: &str) -> Option<u64> {
 /// becomes one (less the wait), so the replica that decides sees the time that is left.
 fn charge_wait(shared: &Shared, headers: &mut HeaderMap, arrived: Instant) {
     let has_deadline = headers.contains_key("x-deadline-ms") || headers.contains_key("x-deadline");
-    if !has_deadline {
-        if let Some(ms) = shared.class_deadline_ms(label(shared, headers).as_deref()) {
+    // A class the body will name keeps its own deadline where it is decided (the default
+    // class's, written here, would override it there).
+    if !has_deadline && !class_unknown_before_body(shared, headers) {
+        if let Some(ms) = shared.class_deadline_ms(label(shared, headers, None).as_deref()) {
             headers.insert("x-deadline-ms", HeaderValue::from(ms));
         }
     }
@@ -329,7 +346,7 @@ async fn degraded<L: Local>(
     req: Request<Bytes>,
     target: Target,
 ) -> Response<ResBody> {
-    let label = label(&shared, req.headers());
+    let label = label(&shared, req.headers(), Some(req.body()));
     let mode = match target {
         Target::Proxy(_) => shared.fail_mode(label.as_deref()),
         // The reservation API names its class in the body; a worker's hold is only as good

@@ -325,12 +325,14 @@ impl Metrics {
     /// about M - N (`rate(slackgate_refused_work_seconds_total[5m])`). Retries (an attempt
     /// number above 0) are left out, so a client retrying a refusal does not count its work
     /// twice; refusals that more slots would not help (a disabled class, a duplicate, a spent
-    /// grant) never count.
+    /// grant, and no endpoint up: a crash-looping server must not scale itself out) never
+    /// count.
     fn refused(&self, line: &crate::observe::telemetry::LogLine) {
         let LineReason::Gate(reason) = line.reason else {
             return;
         };
-        if !reason.is_capacity() || line.attempt.unwrap_or(0) > 0 {
+        let no_server = reason == Reason::UpstreamUnavailable;
+        if !reason.is_capacity() || no_server || line.attempt.unwrap_or(0) > 0 {
             return;
         }
         if let (Some(pool), Some(ms)) = (&line.pool, line.est_service_ms) {
@@ -394,8 +396,9 @@ mod tests {
             };
         m.observe(&line(Reason::ProjectedWaitExceedsSlack, 1500, None));
         m.observe(&line(Reason::QueueDepthExceeded, 500, Some(0)));
-        m.observe(&line(Reason::UpstreamUnavailable, 1000, None));
-        // Not capacity, or a retry: not counted.
+        m.observe(&line(Reason::QueueAgeExceeded, 1000, None));
+        // Not capacity, no server up, or a retry: not counted.
+        m.observe(&line(Reason::UpstreamUnavailable, 9000, None));
         m.observe(&line(Reason::BudgetExhausted, 9000, None));
         m.observe(&line(Reason::ClassDisabled, 9000, None));
         m.observe(&line(Reason::ProjectedWaitExceedsSlack, 9000, Some(1)));
