@@ -20,6 +20,8 @@ the checkout). Exits non-zero, saying what failed, on any failure.
 import concurrent.futures
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -197,6 +199,9 @@ def check_stream(client, url, log):
 
 
 def main():
+    # `timeout` ends this run with SIGTERM: turn it into SystemExit, so the tails are printed
+    # and every process started here is stopped (Python's default would skip `finally`).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("litellm-hop: terminated (SIGTERM)"))
     binary = os.environ.get("SLACKGATE_BIN") or os.path.join(
         os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "slackgate")
     litellm = os.path.join(os.path.dirname(sys.executable), "litellm")
@@ -217,8 +222,11 @@ def main():
     try:
         def spawn(name, args, **kw):
             out = open(os.path.join(work, f"{name}.log"), "w")
+            # Each in a session of its own: stopping it stops its children too (LiteLLM's
+            # server workers).
             procs.append((name, subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL, **kw), out))
+                                                 stdin=subprocess.DEVNULL,
+                                                 start_new_session=True, **kw), out))
         spawn("stub", [binary, "stub", "--listen", f"127.0.0.1:{stub_port}", "--slots", "1",
                        "--latency", "fixed:300ms"])
         log_path = os.path.join(work, "decisions.jsonl")
@@ -235,7 +243,7 @@ def main():
             check_headers_reach_the_gate(client, url, log)
             check_refusals(client, url, log)
             check_stream(client, url, log)
-    except SystemExit:
+    except (SystemExit, Exception):
         for name, _, out in procs:
             out.flush()
             with open(out.name) as f:
@@ -243,15 +251,24 @@ def main():
         raise
     finally:
         for _, p, _ in procs:
-            p.terminate()
+            stop(p, signal.SIGTERM)
         for _, p, out in procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                p.kill()
+                stop(p, signal.SIGKILL)
                 p.wait(timeout=5)
             out.close()
+        shutil.rmtree(work, ignore_errors=True)
     print(f"litellm-hop: ok in {time.monotonic() - started:.1f} s")
+
+
+def stop(p, sig):
+    """Signal the process group a child leads (it was started in a session of its own)."""
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":
