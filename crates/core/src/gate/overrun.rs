@@ -7,10 +7,8 @@
 //! slow model under load), a guess that frees slots too early. Instead, the pool keeps the
 //! ratio of actual to estimated service of its last completions, and a job at `x` times its
 //! estimate is given the mean overrun of those that ran past `x`, less `x`: the expected
-//! rest of its service given how long it has already run, or the old rule's figure where
-//! that is more. The old rule is the floor: just below the longest overrun on record the
-//! conditional mean tends to nothing, and a stuck slot must still look stuck (seed 002, whose
-//! drill at a 20x time scale records overruns of several times from timer jitter alone).
+//! rest of its service given how long it has already run. With no completion past `x` on
+//! record the old rule stands (a stuck slot must still look stuck).
 //!
 //! O(log n) per overrun job per projection (a binary search in the sorted ratios and a
 //! suffix sum); O(n log n) per completion for n at most [`OVERRUN_WINDOW`].
@@ -62,14 +60,13 @@ impl OverrunModel {
         }
         let x = elapsed as f64 / est as f64;
         // The completions that ran past `x`.
-        let floor = remaining(now, started, est);
         let from = self.sorted.partition_point(|&r| r <= x);
         let past = self.sorted.len() - from;
         if past == 0 {
-            return floor;
+            return remaining(now, started, est);
         }
         let mean = self.suffix[from] / past as f64;
-        (((mean - x) * est as f64).round().clamp(1.0, 1e15) as u64).max(floor)
+        ((mean - x) * est as f64).round().clamp(1.0, 1e15) as u64
     }
 }
 
@@ -92,9 +89,6 @@ mod tests {
         // Past it: such jobs took 3x their estimate, so at 1.5x it has 1.5x to go (the
         // old rule said 0.5x).
         assert_eq!(m.remaining(1500, 0, 1000), 1500);
-        // Just below the longest on record the rest tends to nothing: the old rule is the
-        // floor (at 2.9x: 1.9x, not 0.1x).
-        assert_eq!(m.remaining(2900, 0, 1000), 1900);
         // Past everything on record: the old rule again.
         assert_eq!(m.remaining(4000, 0, 1000), 3000);
     }
@@ -110,11 +104,7 @@ mod tests {
         for _ in 0..OVERRUN_WINDOW {
             m.record(100, 120);
         }
-        assert_eq!(
-            m.remaining(110, 0, 100),
-            12,
-            "the old rule's floor of an eighth"
-        );
+        assert_eq!(m.remaining(110, 0, 100), 10);
         assert_eq!(m.remaining(200, 0, 100), 100, "past 1.2x: the old rule");
         // Hostile figures do not poison it.
         m.record(0, u64::MAX);
