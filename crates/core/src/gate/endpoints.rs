@@ -293,7 +293,7 @@ impl PoolState {
                 self.in_flight
                     .values()
                     .filter(|run| run.endpoint == ei)
-                    .map(|run| self.overrun.remaining(now, run.started, run.est)),
+                    .map(|run| remaining(now, run.started, run.est)),
             );
             mine.extend(e.inherited.iter().map(|until| until.saturating_sub(now)));
             if seen == Neighbours::Counted {
@@ -327,7 +327,7 @@ impl PoolState {
         }
         let n = self.in_flight.len().min(r.len());
         for (slot, run) in r.iter_mut().zip(self.in_flight.values()) {
-            *slot = self.overrun.remaining(now, run.started, run.est);
+            *slot = remaining(now, run.started, run.est);
         }
         let limit = (e.limit as usize).min(r.len());
         if n > limit {

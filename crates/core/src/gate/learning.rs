@@ -52,9 +52,6 @@ impl Gate {
         );
         let service_ms = now.saturating_sub(started_at);
         if done.ok {
-            self.pools[pool.0]
-                .overrun
-                .record(job.est.service_ms, service_ms);
             if done.completion_tokens.is_some() || job.max_tokens == Some(0) {
                 self.learn_from_run(&job, &done, sharing, service_ms);
             }

@@ -211,7 +211,6 @@ mod limits_tests;
 pub mod ops;
 #[cfg(test)]
 mod ops_tests;
-mod overrun;
 mod projection;
 mod queue;
 pub mod reconfigure;

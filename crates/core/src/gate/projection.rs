@@ -173,7 +173,7 @@ impl PoolState {
     pub(super) fn in_flight_remaining(&self, now: Millis) -> u64 {
         self.in_flight
             .values()
-            .map(|run| self.overrun.remaining(now, run.started, run.est))
+            .map(|run| remaining(now, run.started, run.est))
             .fold(0, u64::saturating_add)
     }
 

@@ -150,7 +150,6 @@ impl Gate {
             forecast_bucket_ms: forecast_bucket_ms(pc),
             forecast_refused_weight: pc.forecast_refused_weight,
             headroom: pc.headroom,
-            overrun: super::overrun::OverrunModel::default(),
             default_output_tokens: pc.prior.default_output_tokens,
             limits: pc.limits.clone(),
             discovered_context: None,

@@ -302,8 +302,6 @@ pub(super) struct PoolState {
     pub(super) forecast_bucket_ms: u64,
     /// Configured `forecast_refused_weight`.
     pub(super) forecast_refused_weight: f64,
-    /// Actual over estimated service of recent completions (see [`super::overrun`]).
-    pub(super) overrun: super::overrun::OverrunModel,
     /// Configured `headroom` (see [`super::headroom`]).
     pub(super) headroom: crate::config::Headroom,
     pub(super) default_output_tokens: u32,
