@@ -418,6 +418,7 @@ pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Conf
         p.prior.decode_ms_per_token *= scale;
         p.prior.decode_ms_per_1k_context *= scale;
         p.forecast_window_ms = scale_ms(p.forecast_window_ms, scale).max(1_000);
+        p.promise_guard_ms = ((p.promise_guard_ms as f64) * scale).round() as u64;
     }
     for c in &mut gate.classes {
         c.deadline_ms = c.deadline_ms.map(|d| scale_ms(d, scale));

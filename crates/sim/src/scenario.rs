@@ -563,6 +563,10 @@ pub struct SlackgateSpec {
     /// gate's).
     #[serde(default)]
     pub headroom: Option<slackgate_core::config::Headroom>,
+    /// The pool's `promise_guard_ms` in scenario ms (default: the gate's). The drill keeps
+    /// it in real ms scaled like every other duration.
+    #[serde(default)]
+    pub promise_guard_ms: Option<u64>,
 }
 
 impl Default for SlackgateSpec {
@@ -575,6 +579,7 @@ impl Default for SlackgateSpec {
             forecast_window_ms: None,
             forecast_refused_weight: None,
             headroom: None,
+            promise_guard_ms: None,
         }
     }
 }

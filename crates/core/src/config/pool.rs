@@ -39,6 +39,13 @@ pub struct PoolConfig {
     /// higher classes' recent demand; a number pins it; `"off"` (or 0) turns it off. See
     /// [`Headroom`].
     pub headroom: Headroom,
+    /// Time kept in hand on every promise (ms) for what no estimate sees: the gate's own
+    /// scheduling, the ledger's commit before the send, connection setup, the network and a
+    /// machine that pauses. A request with a deadline is admitted only if its padded wait and
+    /// service end at least this long before the deadline. 0 holds promises to the exact
+    /// projection, which the first hiccup of a few milliseconds breaks (a request admitted
+    /// 20 ms inside its deadline finished after it on a busy CI machine).
+    pub promise_guard_ms: u64,
     /// Several servers behind the pool, each with its own slots, in place of one `upstream`:
     /// the pool's capacity is the sum of its healthy endpoints' slots, and each dispatched
     /// request goes to the endpoint that can start it soonest. Empty: one endpoint, the
@@ -381,6 +388,9 @@ impl PoolConfig {
 /// may report): 16M tokens, far past any model served today.
 pub const MAX_LIMIT_TOKENS: u32 = 1 << 24;
 
+/// The default [`PoolConfig::promise_guard_ms`].
+pub const DEFAULT_PROMISE_GUARD_MS: u64 = 50;
+
 impl Default for PoolConfig {
     fn default() -> Self {
         PoolConfig {
@@ -393,6 +403,7 @@ impl Default for PoolConfig {
             forecast_window_ms: 300_000,
             forecast_refused_weight: 0.5,
             headroom: Headroom::Learned,
+            promise_guard_ms: DEFAULT_PROMISE_GUARD_MS,
             endpoints: Vec::new(),
             auth: AuthConfig::default(),
             tls: TlsConfig::default(),

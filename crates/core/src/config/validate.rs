@@ -290,6 +290,12 @@ impl PoolConfig {
                 "must be between 0 and 1",
             ));
         }
+        if self.promise_guard_ms > 60_000 {
+            return Err(ConfigError::new(
+                at("promise_guard_ms"),
+                "must be at most 60000 (a minute)",
+            ));
+        }
         if let super::Headroom::Slots(n) = self.headroom {
             let slots = if self.endpoints.is_empty() {
                 self.slots

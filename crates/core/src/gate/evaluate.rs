@@ -138,7 +138,8 @@ impl Gate {
     /// The wait and slack a promise is held to, as `(wait, slack)`. A promise needs room for
     /// the estimates' own error: the wait and the service (`own`) are inflated by the class's
     /// recent p90 error before they are held to the deadline (a request admitted exactly at
-    /// the edge is dropped by any overrun ahead of it).
+    /// the edge is dropped by any overrun ahead of it), and the pool's `promise_guard_ms` is
+    /// kept in hand for the jitter no estimate sees.
     fn padded(
         &self,
         now: Millis,
@@ -168,7 +169,7 @@ impl Gate {
             + wait_margin * (e.wait.saturating_add(own.service_ms)) as f64)
             .round()
             .min(1e15) as u64;
-        (padded_wait, padded_slack)
+        (padded_wait.saturating_add(p.promise_guard_ms), padded_slack)
     }
 
     /// Too big for its own deadline even where it would run now with nothing ahead (not at

@@ -24,6 +24,8 @@ fn gate(refused_weight: f64, batch_forecast: bool, inter_deadline: u64, window: 
         pools: vec![PoolConfig {
             name: "p".into(),
             slots: 1,
+            // Exact projections: no time kept in hand.
+            promise_guard_ms: 0,
             prior: PriorConfig {
                 overhead_ms: 1000.0,
                 prefill_ms_per_token: 0.0,

@@ -22,6 +22,7 @@ fn pool(name: &str, slots: u32, service_ms: f64) -> PoolConfig {
             default_output_tokens: 0,
             learn: false,
         },
+        promise_guard_ms: 0,
         ..PoolConfig::default()
     }
 }

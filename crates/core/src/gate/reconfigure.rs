@@ -132,6 +132,7 @@ impl Gate {
         p.forecast_bucket_ms = forecast_bucket_ms(pc);
         p.forecast_refused_weight = pc.forecast_refused_weight;
         p.headroom = pc.headroom;
+        p.promise_guard_ms = pc.promise_guard_ms;
         p.default_output_tokens = pc.prior.default_output_tokens;
         p.limits = pc.limits.clone();
         PoolId(i)
@@ -150,6 +151,7 @@ impl Gate {
             forecast_bucket_ms: forecast_bucket_ms(pc),
             forecast_refused_weight: pc.forecast_refused_weight,
             headroom: pc.headroom,
+            promise_guard_ms: pc.promise_guard_ms,
             default_output_tokens: pc.prior.default_output_tokens,
             limits: pc.limits.clone(),
             discovered_context: None,

@@ -304,6 +304,8 @@ pub(super) struct PoolState {
     pub(super) forecast_refused_weight: f64,
     /// Configured `headroom` (see [`super::headroom`]).
     pub(super) headroom: crate::config::Headroom,
+    /// Configured `promise_guard_ms`: kept in hand on every promise.
+    pub(super) promise_guard_ms: u64,
     pub(super) default_output_tokens: u32,
     /// The configured limits (`[pools.limits]`) and the smallest context window its
     /// servers reported (see [`Gate::set_discovered_context`]).

@@ -25,6 +25,8 @@ pub(super) fn cfg(slots: u32, service_ms: f64) -> GateConfig {
                 learn: false,
             },
             upstream: None,
+            // The projections here are exact: no time kept in hand.
+            promise_guard_ms: 0,
             ..PoolConfig::default()
         }],
         classes: vec![
@@ -119,6 +121,38 @@ fn projected_wait_counts_in_flight_and_queued_work_ahead() {
     let after = last.retry_after_ms.unwrap();
     assert!((1000..=1200).contains(&after), "{after}");
     assert!(last.should_retry);
+}
+
+#[test]
+fn the_promise_guard_refuses_what_would_end_inside_it() {
+    // As above, with 50 ms kept in hand: job 5 would end exactly at its deadline (wait 3200
+    // = slack) and is refused now; job 4, 800 ms inside it, still fits.
+    // Seed 003's drill, on a busy CI machine, once finished a request admitted 20 ms inside
+    // its deadline after it.
+    let mut c = cfg(1, 800.0);
+    c.pools[0].promise_guard_ms = 50;
+    let mut g = Gate::new(c).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let d = g.offer(0, req(&g, "prod"));
+        seen.push((d.projected_wait_ms, d.action));
+        drain(&mut g, 0);
+    }
+    assert_eq!(
+        seen,
+        vec![
+            (0, Action::Admit),
+            (800, Action::Admit),
+            (1600, Action::Admit),
+            (2400, Action::Admit),
+            (3200, Action::Reject),
+        ]
+    );
+    // A guard longer than a whole deadline is refused by the config's check.
+    let mut c = cfg(1, 800.0);
+    c.pools[0].promise_guard_ms = 60_001;
+    let err = Gate::new(c).unwrap_err().to_string();
+    assert!(err.contains("promise_guard_ms"), "{err}");
 }
 
 #[test]

@@ -65,6 +65,10 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             .forecast_refused_weight
             .unwrap_or(PoolConfig::default().forecast_refused_weight),
         headroom: s.slackgate.headroom.unwrap_or_default(),
+        promise_guard_ms: s
+            .slackgate
+            .promise_guard_ms
+            .unwrap_or(PoolConfig::default().promise_guard_ms),
         ..PoolConfig::default()
     };
     let classes = s
