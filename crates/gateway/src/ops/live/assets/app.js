@@ -211,10 +211,13 @@
       }
     }
     // Decisions per second by action and reason (all classes), from the totals' differences.
-    const reasons = [...new Set(fr.flatMap((f) => f.decisions.map((d) => `${d.action}: ${d.reason}`)))].sort();
+    // Admission decisions only (admit, refuse, drop): dispatches and completions are in the table.
+    const DECIDED = new Set(["admit", "reject", "shadow_reject", "drop", "error"]);
+    const decided = (f) => f.decisions.filter((d) => DECIDED.has(d.action));
+    const reasons = [...new Set(fr.flatMap((f) => decided(f).map((d) => `${d.action}: ${d.reason}`)))].sort();
     const sums = fr.map((f) => {
       const m = new Map();
-      for (const d of f.decisions) { const k = `${d.action}: ${d.reason}`; m.set(k, (m.get(k) || 0) + d.count); }
+      for (const d of decided(f)) { const k = `${d.action}: ${d.reason}`; m.set(k, (m.get(k) || 0) + d.count); }
       return m;
     });
     const rate = reasons.map((r) => sums.map((m, i) => {
