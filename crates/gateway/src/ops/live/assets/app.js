@@ -71,7 +71,13 @@
       const tr = el("tr", { "data-class": classKey(c) });
       const gone = slackGone(c);
       if (gone) { tr.className = "alert"; needs.push(`${classKey(c)}: slack is gone`); }
+      const st = [];
+      if (gone) st.push("SLACK GONE");
+      if (!c.enabled) st.push("disabled");
+      if (c.draining) st.push("draining");
+      if (c.retired) st.push("retired");
       cell(tr, classKey(c));
+      cell(tr, st.join(", ") || "ok", undefined, "state");
       cell(tr, c.pool);
       cell(tr, String(c.depth), c.depth, "num").dataset.field = "depth";
       cell(tr, dur(c.oldest_queue_age_ms), c.oldest_queue_age_ms, "num").dataset.field = "oldest_queue_age_ms";
@@ -81,12 +87,6 @@
       cell(tr, String(c.in_flight), c.in_flight, "num").dataset.field = "in_flight";
       const e = c.est_error;
       cell(tr, e.samples ? `${pct(e.median)} (${e.samples})` : "no data", e.median, "num");
-      const st = [];
-      if (gone) st.push("SLACK GONE");
-      if (!c.enabled) st.push("disabled");
-      if (c.draining) st.push("draining");
-      if (c.retired) st.push("retired");
-      cell(tr, st.join(", ") || "ok", undefined, "state");
       if (!c.enabled || c.draining) needs.push(`${classKey(c)} is ${c.draining ? "draining" : "disabled"}`);
       body.appendChild(tr);
     }
@@ -112,10 +112,10 @@
         }
         cell(tr, p.name);
         cell(tr, e.name);
+        cell(tr, st.join(", ") || "ok", undefined, "state");
         cell(tr, `${e.in_flight} / ${e.limit}`, e.in_flight, "num").dataset.field = "in_flight";
         cell(tr, dur(p.oldest_in_flight_age_ms), p.oldest_in_flight_age_ms, "num");
         cell(tr, String(p.depth), p.depth, "num");
-        cell(tr, st.join(", ") || "ok", undefined, "state");
         body.appendChild(tr);
       }
     }
@@ -153,7 +153,7 @@
   function chartWidth(box) { return Math.max(280, Math.min(box.clientWidth || 600, 1400)); }
 
   // One uPlot chart per key, rebuilt when its series change (a class or reason appears).
-  function draw(key, box, title, names, data, yLabel, fmt) {
+  function draw(key, box, title, names, data, yLabel, fmt, whole) {
     const sig = names.join("\u0001");
     let ch = state.charts[key];
     if (ch && ch.sig !== sig) { ch.plot.destroy(); ch.wrap.remove(); ch = null; }
@@ -169,7 +169,8 @@
       const opts = {
         width: chartWidth(wrap), height: 190, series,
         scales: { x: { time: true } },
-        axes: [{}, { label: yLabel, size: 60, values: (u, vals) => vals.map(fmt) }],
+        axes: [{}, Object.assign({ label: yLabel, size: 60, values: (u, vals) => vals.map(fmt) },
+          whole ? { incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] } : {})],
         legend: { live: true },
       };
       ch = { sig, wrap, plot: new uPlot(opts, data, wrap) };
@@ -238,7 +239,7 @@
       epNames.push(`${p}/${e} in flight`); epData.push(get("in_flight"));
       epNames.push(`slots ${p}/${e}`); epData.push(get("limit"));
     }
-    draw("endpoints", $("endpoint-chart"), "", epNames, [xs, ...epData], "requests", (v) => (v == null ? "-" : String(Math.round(v))));
+    draw("endpoints", $("endpoint-chart"), "", epNames, [xs, ...epData], "requests", (v) => (v == null ? "-" : String(Math.round(v))), true);
     // Estimator error: median |predicted - actual| / actual, and bias, per class.
     const estNames = [], estData = [];
     for (const c of last.gate.classes) {
