@@ -7,6 +7,13 @@ use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
 use http::{HeaderValue, Response};
 
+/// uPlot 1.6.32's script (`dist/uPlot.iife.min.js`), for the page and the drill's HTML report.
+pub const UPLOT_JS: &str = include_str!("assets/uplot/uPlot.iife.min.js");
+/// uPlot's stylesheet (`dist/uPlot.min.css`).
+pub const UPLOT_CSS: &str = include_str!("assets/uplot/uPlot.min.css");
+/// uPlot's license (MIT), shipped with every copy.
+pub const UPLOT_LICENSE: &str = include_str!("assets/uplot/LICENSE");
+
 /// The page's Content-Security-Policy.
 pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
      connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; \
@@ -39,16 +46,8 @@ pub fn asset(path: &str) -> Option<Asset> {
             include_str!("assets/app.css"),
             false,
         ),
-        "/live/uplot.js" => (
-            "text/javascript; charset=utf-8",
-            include_str!("assets/uplot/uPlot.iife.min.js"),
-            false,
-        ),
-        "/live/uplot.css" => (
-            "text/css; charset=utf-8",
-            include_str!("assets/uplot/uPlot.min.css"),
-            false,
-        ),
+        "/live/uplot.js" => ("text/javascript; charset=utf-8", UPLOT_JS, false),
+        "/live/uplot.css" => ("text/css; charset=utf-8", UPLOT_CSS, false),
         _ => return None,
     };
     Some(Asset {
