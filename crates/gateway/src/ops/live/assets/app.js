@@ -282,16 +282,24 @@
     if (!state.paused) render();
   }
 
+  // A page that gets no frame says so: the browser retries a dropped stream on its own, but
+  // a refused one (401: the session expired) is closed for good.
+  function stale(es) {
+    const st = $("status");
+    if (es.readyState === EventSource.CLOSED) {
+      st.classList.add("stale");
+      st.textContent = "stream closed (session expired?): open /live?token=<admin token> again";
+    } else if (state.lastAt && Date.now() - state.lastAt > 5000) {
+      st.classList.add("stale");
+      st.textContent = `no frame for ${dur(Date.now() - state.lastAt)}: reconnecting`;
+    }
+  }
+
   function connect() {
     const es = new EventSource("/live/stream");
     es.addEventListener("frame", onFrame);
-    es.onerror = () => {
-      const st = $("status");
-      if (Date.now() - state.lastAt > 5000) {
-        st.classList.add("stale");
-        st.textContent = `no frame for ${dur(Date.now() - state.lastAt)}: reconnecting (session expired? open /live?token=... again)`;
-      }
-    };
+    es.onerror = () => stale(es);
+    setInterval(() => stale(es), 2000);
   }
 
   function togglePause() {
