@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import ProcessGroup, free_port, wait_healthy
 
 TOKEN = "live-page-test-token-7f3a9c"
 FRAME_MS = 500
@@ -241,3 +241,94 @@ def test_live_page_in_chromium_equals_stats(gate_stack, tmp_path: Path):
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, Path(out) / "live-page-test.png")
+
+
+def test_a_follower_says_so_and_names_its_leader(binary, tmp_path: Path):
+    """Cluster mode: two replicas on their own redis-server; the follower's page says plainly
+    that it is a follower, and names the leader, above everything else."""
+    chromium = chromium_path()
+    sp = sync_playwright()
+    redis_server = os.environ.get("SLACKGATE_REDIS_SERVER") or shutil.which("redis-server")
+    if not redis_server:
+        pytest.fail("redis-server is missing: scripts/test.sh installs Debian's redis-server",
+                    pytrace=False)
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(TOKEN)
+    procs = ProcessGroup(tmp_path)
+    try:
+        stub_port, redis_port = free_port(), free_port()
+        stub, out = procs.start("stub", [str(binary), "stub", "--listen", f"127.0.0.1:{stub_port}"])
+        wait_healthy(stub, out, f"http://127.0.0.1:{stub_port}/health", "stub")
+        procs.start("redis", [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no"])
+        gates = {}
+        for role in ("first", "second"):
+            port, admin = free_port(), free_port()
+            cfg = tmp_path / f"{role}.toml"
+            cfg.write_text(f"""
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+path = "off"
+[admin]
+listen = "127.0.0.1:{admin}"
+token_file = "{token_file}"
+live_frame_ms = 200
+[cluster]
+redis = "redis://127.0.0.1:{redis_port}"
+name = "live-test"
+replica_id = "{role}"
+advertise = "http://127.0.0.1:{port}"
+lease_ttl_ms = 1000
+redis_timeout_ms = 250
+[[pools]]
+name = "default"
+slots = 2
+upstream = "http://127.0.0.1:{stub_port}"
+[[classes]]
+name = "interactive"
+deadline_ms = 5000
+""")
+            gate, gout = procs.start(role, [str(binary), "serve", "--config", str(cfg)])
+            wait_healthy(gate, gout, f"http://127.0.0.1:{port}/healthz", role)
+            gates[role] = (port, admin)
+            if role == "first":
+                # The first takes the lease before the second starts.
+                until = time.monotonic() + 15
+                while time.monotonic() < until:
+                    s = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=2).json()
+                    if s["cluster"] and s["cluster"]["role"] == "leader":
+                        break
+                    time.sleep(0.1)
+                else:
+                    pytest.fail("the first replica never led")
+        port, admin = gates["second"]
+        until = time.monotonic() + 15
+        while time.monotonic() < until:
+            s = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=2).json()
+            if s["cluster"]["role"] == "follower":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the second replica never followed: {s['cluster']}")
+        with sp() as p:
+            args = ["--no-sandbox"] if os.geteuid() == 0 else []
+            browser = p.chromium.launch(executable_path=chromium, headless=True, args=args)
+            try:
+                page = browser.new_page(viewport={"width": 1000, "height": 700})
+                page.goto(f"http://127.0.0.1:{admin}/live?token={TOKEN}")
+                page.wait_for_function("() => window.slackgateLive && window.slackgateLive.shown >= 1",
+                                       timeout=15000)
+                banner = page.locator("#role")
+                assert banner.is_visible()
+                text = banner.inner_text()
+                assert "FOLLOWER" in text and "first" in text, text
+                # The leader's own page has no such banner.
+                page.goto(f"http://127.0.0.1:{gates['first'][1]}/live?token={TOKEN}")
+                page.wait_for_function("() => window.slackgateLive && window.slackgateLive.shown >= 1",
+                                       timeout=15000)
+                assert not page.locator("#role").is_visible()
+            finally:
+                browser.close()
+    finally:
+        procs.stop_all()

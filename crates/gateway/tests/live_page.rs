@@ -435,3 +435,35 @@ async fn subscribers_are_bounded_and_a_closed_stream_frees_its_place() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[test]
+fn the_live_settings_are_checked() {
+    // The config with `[admin]`'s live settings replaced by `admin_lines`: `Err` says why not.
+    let check = |admin_lines: &str| -> Result<(), String> {
+        let text = CONFIG
+            .replace(
+                "live_frame_ms = 100\nlive_max_subscribers = 2\n",
+                &format!("{admin_lines}\n"),
+            )
+            .replace("{UPSTREAM}", "http://127.0.0.1:9");
+        let cfg = slackgate_gateway::Config::from_toml(&text).map_err(|e| e.to_string())?;
+        cfg.validate().map_err(|e| e.to_string())
+    };
+    assert_eq!(check(""), Ok(()));
+    assert_eq!(
+        check("live_max_subscribers = 1\nlive_session_s = 60"),
+        Ok(())
+    );
+    for (lines, field) in [
+        ("live_max_subscribers = 0", "admin.live_max_subscribers"),
+        ("live_session_s = 5", "admin.live_session_s"),
+        ("live_session_s = 100000", "admin.live_session_s"),
+        ("live_frame_ms = 50", "admin.live_frame_ms"),
+        ("live_frame_ms = 60000", "admin.live_frame_ms"),
+        ("live_frames = 100", "live_frames"),
+        ("live_max_subscribers = -1", "live_max_subscribers"),
+    ] {
+        let e = check(lines).expect_err(lines);
+        assert!(e.contains(field), "{lines}: {e}");
+    }
+}

@@ -120,6 +120,9 @@ impl AdminConfig {
         if self.max_connections_per_addr == 0 {
             return Err(err("admin.max_connections_per_addr", "must be at least 1"));
         }
+        if self.live_max_subscribers == 0 {
+            return Err(err("admin.live_max_subscribers", "must be at least 1"));
+        }
         if !(60..=86_400).contains(&self.live_session_s) {
             return Err(err(
                 "admin.live_session_s",
