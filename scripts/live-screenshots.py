@@ -9,12 +9,14 @@ like the scenario's [upstream] and a `slackgate serve` with the scenario's class
 below), with its admin listener; runs `slackgate drill SCENARIO --gate ... --upstream ...
 --run on` against it (load on 127.0.0.1 only, bounded by the scenario); opens the page in
 headless chromium (Playwright, /usr/bin/chromium) and takes a screenshot at the given moment
-of the run. Every process it starts is stopped by its PID. The binary: $SLACKGATE_BIN, else
+of the run (then shrinks it with pngquant when installed). Every process it starts is stopped
+by its PID. The binary: $SLACKGATE_BIN, else
 target/release/slackgate.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +141,10 @@ live_frame_ms = 500
             shot = out / f"{name}.png"
             page.screenshot(path=str(shot), full_page=True)
             browser.close()
+        # Small files for the docs: a palette PNG (Debian's pngquant), when it is installed.
+        if shutil.which("pngquant"):
+            subprocess.run(["pngquant", "--force", "--quality", "70-95", "--output", str(shot),
+                            str(shot)], check=False)
         return shot
     finally:
         for proc in reversed(procs):

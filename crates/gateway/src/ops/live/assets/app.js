@@ -158,7 +158,10 @@
     let ch = state.charts[key];
     if (ch && ch.sig !== sig) { ch.plot.destroy(); ch.wrap.remove(); ch = null; }
     if (!ch) {
-      const wrap = el("div", { class: "chart", role: "img", "aria-label": title });
+      // Charts without a title of their own are named by their section's heading.
+      const section = box.closest("section");
+      const label = title || (section ? section.querySelector("h2").textContent : key);
+      const wrap = el("div", { class: "chart", role: "img", "aria-label": `chart: ${label}` });
       if (title) wrap.appendChild(el("h3", {}, title));
       box.appendChild(wrap);
       const series = [{ label: "time" }].concat(names.map((n, i) => ({
