@@ -436,6 +436,44 @@ async fn subscribers_are_bounded_and_a_closed_stream_frees_its_place() {
     }
 }
 
+// On tokio's paused clock: a session's quarter of an hour passes at once (the gate's timers
+// fire in order on the way, as in real time).
+#[tokio::test(start_paused = true)]
+async fn an_expired_session_is_refused_and_a_new_token_opens_a_new_one() {
+    let (_stub, gate) = gate("live-expiry", Some(TOKEN)).await;
+    let cookie = session(&gate).await;
+    let open = |c: String| {
+        let url = gate.admin_url("/live");
+        async move { request("GET", &url, &[("cookie", &c)], "").await }
+    };
+    assert_eq!(open(cookie.clone()).await.status, 200);
+    tokio::time::sleep(Duration::from_secs(899)).await;
+    assert_eq!(
+        open(cookie.clone()).await.status,
+        200,
+        "still inside its 900 s"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let r = open(cookie.clone()).await;
+    assert_eq!(r.status, 401, "expired");
+    assert_eq!(r.json()["error"]["code"], "unauthorized");
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("expired"));
+    let r = request(
+        "GET",
+        &gate.admin_url("/live/stream"),
+        &[("cookie", &cookie)],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 401, "the stream too");
+    let fresh = session(&gate).await;
+    assert_ne!(fresh, cookie);
+    assert_eq!(open(fresh).await.status, 200);
+}
+
 #[test]
 fn the_live_settings_are_checked() {
     // The config with `[admin]`'s live settings replaced by `admin_lines`: `Err` says why not.

@@ -28,8 +28,9 @@ use crate::wire::response::{self, ResBody};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use session::Sessions;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use stream::Subscribers;
+use tokio::time::Instant;
 
 /// Longest query string the page reads (a token is far shorter).
 const MAX_QUERY: usize = 4096;

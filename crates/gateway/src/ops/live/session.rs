@@ -7,7 +7,8 @@
 use ring::rand::{SecureRandom, SystemRandom};
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// The cookie's name.
 pub const COOKIE: &str = "slackgate_live";
@@ -28,7 +29,8 @@ pub enum SessionError {
     NoRandom,
 }
 
-/// The open sessions: id to expiry.
+/// The open sessions: id to expiry, on tokio's clock (as the gate's own: a test on the
+/// paused clock sees a session expire without waiting).
 #[derive(Debug)]
 pub struct Sessions {
     ttl: Duration,
