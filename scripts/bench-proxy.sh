@@ -23,6 +23,8 @@
 #   TARGETS="direct nginx sqlite memory follower"   which targets (this default order; also
 #                       sqlite_full: the SQLite ledger with server.ledger_synchronous = "full")
 #   BENCH_RESULTS=FILE  also write one line per target: `name rps_median vs_direct vs_nginx p99_ms`
+#   LIVE=0              skip scripts/bench-live.sh, run at the end: the live page's stream with
+#                       SUBS=100 subscribers against none, same sitting, and the CPU per subscriber
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-8}
@@ -201,4 +203,10 @@ if [ -f "$WORK/decisions.jsonl" ]; then
   echo
   echo "slackgate (SQLite) wrote $(wc -l < "$WORK/decisions.jsonl") decision-log lines (admit + dispatch + complete" \
     "per request); nginx wrote $(wc -l < "$WORK/nginx-access.jsonl" 2>/dev/null || echo 0) access-log lines."
+fi
+
+# The live page's stream (/live/stream on the admin listener): 100 subscribers against none.
+if [ "${LIVE:-1}" = 1 ]; then
+  echo
+  SLACKGATE_BIN=$BIN ROUNDS=$ROUNDS scripts/bench-live.sh "$DUR" "$CONNS"
 fi

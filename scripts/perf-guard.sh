@@ -36,7 +36,7 @@ cargo bench --locked -q -p slackgate-core --bench guard "${core_feat[@]}" --no-r
 
 measure() { # out-file
   local out=$1 proxy="$WORK/proxy"
-  ROUNDS=3 TARGETS="nginx sqlite memory" SLACKGATE_BIN="$BIN" BENCH_RESULTS="$proxy" \
+  ROUNDS=3 TARGETS="nginx sqlite memory" SLACKGATE_BIN="$BIN" BENCH_RESULTS="$proxy" LIVE=0 \
     scripts/bench-proxy.sh 3 32 >/dev/null 2>"$WORK/proxy.err" || { cat "$WORK/proxy.err" >&2; return 1; }
   : > "$out"
   awk '$1=="sqlite" || $1=="memory" {print "proxy/" $1 "_vs_nginx", $4}' "$proxy" >> "$out"

@@ -61,6 +61,21 @@ if ! command -v faketime >/dev/null 2>&1 && [ -z "${SLACKGATE_LIBFAKETIME:-}" ];
   fi
 fi
 
+# The live page's browser test (tests/python/test_live_page.py) drives Debian's chromium with
+# Playwright (installed into .venv from tests/python/requirements.txt; its own browser
+# downloads are never used). Missing chromium fails that test, never skips it.
+if ! command -v chromium >/dev/null 2>&1 && [ -z "${SLACKGATE_CHROMIUM:-}" ]; then
+  echo "test.sh: installing Debian's chromium package (the live page is tested in a real" \
+    "headless browser)" >&2
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+  else
+    echo "test.sh: chromium missing and I am not root: apt-get install chromium" \
+      "(or set SLACKGATE_CHROMIUM=/path/to/chromium)" >&2
+    exit 1
+  fi
+fi
+
 # Tests that cannot run here say so by name ("SKIPPED <test>: <reason and how to supply what
 # is missing>") on stderr and add that line to $SLACKGATE_SKIP_LOG; the summary at the end
 # lists and counts them, however this script ends. Under CI (CI=true, as .ci/run sets)
@@ -153,7 +168,7 @@ unset SLACKGATE_LLAMA_URL
 echo "== alert rules: promtool check rules + test rules"
 scripts/check-alerts.sh
 
-echo "== python: openai SDK and curl against a live gate"
+echo "== python: openai SDK and curl against a live gate; the live page in headless chromium"
 scripts/test-python.sh
 
 # The container image (deploy/Containerfile): its final stage built from the release binary

@@ -20,6 +20,7 @@
 
 pub mod calibrate;
 pub mod client;
+pub mod html;
 pub mod http_client;
 pub mod joblog;
 pub mod neighbour;

@@ -577,10 +577,16 @@ impl Drill {
         serde_json::to_string_pretty(&out).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
 
-    /// Write report.md, report.json and the charts into `dir`.
+    /// Write report.md, report.json, the charts (SVG, PNG) and report.html (the text and the
+    /// charts in one file) into `dir`.
     pub fn write(&self, dir: &std::path::Path) -> std::io::Result<()> {
         std::fs::create_dir_all(dir)?;
-        std::fs::write(dir.join("report.md"), self.to_markdown())?;
+        let markdown = self.to_markdown();
+        std::fs::write(
+            dir.join("report.html"),
+            crate::html::report_html(&self.report, &self.runs, &markdown),
+        )?;
+        std::fs::write(dir.join("report.md"), markdown)?;
         std::fs::write(dir.join("report.json"), self.to_json())?;
         report::write_charts(dir, "drill-", &self.report, &self.runs)
     }

@@ -136,7 +136,7 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             crate::observe::exposition::CONTENT_TYPE,
             metrics_page(&shared),
         ),
-        (&Method::GET, "/stats") => response::json(&crate::ops::stats::stats(&shared)),
+        (&Method::GET, "/stats") => stats_page(&shared, req.uri().query()),
         (_, p) if p.starts_with("/v1/") => {
             crate::pipeline::passthrough::passthrough(shared, req).await
         }
@@ -144,6 +144,55 @@ pub async fn route(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ResB
             let p = p.to_string();
             response::not_found(&p)
         }
+    }
+}
+
+/// The admin listener's tasks: the admin API (and the live page on it), and the live page's
+/// one sampler, a frame of the gate's state per `admin.live_frame_ms`.
+fn spawn_admin(
+    admin: TcpListener,
+    cfg: &Config,
+    shared: &Arc<Shared>,
+    stopped: &watch::Receiver<bool>,
+) -> [tokio::task::JoinHandle<()>; 2] {
+    [
+        tokio::spawn(crate::ops::admin::serve(
+            admin,
+            Arc::clone(shared),
+            Arc::new(crate::ops::live::Live::new(&cfg.admin)),
+            stopped.clone(),
+        )),
+        tokio::spawn(crate::ops::live::sampler::run(
+            Arc::clone(shared),
+            Duration::from_millis(cfg.admin.live_frame_ms),
+            stopped.clone(),
+        )),
+    ]
+}
+
+/// `GET /stats`: the document now, or frame N's (`?snapshot=N`) while it is kept.
+fn stats_page(shared: &Shared, query: Option<&str>) -> Response<ResBody> {
+    use crate::ops::stats::{snapshot_query, SnapshotQuery};
+    match snapshot_query(query) {
+        SnapshotQuery::Now => response::json(&crate::ops::stats::stats(shared)),
+        SnapshotQuery::Frame(n) => match shared.frames.get(n) {
+            Some(f) => response::bytes("application/json", f.json.clone()),
+            None => response::page_error(
+                http::StatusCode::NOT_FOUND,
+                "snapshot_gone",
+                &format!(
+                    "snapshot {n} is not kept (the newest is {}; the last {} are kept, and \
+                     only while the admin listener runs the live page's sampler)",
+                    shared.frames.latest_seq(),
+                    crate::observe::frames::FRAMES_KEPT
+                ),
+            ),
+        },
+        SnapshotQuery::Invalid => response::page_error(
+            http::StatusCode::BAD_REQUEST,
+            "invalid_query",
+            "/stats takes no query but snapshot=N (a live page frame's number)",
+        ),
     }
 }
 
@@ -245,11 +294,7 @@ impl Gateway {
         let mut admin_addr = None;
         if let Some(admin) = opts.admin {
             admin_addr = Some(admin.local_addr()?);
-            helpers.push(tokio::spawn(crate::ops::admin::serve(
-                admin,
-                Arc::clone(&shared),
-                stopped.clone(),
-            )));
+            helpers.extend(spawn_admin(admin, cfg, &shared, &stopped));
         }
         if let (Some(source), poll) = (watch_source, cfg.server.config_poll_ms) {
             if poll > 0 {

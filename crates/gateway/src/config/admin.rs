@@ -29,6 +29,13 @@ pub struct AdminConfig {
     pub max_connections: usize,
     /// Open admin connections at most from one client address.
     pub max_connections_per_addr: usize,
+    /// The live page (`/live`): streams open at once at most; one more is refused (503
+    /// `live_subscribers_full`).
+    pub live_max_subscribers: usize,
+    /// The live page: how long the cookie its token is exchanged for lasts, seconds.
+    pub live_session_s: u64,
+    /// The live page: one frame of the gate's state every this many milliseconds.
+    pub live_frame_ms: u64,
 }
 
 impl Default for AdminConfig {
@@ -40,9 +47,19 @@ impl Default for AdminConfig {
             insecure_remote: false,
             max_connections: DEFAULT_ADMIN_MAX_CONNECTIONS,
             max_connections_per_addr: DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR,
+            live_max_subscribers: DEFAULT_LIVE_MAX_SUBSCRIBERS,
+            live_session_s: DEFAULT_LIVE_SESSION_S,
+            live_frame_ms: DEFAULT_LIVE_FRAME_MS,
         }
     }
 }
+
+/// Default of `admin.live_max_subscribers`.
+pub const DEFAULT_LIVE_MAX_SUBSCRIBERS: usize = 32;
+/// Default of `admin.live_session_s`: a quarter of an hour.
+pub const DEFAULT_LIVE_SESSION_S: u64 = 900;
+/// Default of `admin.live_frame_ms`: one frame a second.
+pub const DEFAULT_LIVE_FRAME_MS: u64 = 1000;
 
 /// Default of `admin.max_connections`.
 pub const DEFAULT_ADMIN_MAX_CONNECTIONS: usize = 64;
@@ -59,6 +76,9 @@ pub(super) struct AdminFile {
     insecure_remote: bool,
     max_connections: Option<usize>,
     max_connections_per_addr: Option<usize>,
+    live_max_subscribers: Option<usize>,
+    live_session_s: Option<u64>,
+    live_frame_ms: Option<u64>,
 }
 
 impl AdminConfig {
@@ -80,6 +100,11 @@ impl AdminConfig {
             max_connections_per_addr: a
                 .max_connections_per_addr
                 .unwrap_or(DEFAULT_ADMIN_MAX_CONNECTIONS_PER_ADDR),
+            live_max_subscribers: a
+                .live_max_subscribers
+                .unwrap_or(DEFAULT_LIVE_MAX_SUBSCRIBERS),
+            live_session_s: a.live_session_s.unwrap_or(DEFAULT_LIVE_SESSION_S),
+            live_frame_ms: a.live_frame_ms.unwrap_or(DEFAULT_LIVE_FRAME_MS),
         }
     }
 
@@ -94,6 +119,18 @@ impl AdminConfig {
         }
         if self.max_connections_per_addr == 0 {
             return Err(err("admin.max_connections_per_addr", "must be at least 1"));
+        }
+        if self.live_max_subscribers == 0 {
+            return Err(err("admin.live_max_subscribers", "must be at least 1"));
+        }
+        if !(60..=86_400).contains(&self.live_session_s) {
+            return Err(err(
+                "admin.live_session_s",
+                "must be between 60 and 86400 (a day)",
+            ));
+        }
+        if !(100..=10_000).contains(&self.live_frame_ms) {
+            return Err(err("admin.live_frame_ms", "must be between 100 and 10000"));
         }
         if !a.ip().is_loopback() && self.allow_remote && !self.insecure_remote {
             return Err(err(

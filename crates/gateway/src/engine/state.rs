@@ -172,6 +172,9 @@ pub struct Shared {
     pub health: crate::engine::health::Health,
     /// This replica's membership of a cluster (`[cluster]`; `None`: a gate alone).
     pub cluster: Option<Arc<crate::engine::replica::Cluster>>,
+    /// The live page's frames (written by its sampler, about once a second, only while the
+    /// admin listener runs): `GET /stats?snapshot=N` reads them back.
+    pub frames: crate::observe::frames::FrameStore,
 }
 
 /// How a request ended, for the log and the estimator.
@@ -275,6 +278,7 @@ impl Shared {
             ),
             health: crate::engine::health::Health::default(),
             cluster: None,
+            frames: crate::observe::frames::FrameStore::default(),
         })
     }
 

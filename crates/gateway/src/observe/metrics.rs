@@ -27,7 +27,7 @@ struct ClassLabel {
     class: String,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
 struct DecisionLabels {
     class: String,
     action: &'static str,
@@ -72,11 +72,27 @@ fn timings() -> Timings {
     Family::new_with_constructor(|| Histogram::new(BUCKETS))
 }
 
+/// One series of `slackgate_decisions_total`, as `/stats` and the live page show it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DecisionTotal {
+    /// The class (`none` before one was known).
+    pub class: String,
+    /// `admit`, `reject`, `drop`, `complete`, ...
+    pub action: &'static str,
+    /// The reason code.
+    pub reason: &'static str,
+    /// How many so far.
+    pub count: u64,
+}
+
 /// The gateway's counters and histograms.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     decisions: Family<DecisionLabels, Counter>,
+    /// The same counters as `decisions` (each a clone sharing its atomic), in an index that
+    /// can be read back: the totals of `/stats` and the live page equal `/metrics` exactly.
+    decision_index: std::sync::RwLock<std::collections::BTreeMap<DecisionLabels, Counter>>,
     slo_breaches: ByClass,
     tokens_spent: ByClass,
     tokens_wasted: ByClass,
@@ -95,6 +111,7 @@ impl Default for Metrics {
         let mut m = Metrics {
             registry: Registry::default(),
             decisions: Family::default(),
+            decision_index: std::sync::RwLock::default(),
             slo_breaches: Family::default(),
             tokens_spent: Family::default(),
             tokens_wasted: Family::default(),
@@ -212,7 +229,37 @@ impl Metrics {
             action: action.as_str(),
             reason: reason.as_str(),
         };
-        self.decisions.get_or_create(&labels).inc();
+        // One read lock and one lookup, as the family's own `get_or_create` costs; the
+        // first decision of a label set also registers its counter with the family.
+        if let Ok(index) = self.decision_index.read() {
+            if let Some(c) = index.get(&labels) {
+                c.inc();
+                return;
+            }
+        }
+        let counter = self.decisions.get_or_create_owned(&labels);
+        counter.inc();
+        // A poisoned index only loses the readback, never a count.
+        if let Ok(mut index) = self.decision_index.write() {
+            index.entry(labels).or_insert(counter);
+        }
+    }
+
+    /// Every decision counted so far, by class, action and reason (sorted): the figures of
+    /// `slackgate_decisions_total`.
+    pub fn decision_totals(&self) -> Vec<DecisionTotal> {
+        let Ok(index) = self.decision_index.read() else {
+            return Vec::new();
+        };
+        index
+            .iter()
+            .map(|(l, c)| DecisionTotal {
+                class: l.class.clone(),
+                action: l.action,
+                reason: l.reason,
+                count: c.get(),
+            })
+            .collect()
     }
 
     /// Record a finished request's timings.

@@ -2,6 +2,7 @@
 
 pub mod codes;
 pub mod exposition;
+pub mod frames;
 pub mod gauges;
 pub mod ledger_gauges;
 pub mod metrics;

@@ -120,6 +120,22 @@ pub fn admin_error(status: StatusCode, code: &'static str, message: &str) -> Res
     r
 }
 
+/// A refused request to one of the gate's own pages (`/stats?snapshot=`, the live page):
+/// the same body shape, with its code (`snapshot_gone`, `invalid_query`, ...).
+pub fn page_error(status: StatusCode, code: &'static str, message: &str) -> Response<ResBody> {
+    with_code(status, code, "invalid_request_error", message, None, None)
+}
+
+/// A 200 response whose body is `bytes` of `content_type` (a serialized frame, an asset).
+pub fn bytes(content_type: &'static str, body: Bytes) -> Response<ResBody> {
+    let mut resp = Response::new(full(body));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
+    resp
+}
+
 /// Cluster mode: this replica does not hold the gate's lease (it changed hands) and did
 /// nothing with the request; the replica that sent it here asks Redis where the lease is
 /// now and sends it there (the header marks the answer as this refusal, not an upstream's).

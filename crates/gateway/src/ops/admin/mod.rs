@@ -24,6 +24,9 @@
 //! (`admit_always`, `shadow`, a class's `enabled`) set on any replica apply on every one,
 //! through Redis; drains and reloads apply to the replica called.
 //!
+//! The live page (`/live` and below) is served on this listener too, with its own session
+//! cookie (see [`crate::ops::live`]); a cookie authorizes nothing here.
+//!
 //! This file checks the caller and reads bodies; the route table and one handler per route
 //! are in [`routes`].
 
@@ -34,6 +37,7 @@ use crate::http::accept::{accept_until_stopped, serve_connection, Ending};
 use crate::http::body::BodyError;
 use crate::observe::codes::LineReason;
 use crate::ops::control::ControlError;
+use crate::ops::live::Live;
 use crate::wire::response::{self, ResBody};
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
@@ -54,7 +58,12 @@ const ADMIN_READ_TIMEOUT: Duration = Duration::from_secs(10);
 const ADMIN_CONNECTION_LIMIT: Duration = Duration::from_secs(60);
 
 /// Serve the admin API on `listener` until `stop` turns true.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    live: Arc<Live>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut conns = JoinSet::new();
     // The same connection limits as the proxy's, with the admin listener's own caps.
     let tracker = Arc::clone(&shared.admin_conns);
@@ -66,6 +75,7 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::
         &mut conns,
         |stream, peer, guard| {
             let shared = Arc::clone(&shared);
+            let live = Arc::clone(&live);
             async move {
                 let _ = stream.set_nodelay(true);
                 let ending = Ending {
@@ -74,7 +84,14 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::
                 };
                 serve_connection(stream, guard, ending, move |req| {
                     let shared = Arc::clone(&shared);
-                    async move { route(&shared, req, peer).await }
+                    let live = Arc::clone(&live);
+                    async move {
+                        // The live page authorizes by its own cookie, on its own paths.
+                        if crate::ops::live::is_live_path(req.uri().path()) {
+                            return crate::ops::live::route(&live, &shared, &req);
+                        }
+                        route(&shared, req, peer).await
+                    }
                 })
                 .await;
             }
