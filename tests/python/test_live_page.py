@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,22 @@ import httpx
 import pytest
 
 from conftest import ProcessGroup, free_port, wait_healthy
+
+
+def wait_listening(proc, out: Path, port: int, what: str, timeout_s: float = 20.0) -> None:
+    """Wait until something accepts TCP connections on 127.0.0.1:`port`, failing at once if
+    `proc` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}:\n"
+                               + out.read_text(errors="replace"))
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
 
 TOKEN = "live-page-test-token-7f3a9c"
 FRAME_MS = 500
@@ -259,8 +276,12 @@ def test_a_follower_says_so_and_names_its_leader(binary, tmp_path: Path):
         stub_port, redis_port = free_port(), free_port()
         stub, out = procs.start("stub", [str(binary), "stub", "--listen", f"127.0.0.1:{stub_port}"])
         wait_healthy(stub, out, f"http://127.0.0.1:{stub_port}/health", "stub")
-        procs.start("redis", [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1",
-                              "--save", "", "--appendonly", "no"])
+        redis, redis_out = procs.start("redis", [redis_server, "--port", str(redis_port),
+                                                 "--bind", "127.0.0.1", "--save", "",
+                                                 "--appendonly", "no"])
+        # A replica that cannot reach Redis at start exits (it needs the cluster's tenant
+        # hash key): wait until redis-server takes connections.
+        wait_listening(redis, redis_out, redis_port, "redis-server")
         gates = {}
         for role in ("first", "second"):
             port, admin = free_port(), free_port()
