@@ -19,6 +19,11 @@
 //!   estimator), `poll` dispatches the next job and finds nothing more, and a new job is
 //!   admitted to keep the depth constant: the steady state of a saturated pool.
 //!
+//! - `offer_tenants`: `[fairness]` with every id its own bucket, 10k interactive jobs queued
+//!   (far deadlines) from 1 tenant or from 10,000, and an offer from one of those tenants
+//!   refused on `projected_wait_exceeds_slack`: the share bookkeeping (the tenant's bucket,
+//!   its expiry order) must cost the same with 10,000 active tenants as with one.
+//!
 //! Run with `cargo bench -p slackgate-core --bench decision`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -289,6 +294,46 @@ fn tick(c: &mut Criterion) {
     group.finish();
 }
 
+/// A gate like [`saturated`]'s with `[fairness]` on, 10k interactive jobs with a day's
+/// deadline queued from `tenants` tenants (round robin).
+fn with_tenants(tenants: usize) -> Gate {
+    let mut cfg = config();
+    cfg.fairness.unlisted = slackgate_core::config::Unlisted::Own;
+    cfg.fairness.max_tenants = 20_000;
+    cfg.fairness.active_ms = 86_400_000;
+    let mut gate = Gate::new(cfg).expect("valid config");
+    for i in 0..10_000 + SLOTS as usize {
+        let mut r = request(INTERACTIVE, Some(T0 + 86_400_000));
+        r.fairness_id = Some(format!("tenant-{}", i % tenants));
+        let d = offer(&mut gate, T0, r);
+        assert!(d.admitted(), "{d:?}");
+        while gate.poll(T0).is_some() {}
+    }
+    gate
+}
+
+fn offer_tenants(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decision/offer_tenants");
+    for tenants in [1usize, 10_000] {
+        let mut gate = with_tenants(tenants);
+        assert_eq!(
+            gate.snapshot(T0).classes[0].tenants_tracked as usize,
+            tenants
+        );
+        let ids: Vec<String> = (0..tenants).map(|i| format!("tenant-{i}")).collect();
+        let mut n = 0usize;
+        group.bench_function(format!("tenants={tenants}"), |b| {
+            b.iter(|| {
+                n = (n + 7919) % ids.len();
+                let mut r = request(INTERACTIVE, Some(T0 + 5_000));
+                r.fairness_id = Some(ids[n].clone());
+                black_box(offer(&mut gate, T0, black_box(r)))
+            })
+        });
+    }
+    group.finish();
+}
+
 fn quick() -> Criterion {
     Criterion::default()
         .sample_size(20)
@@ -299,6 +344,6 @@ fn quick() -> Criterion {
 criterion_group! {
     name = benches;
     config = quick();
-    targets = offer_reject, offer_displace, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick
+    targets = offer_reject, offer_displace, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick, offer_tenants
 }
 criterion_main!(benches);

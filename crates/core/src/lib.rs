@@ -24,7 +24,7 @@ pub use gate::ops::{DrainClass, DrainPool, DrainStatus};
 pub use gate::reconfigure::ReconfigureReport;
 pub use gate::{
     ClassSnapshot, Completed, Completion, Decision, EndpointView, Event, Gate, GateSnapshot, JobId,
-    LaneId, PoolId, PoolSnapshot, Request,
+    LaneId, PoolId, PoolSnapshot, Request, TenantStats, TENANTS_SHOWN,
 };
 pub use ledger::{HoldRecord, HoldState};
 pub use reason::{Action, Reason};

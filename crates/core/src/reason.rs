@@ -90,6 +90,11 @@ pub enum Reason {
     /// arrival with 400, as vLLM and OpenAI answer it (llama.cpp would stop at its window
     /// instead); a retry of the same request cannot help.
     ContextLengthExceeded,
+    /// `[fairness]`: the tenant's queued work on the class is more than its share of the
+    /// pool serves within the request's slack (another tenant's share is kept for it). The
+    /// tenant's own requests are refused early; the others keep their slack. Retry-After is
+    /// when its backlog will fit.
+    TenantShareExceeded,
 }
 
 impl Reason {
@@ -141,11 +146,12 @@ impl Reason {
             Reason::ClusterUnavailable => "cluster_unavailable",
             Reason::LedgerUnavailable => "ledger_unavailable",
             Reason::ContextLengthExceeded => "context_length_exceeded",
+            Reason::TenantShareExceeded => "tenant_share_exceeded",
         }
     }
 
     /// Every reason, in declaration order (for docs and metric pre-registration).
-    pub const ALL: [Reason; 32] = [
+    pub const ALL: [Reason; 33] = [
         Reason::WithinSlack,
         Reason::AdmitAlways,
         Reason::EstimatorWarmup,
@@ -178,6 +184,7 @@ impl Reason {
         Reason::ClusterUnavailable,
         Reason::LedgerUnavailable,
         Reason::ContextLengthExceeded,
+        Reason::TenantShareExceeded,
     ];
 }
 

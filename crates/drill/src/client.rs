@@ -188,6 +188,7 @@ pub async fn drive(run: Arc<Run>, a: Arrival) -> ClientLog {
             output_tokens: a.output_tokens,
             prompt_tokens: a.prompt_tokens,
             reason: "",
+            tenant: a.tenant,
         },
         refusals: Vec::new(),
         stub_ids: Vec::new(),
@@ -345,6 +346,9 @@ async fn offer(
     .header("content-type", "application/json")
     .header("x-job-class", class.name.as_str())
     .header("x-attempt", attempt);
+    if let Some(t) = a.tenant.and_then(|t| s.tenants.get(t)) {
+        req = req.header(crate::FAIRNESS_HEADER, t.name.as_str());
+    }
     let body = match &run.real {
         // A real server generates what it generates: ask for the scenario's output length
         // (the request's true size; `ignore_eos` so a model that would stop early does not

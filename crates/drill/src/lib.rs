@@ -439,6 +439,8 @@ pub fn gate_config(s: &Scenario, scale: f64, mode: Mode, upstream: &str) -> Conf
     cfg.server.ledger = "memory".into();
     // The drill's clients send the simulator's size estimate (unless `size_hint = false`).
     cfg.server.trust_size_hint = true;
+    // Tenants name themselves in the fairness header, as a trusted proxy would set it.
+    cfg.server.fairness_header = Some(FAIRNESS_HEADER.into());
     cfg.log.path = "off".into();
     cfg
 }
@@ -663,6 +665,9 @@ async fn resolve_real(s: &Scenario, r: &RealUpstream) -> Result<RealInfo, DrillE
 /// The gate configuration of a run against a real server: the `--config` given (its pools
 /// pointed at the server, on an ephemeral loopback port, in-memory ledger, no admin API) or
 /// the scenario's, unscaled.
+/// The header the drill's clients name their tenant in (llm-d's fairness id).
+pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
+
 fn real_gate_config(s: &Scenario, r: &RealUpstream, mode: Mode, url: &str) -> Config {
     let Some(given) = &r.config else {
         return gate_config(s, 1.0, mode, url);
@@ -675,6 +680,7 @@ fn real_gate_config(s: &Scenario, r: &RealUpstream, mode: Mode, url: &str) -> Co
     }
     cfg.server.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     cfg.server.ledger = "memory".into();
+    cfg.server.fairness_header = Some(FAIRNESS_HEADER.into());
     cfg.admin.listen = None;
     cfg
 }

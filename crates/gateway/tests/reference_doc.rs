@@ -179,16 +179,18 @@ fn the_fields_per_kind_are_the_documented_ones() {
 /// keeps the slot busy and a 1 s interactive request behind it cannot fit.
 fn config() -> String {
     // The usual two classes, with a short interactive deadline, a batch deadline (so its
-    // lines carry slack) and tenants from a header.
-    two_class_config(
-        1,
-        5.0,
-        0.0,
-        10.0,
-        false,
-        "tick_ms = 10\ntrust_tenant_header = true",
-    )
-    .replace("deadline_ms = 30000", "deadline_ms = 5000")
+    // lines carry slack) and tenants from a header, each with a share of its own (so
+    // decision lines carry `tenant_share`).
+    "fairness.unlisted = \"own\"\n".to_string()
+        + &two_class_config(
+            1,
+            5.0,
+            0.0,
+            10.0,
+            false,
+            "tick_ms = 10\ntrust_tenant_header = true",
+        )
+        .replace("deadline_ms = 30000", "deadline_ms = 5000")
         + "deadline_ms = 600000\n"
 }
 

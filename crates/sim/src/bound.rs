@@ -155,6 +155,7 @@ mod tests {
             output_tokens: 0,
             prompt_tokens: 0,
             reason: "",
+            tenant: None,
         };
         let b = bound(&[r(0, 15, 10), r(0, 15, 4), r(0, 15, 4)], 1);
         assert_eq!(b.work_ms, 15.0);

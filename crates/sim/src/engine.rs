@@ -66,6 +66,8 @@ pub struct RequestResult {
     pub prompt_tokens: u32,
     /// Reason of the last refusal or drop.
     pub reason: &'static str,
+    /// The scenario tenant that sent it, if any.
+    pub tenant: Option<usize>,
 }
 
 impl RequestResult {
@@ -242,6 +244,7 @@ impl<'a> Engine<'a> {
                 output_tokens: a.output_tokens,
                 prompt_tokens: a.prompt_tokens,
                 reason: "",
+                tenant: a.tenant,
             })
             .collect();
         let span_ms = (s.duration_s * 1000.0) as u64;
@@ -383,6 +386,7 @@ impl<'a> Engine<'a> {
             attempt,
             true_service_ms: self.results[r].size_ms,
             true_output_tokens: a.output_tokens,
+            tenant: a.tenant,
         };
         self.jobs.push(JobRec {
             request,

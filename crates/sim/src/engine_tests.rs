@@ -39,6 +39,7 @@ fn arrival(request: u64, at_ms: u64, class: usize, output: u32) -> Arrival {
         max_tokens: 4096,
         expected_output_tokens: output,
         forced_service_ms: None,
+        tenant: None,
     }
 }
 

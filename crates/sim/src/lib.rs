@@ -16,6 +16,7 @@ pub mod report;
 pub mod rng;
 pub mod scenario;
 pub mod shape;
+pub mod tenants;
 pub mod trace;
 pub mod workload;
 
@@ -120,6 +121,7 @@ pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimErro
         "slackgate" => Box::new(Slackgate::new(s)?),
         "admit-always" => Box::new(Slackgate::admit_always(s)?),
         "slackgate-displace" => Box::new(Slackgate::displacing(s)?),
+        "slackgate-unfair" => Box::new(Slackgate::unfair(s)?),
         "clairvoyant" => Box::new(Clairvoyant::new(slots)),
         "clairvoyant-firm" => Box::new(Clairvoyant::firm(slots)),
         other => return Err(SimError::UnknownPolicy(other.to_string())),

@@ -31,6 +31,8 @@ pub struct Job {
     pub true_service_ms: u64,
     /// True output tokens. Only the clairvoyant reference may read it.
     pub true_output_tokens: u32,
+    /// The scenario tenant that sent it (an index of `[[tenants]]`), if any.
+    pub tenant: Option<usize>,
 }
 
 /// The answer at arrival.

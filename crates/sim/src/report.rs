@@ -112,6 +112,11 @@ pub struct PolicyReport {
     pub classes: Vec<(String, Stats)>,
     /// Actions the engine refused (0 for a correct policy).
     pub protocol_errors: u64,
+    /// Per scenario tenant (`[[tenants]]`), in scenario order; empty without tenants.
+    pub tenants: Vec<crate::tenants::TenantRow>,
+    /// The largest difference of served time per weight between two tenants both refused
+    /// something in one window (see [`crate::tenants::rows`]), server-s.
+    pub tenant_fairness_gap_s: f64,
 }
 
 /// A whole comparison.
@@ -279,11 +284,14 @@ pub fn build(
                     (c.name.clone(), stats(s, of_class, refr, bound.work_ms))
                 })
                 .collect();
+            let (tenants, tenant_fairness_gap_s) = crate::tenants::rows(s, &run.requests);
             PolicyReport {
                 policy: run.policy.clone(),
                 total,
                 classes,
                 protocol_errors: run.protocol_errors,
+                tenants,
+                tenant_fairness_gap_s,
             }
         })
         .collect();
@@ -348,6 +356,7 @@ impl Report {
                 );
             }
         }
+        tenant_tables(&mut out, &self.policies);
         out
     }
 
@@ -486,4 +495,45 @@ pub fn write_charts(
         ],
     };
     crate::chart::write_chart(dir, &format!("{prefix}goodput"), &Chart::Bar(goodput))
+}
+
+/// Per tenant, when the scenario has tenants: one row per policy and tenant.
+fn tenant_tables(out: &mut String, policies: &[PolicyReport]) {
+    if policies.iter().all(|p| p.tenants.is_empty()) {
+        return;
+    }
+    let _ = writeln!(out, "\n### tenants\n");
+    let _ = writeln!(
+        out,
+        "| policy | tenant | class | weight | requests | on time | refused on share | refused (other) | admitted on time | served (server-s) |"
+    );
+    let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    for p in policies {
+        for t in &p.tenants {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |",
+                p.policy,
+                t.tenant,
+                t.class,
+                t.weight,
+                t.requests,
+                t.on_time,
+                t.refused_share,
+                t.refused_other,
+                pct(t.admitted_on_time_share),
+                t.served_s
+            );
+        }
+    }
+    let _ = writeln!(out);
+    for p in policies {
+        let _ = writeln!(
+            out,
+            "{}: fairness gap {:.1} server-s per weight (largest over {} s windows between tenants both refused something).",
+            p.policy,
+            p.tenant_fairness_gap_s,
+            crate::tenants::FAIRNESS_WINDOW_MS / 1000
+        );
+    }
 }

@@ -627,6 +627,9 @@ pub struct Scenario {
     pub trace: Option<TraceSpec>,
     /// Classes.
     pub classes: Vec<ClassSpec>,
+    /// Tenants, each with its own stream of one class's requests (see `tenants`).
+    #[serde(default)]
+    pub tenants: Vec<crate::tenants::TenantSpec>,
     /// Injected long jobs.
     #[serde(default)]
     pub stuck: Vec<Stuck>,
@@ -668,7 +671,12 @@ pub const ALL_POLICIES: &[&str] = &[
 /// `displace_within_ms`, else its deadline); `clairvoyant-firm` is the clairvoyant reference
 /// without revocation: it never drops what it admitted (a greedy reference for gates whose
 /// admission is a promise, not an upper bound).
-pub const EXTRA_POLICIES: &[&str] = &["admit-always", "slackgate-displace", "clairvoyant-firm"];
+pub const EXTRA_POLICIES: &[&str] = &[
+    "admit-always",
+    "slackgate-displace",
+    "slackgate-unfair",
+    "clairvoyant-firm",
+];
 
 /// Every policy name `--policy` and `policies` accept.
 pub fn known_policies() -> Vec<&'static str> {
@@ -820,9 +828,12 @@ impl Scenario {
                 return Err((at("storm_retries"), "must be at most 100".into()));
             }
         }
+        crate::tenants::validate(self)?;
         let a = &self.arrivals;
+        // With tenants, the scenario's own arrivals may be none at all (rate 0).
+        let silent = a.rate == 0.0 && !self.tenants.is_empty();
         if a.process != Process::Trace {
-            if !(pos(a.rate) && a.rate <= 1e6) {
+            if !((pos(a.rate) || silent) && a.rate <= 1e6) {
                 return err(
                     "arrivals.rate",
                     "must be a positive number of requests per second",

@@ -26,6 +26,8 @@ pub struct Arrival {
     pub expected_output_tokens: u32,
     /// Service time fixed by the scenario (an injected stuck job), instead of the token model.
     pub forced_service_ms: Option<u64>,
+    /// The scenario tenant that sent it (an index of `[[tenants]]`), if any.
+    pub tenant: Option<usize>,
 }
 
 /// Independent random streams, so adding a class or a field never reshuffles the others.
@@ -69,11 +71,17 @@ pub fn generate(s: &Scenario) -> Result<Vec<Arrival>, ScenarioError> {
             max_tokens: s.classes[class].max_tokens,
             expected_output_tokens: 0,
             forced_service_ms: Some((st.duration_s * 1000.0) as u64),
+            tenant: None,
         });
     }
+    out.extend(crate::tenants::arrivals(s, &root));
     out.sort_by_key(|a| a.at_ms);
     for (i, a) in out.iter_mut().enumerate() {
         a.request = i as u64;
+        if a.tenant.is_some() {
+            // Its size and noise come from its tenant's own stream (see `tenants`).
+            continue;
+        }
         // The gate's view of the size: right on average in log space, off by a lognormal
         // factor per request.
         let f = if s.estimator_noise > 0.0 {
@@ -176,7 +184,7 @@ fn generated(s: &Scenario, gaps: &mut Rng, classes: &mut Rng, sizes: &mut Rng) -
 
 /// A generated request of `class` sent at `t_s`, its sizes drawn from the class's
 /// distributions and scaled by the size shift in force.
-fn sized(s: &Scenario, class: usize, t_s: f64, sizes: &mut Rng) -> Arrival {
+pub(crate) fn sized(s: &Scenario, class: usize, t_s: f64, sizes: &mut Rng) -> Arrival {
     let c = &s.classes[class];
     let mut prompt_tokens = sample(&c.prompt_tokens, sizes);
     let mut output_tokens = sample(&c.output_tokens, sizes);
@@ -198,6 +206,7 @@ fn sized(s: &Scenario, class: usize, t_s: f64, sizes: &mut Rng) -> Arrival {
         max_tokens: c.max_tokens,
         expected_output_tokens: output_tokens,
         forced_service_ms: None,
+        tenant: None,
     }
 }
 
@@ -339,6 +348,7 @@ fn replay(s: &Scenario, rules: &mut Rng) -> Result<Vec<Arrival>, ScenarioError> 
             max_tokens: c.max_tokens,
             expected_output_tokens: output_tokens,
             forced_service_ms: None,
+            tenant: None,
         });
     }
     Ok(out)
@@ -396,6 +406,7 @@ pub fn neighbour_arrivals(s: &Scenario) -> Vec<Arrival> {
             max_tokens: output_tokens.max(1),
             expected_output_tokens: output_tokens,
             forced_service_ms: None,
+            tenant: None,
         });
     }
     out

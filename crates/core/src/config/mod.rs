@@ -11,11 +11,13 @@
 
 use serde::Deserialize;
 
+mod fairness;
 mod pool;
 #[cfg(test)]
 mod tests;
 mod validate;
 
+pub use fairness::{FairnessConfig, Unlisted, MAX_TRACKED_TENANTS, OTHER_TENANT};
 pub use pool::{
     AuthConfig, EndpointConfig, Headroom, HealthConfig, LimitsConfig, PoolConfig, ServerKind,
     ServerMetricsConfig, TlsConfig, DEFAULT_CONTEXT_TOKENS, DEFAULT_PROBE_INTERVAL_MS,
@@ -43,6 +45,8 @@ pub struct GateConfig {
     pub retry: RetryConfig,
     /// The token reservation ledger: hold TTL, retry cap, tenant grants.
     pub ledger: crate::ledger::LedgerConfig,
+    /// Weighted fair share between the tenants of a class.
+    pub fairness: FairnessConfig,
 }
 
 impl Default for GateConfig {
@@ -71,6 +75,7 @@ impl Default for GateConfig {
             shadow: false,
             retry: RetryConfig::default(),
             ledger: crate::ledger::LedgerConfig::default(),
+            fairness: FairnessConfig::default(),
         }
     }
 }

@@ -40,6 +40,7 @@ impl GateConfig {
         }
         self.validate_default_class(&labels)?;
         self.validate_ledger()?;
+        self.validate_fairness()?;
         self.validate_retry()
     }
 
@@ -89,6 +90,45 @@ impl GateConfig {
                     "tenant ids must be non-empty and grants at most 2^40 tokens",
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// `[fairness]`: positive finite weights on non-empty ids, bounded tracking.
+    fn validate_fairness(&self) -> Result<(), ConfigError> {
+        let f = &self.fairness;
+        let weight_ok = |w: f64| w.is_finite() && w > 0.0 && w <= 1e6;
+        if !weight_ok(f.default_weight) {
+            return Err(ConfigError::new(
+                "fairness.default_weight",
+                "must be above 0 and at most 1000000",
+            ));
+        }
+        for (id, w) in &f.weights {
+            if id.is_empty() || id.len() > 256 || id == crate::config::OTHER_TENANT {
+                return Err(ConfigError::new(
+                    format!("fairness.weights.{id:?}"),
+                    "ids must be 1 to 256 bytes and not the shared bucket's name \"other\"",
+                ));
+            }
+            if !weight_ok(*w) {
+                return Err(ConfigError::new(
+                    format!("fairness.weights.{id:?}"),
+                    "must be above 0 and at most 1000000",
+                ));
+            }
+        }
+        if f.max_tenants == 0 || f.max_tenants > crate::config::MAX_TRACKED_TENANTS {
+            return Err(ConfigError::new(
+                "fairness.max_tenants",
+                "must be between 1 and 1000000",
+            ));
+        }
+        if f.active_ms == 0 || f.active_ms > MAX_CONFIG_MS {
+            return Err(ConfigError::new(
+                "fairness.active_ms",
+                "must be between 1 ms and a day",
+            ));
         }
         Ok(())
     }

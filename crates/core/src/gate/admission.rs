@@ -43,6 +43,10 @@ struct Offer {
     /// Its wait, the wait's forecast part and its count ahead before a displacement made
     /// room (restored if it is refused after all), on the lane it would queue on.
     refused_wait: (u64, u64, u32),
+    /// Its tenant's standing on the class's lane (`[fairness]` in use).
+    tenant: Option<super::tenants::Standing>,
+    /// For a refusal on its tenant's share: the wait its share projects for it.
+    share_wait: u64,
 }
 
 impl Gate {
@@ -76,6 +80,8 @@ impl Gate {
         // projected wait against slack; warm-up and probe exceptions), from `evaluate`;
         // before the thresholds, a request the servers could not take at all.
         o.verdict = self.class_verdict(&o);
+        // tenant_share_exceeded: its tenant's backlog is past what its share serves in time.
+        self.share_verdict(&mut o);
         // context_length_exceeded: the servers would refuse it too. Enforced in shadow mode
         // (it is not a threshold of the gate's), not under the rollback flag (which leaves
         // every judgement to the servers), after an operator's switch.
@@ -147,6 +153,7 @@ impl Gate {
             ledger: None,
             shadow: false,
             displaced: None,
+            tenant_share: None,
         };
         Offer {
             now,
@@ -164,6 +171,8 @@ impl Gate {
             verdict: Ok(Reason::WithinSlack),
             exceeds_context: bounds.exceeds,
             victim: None,
+            tenant: None,
+            share_wait: 0,
             req,
         }
     }
@@ -239,6 +248,55 @@ impl Gate {
         }
     }
 
+    /// `[fairness]`: count the request in its tenant's bucket on the class's lane and refuse
+    /// it when the tenant's queued work is more than its share of the pool serves within the
+    /// slack the promise is held to (with the pool's guard): its share of the slots the
+    /// higher classes leave, by their recent demand (as the forecast counts it). Only a request that would be
+    /// admitted as within its slack is held to its share; a tenant with nothing queued is
+    /// never refused on it. See [`super::tenants`].
+    fn share_verdict(&mut self, o: &mut Offer) {
+        if !self.fairness_on() {
+            return;
+        }
+        let f = &self.cfg.fairness;
+        let book = &mut self.classes[o.class.0].tenants;
+        book.expire(o.now, f.active_ms);
+        let (id, weight) = f.bucket(o.req.fairness_id.as_deref(), |id| {
+            book.contains(id) || book.len() < f.max_tenants
+        });
+        let st = book.arrive(o.now, id, weight);
+        o.tenant = Some(st);
+        o.d.tenant_share = Some(st.share);
+        let Some(slack) = o.eval.padded_slack else {
+            return;
+        };
+        if o.verdict != Ok(Reason::WithinSlack) || st.share >= 1.0 || st.queued_work == 0 {
+            return;
+        }
+        // Its share of what the pool serves this class: the slots less what the higher
+        // classes (and the servers' neighbours) have recently taken of them.
+        let pool = o.eval.pool;
+        let lane = &self.classes[o.class.0];
+        let rho = (self.higher_demand(o.now, pool, lane.priority)
+            + self.neighbour_demand(o.now, pool))
+        .clamp(0.0, MAX_RHO);
+        let p = &self.pools[pool.0];
+        let rate = st.share * f64::from(p.slots.max(1)) * (1.0 - rho);
+        let wait = (st.queued_work as f64 / rate).ceil().min(1e15) as u64;
+        let wait = wait.saturating_add(p.promise_guard_ms);
+        if i128::from(wait) > i128::from(slack) {
+            o.share_wait = wait;
+            o.verdict = Err(Reason::TenantShareExceeded);
+        }
+    }
+
+    /// Tenants are told apart: some are weighted, or unlisted ids get buckets of their own
+    /// (otherwise every request is in one bucket and the share is always the whole pool).
+    pub(super) fn fairness_on(&self) -> bool {
+        let f = &self.cfg.fairness;
+        !f.weights.is_empty() || f.unlisted == crate::config::Unlisted::Own
+    }
+
     /// A capacity refusal of a class with an overflow pool in `route` mode: admit it there
     /// instead if it fits there (under the same class rules). In shadow mode nothing moves:
     /// the route is reported, not taken.
@@ -299,6 +357,7 @@ impl Gate {
             return;
         }
         match self.displacement_victim(o.now, o.lane, &o.eval) {
+            Some((id, ..)) if !self.displacement_fair(o, id) => {}
             Some((id, ..)) if o.shadow => o.d.displaced = Some(id),
             Some((id, wait, forecast)) => {
                 o.victim = Some(id);
@@ -312,6 +371,22 @@ impl Gate {
             }
             None => {}
         }
+    }
+
+    /// `[fairness]`: a newcomer may displace a job of its own tenant, or of a tenant whose
+    /// backlog is as large for its share as the newcomer's tenant's would be with it: never a
+    /// tenant further within its share than the newcomer's.
+    fn displacement_fair(&self, o: &Offer, victim: JobId) -> bool {
+        let (Some(st), Some(slot)) = (o.tenant, self.jobs.get(&victim).and_then(|j| j.tenant_slot))
+        else {
+            return true;
+        };
+        if o.lane != o.class || slot == st.slot {
+            return true;
+        }
+        let v = self.classes[o.lane.0].tenants.standing(slot);
+        let mine = st.queued_work.saturating_add(o.eval.own_service_ms) as f64 / st.share;
+        v.queued_work as f64 / v.share >= mine
     }
 
     /// Shadow mode admits what a threshold refused, reporting the first such rule. An
@@ -376,7 +451,29 @@ impl Gate {
         let displaceable = l.displace_within_ms.is_some() && !job.protected && !job.reservation;
         l.queue
             .push(job.key(), now, job_id, e.est.service_ms, displaceable);
+        let mut job = job;
+        job.tenant_slot = self.tenant_queued(o);
         self.jobs.insert(job_id, job);
+    }
+
+    /// Count an admitted job's work in its tenant's bucket on the lane it queues on (the
+    /// class's own, or its overflow lane), as its bucket there.
+    fn tenant_queued(&mut self, o: &Offer) -> Option<u32> {
+        let st = o.tenant?;
+        let work = o.eval.est.service_ms;
+        let slot = if o.lane == o.class {
+            st.slot
+        } else {
+            let f = &self.cfg.fairness;
+            let book = &mut self.classes[o.lane.0].tenants;
+            book.expire(o.now, f.active_ms);
+            let (id, weight) = f.bucket(o.req.fairness_id.as_deref(), |id| {
+                book.contains(id) || book.len() < f.max_tenants
+            });
+            book.arrive(o.now, id, weight).slot
+        };
+        self.classes[o.lane.0].tenants.queued(slot, work);
+        Some(slot)
     }
 
     /// Remember on the job's class when it last admitted work, or that it sent a probe.
@@ -444,6 +541,9 @@ impl Gate {
                 .refused
                 .record(o.now, o.eval.est.service_ms, width);
         }
+        if let (Reason::TenantShareExceeded, Some(st)) = (reason, o.tenant) {
+            self.classes[o.class.0].tenants.refused(st.slot);
+        }
         if let Some(key) = req.idempotency_key.as_deref() {
             let tenant = req.tenant.as_deref();
             if let Some(r) =
@@ -465,6 +565,18 @@ impl Gate {
     /// class's own pool, from the wait (forecast included) it was refused on.
     fn refusal_retry(&self, o: &Offer, reason: Reason) -> (u64, bool) {
         let e = &o.eval;
+        if reason == Reason::TenantShareExceeded {
+            // When its backlog drains, at its share, to what fits its slack.
+            return self.retry_after(
+                o.d.job_id,
+                reason,
+                o.share_wait,
+                e.padded_slack,
+                e.count_ahead,
+                o.primary_pool,
+                false,
+            );
+        }
         self.retry_after(
             o.d.job_id,
             reason,
@@ -520,5 +632,6 @@ fn queued_job(o: &Offer, reason: Reason, key: String, generated_key: bool) -> Jo
         promised_wait: e.wait,
         promised_total: e.wait.saturating_add(e.est.service_ms),
         held_since: None,
+        tenant_slot: o.tenant.map(|t| t.slot),
     }
 }

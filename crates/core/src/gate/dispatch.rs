@@ -232,9 +232,15 @@ impl Gate {
 
     pub(super) fn unqueue(&mut self, id: JobId, job: &Job) {
         let _ = id;
-        self.classes[job.class.0]
+        let lane = &mut self.classes[job.class.0];
+        if lane
             .queue
-            .remove(job.key(), job.arrived_at, job.est.service_ms);
+            .remove(job.key(), job.arrived_at, job.est.service_ms)
+        {
+            if let Some(slot) = job.tenant_slot {
+                lane.tenants.unqueued(slot, job.est.service_ms);
+            }
+        }
     }
 
     pub(super) fn drop_event(
@@ -268,6 +274,10 @@ impl Gate {
         let now = self.clock(now);
         self.expire_holds(now);
         self.expire_readings(now);
+        let active_ms = self.cfg.fairness.active_ms;
+        for lane in &mut self.classes {
+            lane.tenants.expire(now, active_ms);
+        }
         if self.closing_at.is_some() {
             self.shutdown_sweep(now);
         }

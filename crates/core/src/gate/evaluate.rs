@@ -19,6 +19,9 @@ pub(super) struct Eval {
     pub(super) count_ahead: u32,
     pub(super) queue_age_ms: u64,
     pub(super) slack_ms: Option<i64>,
+    /// The slack the promise is held to: `slack_ms` with the class's error margin on its own
+    /// service (see `Gate::padded`).
+    pub(super) padded_slack: Option<i64>,
     /// The service time the request's own deadline check used (an upper quantile of its
     /// class's outputs when it gave no size): what it would cost if admitted.
     pub(super) own_service_ms: u64,
@@ -76,6 +79,7 @@ impl Gate {
         e.hopeless = e.slack_ms.is_some_and(|s| s < 0)
             && self.hopeless_alone(now, lane, req, &e, own_output);
         let (padded_wait, padded_slack) = self.padded(now, lane, req, &e, own);
+        e.padded_slack = padded_slack;
         (e.verdict, e.hard_cap) = self.verdict(now, lane, &e, padded_wait, padded_slack);
         e
     }
@@ -123,6 +127,7 @@ impl Gate {
             count_ahead,
             queue_age_ms,
             slack_ms: None,
+            padded_slack: None,
             own_service_ms: 0,
             in_flight: p.in_flight.len() as u32,
             verdict: Ok(Reason::WithinSlack),

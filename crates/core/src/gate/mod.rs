@@ -217,6 +217,9 @@ pub mod reconfigure;
 mod retry;
 mod snapshot;
 mod state;
+pub(crate) mod tenants;
+#[cfg(test)]
+mod tenants_tests;
 #[cfg(test)]
 mod tests;
 mod types;
@@ -226,6 +229,7 @@ use evaluate::*;
 use forecast::*;
 use learning::*;
 use projection::*;
-pub use snapshot::{ClassSnapshot, GateSnapshot, PoolSnapshot};
+pub use snapshot::{ClassSnapshot, GateSnapshot, PoolSnapshot, TENANTS_SHOWN};
 use state::*;
+pub use tenants::TenantStats;
 pub use types::*;

@@ -62,6 +62,17 @@ impl Gate {
         self.order_dispatch();
         self.relabel(&cfg, &primaries);
         self.ledger.set_config(cfg.ledger.clone());
+        // Tracked tenants take their new weights at once (a bucket keeps its id: an id the
+        // new weights no longer list keeps its bucket until it goes idle).
+        for lane in &mut self.classes {
+            lane.tenants.reweight(|id| {
+                cfg.fairness
+                    .weights
+                    .get(id)
+                    .copied()
+                    .unwrap_or(cfg.fairness.default_weight)
+            });
+        }
         self.cfg = cfg;
         Ok(report)
     }
@@ -343,6 +354,7 @@ impl Gate {
             ratios: VecDeque::new(),
             wait_errors: VecDeque::new(),
             wait_margin: 0.0,
+            tenants: Default::default(),
             recent_others_prefill: 0.0,
             record: Default::default(),
             forecast: true,

@@ -34,7 +34,7 @@ impl Gate {
             // No endpoint of the pool is available: when one returns is not known; health
             // probes run about every second or few, so the floor is the honest answer.
             Reason::UpstreamUnavailable => r.min_retry_after_ms,
-            Reason::ProjectedWaitExceedsSlack => match slack_ms {
+            Reason::ProjectedWaitExceedsSlack | Reason::TenantShareExceeded => match slack_ms {
                 // Even an empty queue cannot make this deadline: retrying the same request
                 // is pointless, if the estimate is to be trusted.
                 Some(_) if hopeless => return (r.hopeless_retry_after_ms, false),
@@ -93,6 +93,7 @@ impl Gate {
             ledger: None,
             shadow: self.cfg.shadow && !self.cfg.admit_always,
             displaced: None,
+            tenant_share: None,
         }
     }
 }

@@ -40,7 +40,15 @@ pub struct ClassSnapshot {
     pub est_error: ErrorSummary,
     /// Requests admitted as `probe` so far.
     pub probes: u64,
+    /// `[fairness]`: tenants tracked on the lane now.
+    pub tenants_tracked: u32,
+    /// `[fairness]`: the [`TENANTS_SHOWN`] tenants with the most work queued (then the most
+    /// admitted), with their shares.
+    pub tenants: Vec<TenantStats>,
 }
+
+/// Tenants listed per class in a snapshot: the state is bounded, and so is what is shown.
+pub const TENANTS_SHOWN: usize = 10;
 
 /// Live view of one pool.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -182,6 +190,8 @@ impl Gate {
             max_queue_age_ms: c.max_queue_age_ms,
             est_error: home.record.errors,
             probes: home.probes,
+            tenants_tracked: c.tenants.len() as u32,
+            tenants: c.tenants.stats(TENANTS_SHOWN),
         }
     }
 

@@ -48,6 +48,8 @@ pub(super) struct Job {
     pub(super) promised_total: u64,
     /// When the pool's headroom first held it back from a free slot (see `headroom`).
     pub(super) held_since: Option<Millis>,
+    /// Its tenant's bucket on its lane (`[fairness]` in use), where its queued work counts.
+    pub(super) tenant_slot: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -156,6 +158,8 @@ pub(super) struct LaneState {
     /// The [`WAIT_QUANTILE_PERCENT`] quantile of `wait_errors`, within [0,
     /// [`MAX_WAIT_MARGIN`]] (0 with fewer than a handful).
     pub(super) wait_margin: f64,
+    /// Its tenants' shares (see [`super::tenants`]).
+    pub(super) tenants: super::tenants::TenantBook,
 }
 
 /// A class's record as admission reads it (see [`LaneState::refresh_record`]).

@@ -54,6 +54,9 @@ pub struct Request {
     pub idempotency_key: Option<String>,
     /// Hashed tenant, for token grants.
     pub tenant: Option<String>,
+    /// The id its fair share is counted under (`[fairness]`): the gateway's fairness header
+    /// where the config names one, else the tenant. `None` counts in the shared bucket.
+    pub fairness_id: Option<String>,
     /// Attempt number (0 for the first try).
     pub attempt: u32,
     /// Tokens to hold; `None`: prompt tokens + expected output.
@@ -116,6 +119,9 @@ pub struct Decision {
     /// room for this one. [`Gate::poll`] yields its `Drop` (reason `displaced`) before any
     /// dispatch. In shadow mode: the job that would have been displaced (nothing is done).
     pub displaced: Option<JobId>,
+    /// With `[fairness]` in use: the tenant's share of the pool at decision time (its weight
+    /// over the active tenants' weights); `None` otherwise.
+    pub tenant_share: Option<f64>,
 }
 
 impl Decision {

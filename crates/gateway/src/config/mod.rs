@@ -131,6 +131,8 @@ struct FileConfig {
     #[serde(default)]
     ledger: slackgate_core::ledger::LedgerConfig,
     #[serde(default)]
+    fairness: slackgate_core::config::FairnessConfig,
+    #[serde(default)]
     cluster: Option<ClusterConfig>,
 }
 
@@ -173,6 +175,7 @@ impl Config {
             shadow: f.shadow,
             retry: f.retry,
             ledger: f.ledger,
+            fairness: f.fairness,
         };
         let admin = AdminConfig::from_section(f.admin);
         let cfg = Config {

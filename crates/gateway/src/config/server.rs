@@ -84,6 +84,10 @@ pub struct ServerConfig {
     /// proxy that sets it: otherwise any client could choose a fresh tenant and escape its
     /// grant.
     pub trust_tenant_header: bool,
+    /// The header a request's fairness id is read from (`[fairness]`), for example
+    /// `x-llm-d-inference-fairness-id`. Naming it trusts it: only behind a proxy that sets it
+    /// (and strips it from clients). Unset: the fairness id is the tenant id.
+    pub fairness_header: Option<String>,
     /// Use a request's `X-Expected-Output-Tokens` as its output estimate. Any client can send
     /// it, so only for clients you trust to tell the truth about their own sizes (internal
     /// services, evals, the drill); a lie can get a long request admitted ahead of others.
@@ -137,6 +141,7 @@ impl Default for ServerConfig {
             ledger_flush_timeout_ms: DEFAULT_FLUSH_TIMEOUT_MS,
             tenant_hash_key: None,
             trust_tenant_header: false,
+            fairness_header: None,
             trust_size_hint: false,
             client_write_timeout_ms: 30_000,
             body_read_timeout_ms: 30_000,
@@ -228,6 +233,35 @@ impl ServerConfig {
             return Err(err(
                 "server.config_poll_ms",
                 "must be at most 3600000 (0 turns the watcher off)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `fairness_header`: a header name (lowercase token characters), and not one the gate
+    /// reads for something else.
+    pub(super) fn check_fairness_header(&self) -> Result<(), ConfigError> {
+        let Some(h) = &self.fairness_header else {
+            return Ok(());
+        };
+        let token = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_';
+        if h.is_empty() || h.len() > 64 || !h.bytes().all(token) {
+            return Err(err(
+                "server.fairness_header",
+                "must be a lowercase header name of 1 to 64 letters, digits, '-' or '_'",
+            ));
+        }
+        const GATE_OWN: [&str; 5] = [
+            "authorization",
+            "x-job-class",
+            "x-deadline-ms",
+            "x-deadline",
+            "idempotency-key",
+        ];
+        if GATE_OWN.contains(&h.as_str()) {
+            return Err(err(
+                "server.fairness_header",
+                "names a header the gate already reads for something else",
             ));
         }
         Ok(())

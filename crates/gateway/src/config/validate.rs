@@ -33,6 +33,7 @@ impl Config {
         self.server.check_connections()?;
         self.admin.check()?;
         self.server.check_config_poll()?;
+        self.server.check_fairness_header()?;
         let classes = &self.gate.classes;
         let is_class = |name: &str| {
             classes

@@ -39,6 +39,7 @@ pub(crate) fn decision_line(d: &Decision, meta: &JobMeta) -> LogLine {
     // A rejection holds nothing: `null`, on the proxy's and the reservation API's alike.
     line.tokens_held = d.admitted().then_some(meta.tokens_held);
     line.displaced_job_id = d.displaced.map(|id| id.0);
+    line.tenant_share = d.tenant_share;
     if !d.admitted() {
         // The status the client is answered: a duplicate is a conflict, the rest "not now".
         line.status = Some(if d.reason == Reason::RejectDuplicate {
@@ -153,5 +154,6 @@ pub(crate) fn admission_body(
         class: (!meta.class.is_empty()).then(|| meta.class.clone()),
         idempotency_key: (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.clone()),
         ledger: d.ledger.clone(),
+        tenant_share: d.tenant_share,
     }
 }

@@ -236,6 +236,7 @@ fn dropped(st: &mut CoreState, ev: Event, lines: &mut Vec<LogLine>) {
                 class: Some(w.meta.class.clone()),
                 idempotency_key: w.meta.idempotency_key.clone(),
                 ledger: None,
+                tenant_share: None,
             },
             advice,
         ));

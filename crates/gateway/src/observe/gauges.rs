@@ -8,7 +8,9 @@ use crate::observe::exposition::{Families, NO_LABELS};
 use crate::observe::telemetry::LogCounters;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
-use slackgate_core::{ClassSnapshot, EndpointView, ErrorSummary, GateSnapshot, PoolSnapshot};
+use slackgate_core::{
+    ClassSnapshot, EndpointView, ErrorSummary, GateSnapshot, PoolSnapshot, TenantStats,
+};
 use std::fmt;
 use std::sync::atomic::Ordering;
 
@@ -187,6 +189,55 @@ impl GateGauges {
         Ok(())
     }
 
+    /// `[fairness]` in use: per class, how many tenants are tracked, and for the few with the
+    /// most work queued (`TENANTS_SHOWN` per class: the series stay bounded however many ids
+    /// arrive) their share and queued work. Without fairness: the families with no rows.
+    fn tenants(&self, f: &mut Families<'_>) -> fmt::Result {
+        f.gauge(
+            "slackgate_tenants_tracked",
+            "Tenants whose share is tracked on the class's pool (bounded by fairness.max_tenants).",
+            self.snap
+                .classes
+                .iter()
+                .filter(|c| c.tenants_tracked > 0)
+                .map(|c| (class_pool(c), f64::from(c.tenants_tracked))),
+        )?;
+        type TenantGauge = (&'static str, &'static str, fn(&TenantStats) -> f64);
+        let gauges: [TenantGauge; 3] = [
+            (
+                "slackgate_tenant_share",
+                "A tenant's share of the pool within its class, for the tenants with most queued.",
+                |t| t.share,
+            ),
+            (
+                "slackgate_tenant_queued_work_seconds",
+                "Estimated work a tenant has queued on the class, for the tenants with most queued.",
+                |t| ms_to_s(t.queued_work_ms),
+            ),
+            (
+                "slackgate_tenant_refused_share",
+                "Requests of a tenant refused on its share since it became active.",
+                |t| t.refused_share as f64,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let rows = self.snap.classes.iter().flat_map(|c| {
+                c.tenants.iter().map(move |t| {
+                    (
+                        [
+                            ("class", c.name.as_str()),
+                            ("pool", c.pool.as_str()),
+                            ("tenant", t.tenant.as_str()),
+                        ],
+                        value(t),
+                    )
+                })
+            });
+            f.gauge(name, help, rows)?;
+        }
+        Ok(())
+    }
+
     fn flags_and_log(&self, f: &mut Families<'_>) -> fmt::Result {
         let s = &self.snap;
         for (name, help, on) in [
@@ -237,6 +288,7 @@ impl Collector for GateGauges {
         self.classes(f)?;
         self.pools(f)?;
         self.endpoints(f)?;
+        self.tenants(f)?;
         self.flags_and_log(f)
     }
 }

@@ -97,6 +97,9 @@ pub struct LogLine {
     pub attempt: Option<u32>,
     /// On an `admit` line: the queued job refused (`displaced`) to make room for this one.
     pub displaced_job_id: Option<u64>,
+    /// On decision lines with `[fairness]` in use: the tenant's share of the pool (its weight
+    /// over the active tenants' weights).
+    pub tenant_share: Option<f64>,
     /// On `complete`, `cancel` and `drop` lines: the ledger's (spent + wasted) / spent after
     /// this settlement.
     pub amplification: Option<f64>,
@@ -166,10 +169,11 @@ pub const FIELDS_BY_KIND: &[(&str, &[&str])] = &[
 ];
 
 /// What every decision line carries beside the job's fields: the figures it was decided on.
-const DECISION: [&str; 16] = concat_fields(
+const DECISION: [&str; 17] = concat_fields(
     JOB,
     [
         "cluster",
+        "tenant_share",
         "queue_age_ms",
         "deadline_slack_ms",
         "projected_wait_ms",
@@ -179,8 +183,8 @@ const DECISION: [&str; 16] = concat_fields(
         "queued_ahead",
     ],
 );
-const DECISION_ADMITTED: [&str; 18] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
-const DECISION_REJECTED: [&str; 17] = concat_fields(DECISION, ["status"]);
+const DECISION_ADMITTED: [&str; 19] = concat_fields(DECISION, ["tokens_held", "displaced_job_id"]);
+const DECISION_REJECTED: [&str; 18] = concat_fields(DECISION, ["status"]);
 const DISPATCH: [&str; 15] = concat_fields(
     JOB,
     [

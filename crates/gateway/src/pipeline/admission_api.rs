@@ -203,6 +203,7 @@ fn offer(asked: &AskedReservation, now: u64) -> (CoreRequest, JobMeta) {
         max_tokens: Some(0),
         idempotency_key: b.idempotency_key.clone(),
         tenant: asked.tenant.clone(),
+        fairness_id: asked.tenant.clone(),
         attempt: b.attempt,
         hold_tokens: Some(b.tokens),
         reservation: true,

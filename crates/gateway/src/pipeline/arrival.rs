@@ -5,7 +5,8 @@ use crate::engine::state::{JobMeta, Shared};
 use crate::engine::unqueued::{bad_request, body_failure, read_body};
 use crate::support::clock::epoch_ms;
 use crate::wire::request_info::{
-    class_label, parse_body, parse_body_lenient, parse_headers_with, BodyInfo, Endpoint, HeaderInfo,
+    class_label, fairness_id, parse_body, parse_body_lenient, parse_headers_with, BodyInfo,
+    Endpoint, HeaderInfo,
 };
 use crate::wire::response::ResBody;
 use bytes::Bytes;
@@ -77,6 +78,11 @@ where
         &shared.tenants,
     )
     .map_err(refuse)?;
+    if let Some(name) = server.fairness_header.as_deref() {
+        if let Some(id) = fairness_id(&a.parts.headers, name).map_err(refuse)? {
+            headers.fairness_id = Some(id);
+        }
+    }
     let mut bytes = read_body(shared, body, &a.parts.headers)
         .await
         .map_err(|e| body_failure(shared, &a.path, a.raw_label.clone(), e))?;
@@ -159,6 +165,7 @@ pub(super) fn offer(shared: &Shared, a: &Arrival, asked: &Asked) -> (CoreRequest
         deadline_is_absolute: relative.is_none() && absolute.is_some(),
         idempotency_key: h.idempotency_key.clone(),
         tenant: h.tenant.clone(),
+        fairness_id: h.fairness_id.clone(),
         attempt: h.attempt.unwrap_or(0),
         hold_tokens: None,
         reservation: false,

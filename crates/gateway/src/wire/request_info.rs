@@ -43,6 +43,8 @@ pub struct HeaderInfo {
     pub first_token_in_ms: Option<u64>,
     /// Hash of the bearer key (or the `X-Tenant` header).
     pub tenant: Option<String>,
+    /// The fairness id: the configured fairness header's value, else `tenant`.
+    pub fairness_id: Option<String>,
     /// `Idempotency-Key` / `X-Idempotency-Key`.
     pub idempotency_key: Option<String>,
     /// `X-Attempt`, or the OpenAI SDKs' `x-stainless-retry-count`.
@@ -183,11 +185,38 @@ pub fn parse_headers_with(
         deadline_in_ms,
         deadline_epoch_ms,
         first_token_in_ms,
+        fairness_id: tenant.clone(),
         tenant,
         idempotency_key,
         attempt,
         expected_output_tokens,
     })
+}
+
+/// Longest fairness id read from a fairness header.
+pub const MAX_FAIRNESS_ID_LEN: usize = 256;
+
+/// The fairness id from the configured header `name`: visible ASCII, at most
+/// [`MAX_FAIRNESS_ID_LEN`] bytes; `None` when absent or empty (the tenant id is used then). A
+/// malformed one is refused: the header comes from a trusted proxy, so it is a fault to see.
+pub fn fairness_id(h: &HeaderMap, name: &str) -> Result<Option<String>, BadRequest> {
+    let Some(v) = h.get(name) else {
+        return Ok(None);
+    };
+    let id = v
+        .to_str()
+        .map(str::trim)
+        .map_err(|_| bad(Reason::InvalidRequest, format!("{name}: not visible ASCII")))?;
+    if id.len() > MAX_FAIRNESS_ID_LEN {
+        return Err(bad(
+            Reason::InvalidRequest,
+            format!(
+                "{name}: {} bytes, over the limit of {MAX_FAIRNESS_ID_LEN}",
+                id.len()
+            ),
+        ));
+    }
+    Ok((!id.is_empty()).then(|| id.to_string()))
 }
 
 /// `X-Deadline`: epoch milliseconds within a day of `now_epoch_ms` either way.
@@ -497,6 +526,30 @@ mod tests {
         assert_eq!(i.class_label.as_deref(), Some("sync"));
         let t = i.tenant.unwrap_or_default();
         assert!(t.starts_with("k:") && !t.contains("secret"), "{t}");
+    }
+
+    #[test]
+    fn the_fairness_id_is_the_tenant_unless_the_named_header_says_otherwise() {
+        const H: &str = "x-llm-d-inference-fairness-id";
+        let h = headers(&[("authorization", "Bearer sk-secret"), (H, " team-a ")]);
+        let i = parse_headers(&h, 0).ok().unwrap_or_default();
+        assert_eq!(i.fairness_id, i.tenant, "by default the tenant's id");
+        assert_eq!(fairness_id(&h, H).ok().flatten().as_deref(), Some("team-a"));
+        // Absent or empty: the tenant's id stays.
+        assert_eq!(fairness_id(&headers(&[]), H).ok().flatten(), None);
+        assert_eq!(fairness_id(&headers(&[(H, "  ")]), H).ok().flatten(), None);
+        // Oversized or not text: refused with a reason, never truncated into another id.
+        let long = "x".repeat(MAX_FAIRNESS_ID_LEN + 1);
+        let e = fairness_id(&headers(&[(H, long.as_str())]), H).err();
+        assert_eq!(e.map(|e| e.reason), Some(Reason::InvalidRequest));
+        let mut raw = HeaderMap::new();
+        raw.insert(
+            H,
+            http::HeaderValue::from_bytes(b"caf\xc3\xa9")
+                .unwrap_or(http::HeaderValue::from_static("x")),
+        );
+        let e = fairness_id(&raw, H).err();
+        assert_eq!(e.map(|e| e.reason), Some(Reason::InvalidRequest));
     }
 
     #[test]

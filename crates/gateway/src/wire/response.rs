@@ -60,6 +60,9 @@ pub struct AdmissionBody {
     /// Ledger details of a `reject_duplicate` (state, tokens held), `reject_retry_cap` or
     /// `budget_exhausted` (remaining grant) rejection.
     pub ledger: Option<slackgate_core::ledger::LedgerReject>,
+    /// With `[fairness]` in use, on a decision: the tenant's share of the pool; a
+    /// `tenant_share_exceeded` refusal names it (`null` otherwise).
+    pub tenant_share: Option<f64>,
 }
 
 /// Retry advice for a rejection.

@@ -119,6 +119,7 @@ pub(crate) mod tests {
             attempt: 0,
             true_service_ms: service_ms,
             true_output_tokens: 128,
+            tenant: None,
         }
     }
 

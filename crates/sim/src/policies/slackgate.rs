@@ -24,6 +24,8 @@ pub struct Slackgate {
     to_sim: HashMap<JobId, u64>,
     /// Core operations since the ledger's records were last drained.
     since_drain: u32,
+    /// The scenario's tenants' names, by index: their fairness ids.
+    tenants: Vec<String>,
 }
 
 /// The gate configuration a scenario implies: one pool with the upstream's slots and its true
@@ -85,10 +87,15 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
             ..ClassConfig::default()
         })
         .collect();
+    let mut fairness = slackgate_core::config::FairnessConfig::default();
+    for t in &s.tenants {
+        fairness.weights.insert(t.name.clone(), t.weight);
+    }
     GateConfig {
         pools: vec![pool],
         classes,
         default_class: None,
+        fairness,
         ..GateConfig::default()
     }
 }
@@ -121,6 +128,16 @@ impl Slackgate {
         Ok(g)
     }
 
+    /// The gate without `[fairness]` (`slackgate-unfair`): every tenant in one bucket, as
+    /// before tenants had shares; the comparison for the fairness figures.
+    pub fn unfair(s: &Scenario) -> Result<Slackgate, ConfigError> {
+        let mut cfg = gate_config(s);
+        cfg.fairness = Default::default();
+        let mut g = Slackgate::with_config(s, cfg)?;
+        g.name = "slackgate-unfair";
+        Ok(g)
+    }
+
     /// A gate with an explicit configuration (tests, tuning).
     pub fn with_config(s: &Scenario, cfg: GateConfig) -> Result<Slackgate, ConfigError> {
         let name = if cfg.admit_always {
@@ -142,6 +159,7 @@ impl Slackgate {
             to_core: HashMap::new(),
             to_sim: HashMap::new(),
             since_drain: 0,
+            tenants: s.tenants.iter().map(|t| t.name.clone()).collect(),
         })
     }
 
@@ -199,6 +217,7 @@ impl Policy for Slackgate {
                 .unwrap_or(false)
                 .then(|| format!("r{}", job.request)),
             attempt: job.attempt,
+            fairness_id: job.tenant.and_then(|t| self.tenants.get(t).cloned()),
             ..Request::default()
         };
         let d = self.gate.offer(now, req);

@@ -1,0 +1,176 @@
+//! Fair share between tenants (`[fairness]`) over real sockets: a tenant named in the
+//! configured fairness header that floods its class is refused early with
+//! `tenant_share_exceeded` (429, its share in the body and the log, an honest Retry-After)
+//! while another tenant's request still gets in; the per-tenant gauges are on the metrics
+//! page; a malformed fairness header is refused with a reason.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+const HEADER: &str = "x-llm-d-inference-fairness-id";
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// One slot, a frozen estimator at 10 ms per output token (a trusted size hint is the
+/// estimate), one class with a 20 s deadline, tenants `a` and `b` of weight 1.
+const CONFIG: &str = r#"
+[server]
+trust_size_hint = true
+fairness_header = "x-llm-d-inference-fairness-id"
+[fairness.weights]
+a = 1
+b = 1
+[[pools]]
+name = "p"
+slots = 1
+upstream = "{UPSTREAM}"
+[pools.prior]
+overhead_ms = 0
+prefill_ms_per_token = 0
+decode_ms_per_token = 10
+learn = false
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 20000
+pool = "p"
+"#;
+
+fn headers(tenant: &str, key: &str, tokens: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("x-job-class", "interactive".into()),
+        (HEADER, tenant.into()),
+        ("idempotency-key", key.into()),
+        ("x-stub-request-id", key.into()),
+        ("x-expected-output-tokens", tokens.into()),
+        ("x-stub-output-tokens", "5".into()),
+    ]
+}
+
+fn send(url: &str, h: &[(&'static str, String)]) -> tokio::task::JoinHandle<Resp> {
+    let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    spawn_post(url, &h, chat(2000))
+}
+
+fn admitted(lines: &[serde_json::Value], key: &str) -> bool {
+    lines
+        .iter()
+        .any(|l| l["idempotency_key"] == key && l["action"] == "admit")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_tenant_is_refused_on_its_share_and_another_still_gets_in() {
+    let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
+    let gate = TestGate::start(CONFIG, stub.local_addr(), "fairness").await;
+    let url = gate.url("/v1/chat/completions");
+    // b holds the slot (1 s estimated): b is active, and its share is kept for it.
+    let mut hb = headers("b", "b1", "100");
+    hb.push(("x-stub-hold", "b1".into()));
+    let _b1 = send(&url, &hb);
+    let held = eventually(PATIENCE, || async { stub.stats().in_flight == 1 }).await;
+    assert!(held, "b1 holds the slot");
+    // a queues two 5 s requests: its share is half of one slot, so 5 s queued is 10 s at
+    // its share, within its 15 s of slack; 10 s queued (20 s) is not.
+    let _a1 = send(&url, &headers("a", "a1", "500"));
+    wait_until(PATIENCE, "a1 admitted", || async {
+        admitted(&gate.log_lines().await, "a1")
+    })
+    .await;
+    let _a2 = send(&url, &headers("a", "a2", "500"));
+    wait_until(PATIENCE, "a2 admitted", || async {
+        admitted(&gate.log_lines().await, "a2")
+    })
+    .await;
+    let h = headers("a", "a3", "500");
+    let hv: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let a3 = post(&url, &hv, &chat(2000)).await;
+    assert_eq!(a3.status, 429, "{:?}", a3.body);
+    let body = a3.json();
+    assert_eq!(
+        body["admission"]["reason"], "tenant_share_exceeded",
+        "{body}"
+    );
+    assert_eq!(body["admission"]["tenant_share"], 0.5, "{body}");
+    // Retry-After: when a's backlog, drained at its share, fits (10 s at 0.5 = 20 s against
+    // about 15 s of slack: some 5 s).
+    let after = body["admission"]["retry_after_ms"].as_u64().unwrap();
+    assert!((4_000..=8_000).contains(&after), "{body}");
+    assert_eq!(a3.header("x-should-retry").as_deref(), Some("true"));
+    // b's next request still fits: 1 s + 10 s of a's work ahead, within its 19 s of slack.
+    let hb2 = headers("b", "b2", "100");
+    let _b2 = send(&url, &hb2);
+    wait_until(PATIENCE, "b2 admitted", || async {
+        admitted(&gate.log_lines().await, "b2")
+    })
+    .await;
+    let lines = gate.log_lines().await;
+    let refused = lines
+        .iter()
+        .find(|l| l["idempotency_key"] == "a3" && l["action"] == "reject")
+        .unwrap();
+    assert_eq!(refused["reason"], "tenant_share_exceeded");
+    assert_eq!(refused["tenant_share"], 0.5);
+    // The metrics page shows the tenants, bounded (two tracked here).
+    let page = gate.metrics().await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"slackgate_tenants_tracked{class="interactive",pool="p"}"#
+        ),
+        Some(2.0),
+        "{page}"
+    );
+    assert_eq!(
+        metric(
+            &page,
+            r#"slackgate_tenant_share{class="interactive",pool="p",tenant="a"}"#
+        ),
+        Some(0.5),
+        "{page}"
+    );
+    // A fairness id over the limit is refused with a reason, never cut into another id.
+    let long = "x".repeat(300);
+    let bad = post(
+        &url,
+        &[("x-job-class", "interactive"), (HEADER, long.as_str())],
+        &chat(10),
+    )
+    .await;
+    assert_eq!(bad.status, 400, "{:?}", bad.body);
+    assert_eq!(
+        bad.json()["error"]["code"],
+        "invalid_request",
+        "{:?}",
+        bad.body
+    );
+    let _ = post(
+        &format!("http://{}/stub/release", stub.local_addr()),
+        &[],
+        r#"{"name":"b1"}"#,
+    )
+    .await;
+}
+
+#[test]
+fn a_fairness_header_the_gate_reads_for_something_else_is_refused() {
+    for (name, ok) in [
+        ("x-llm-d-inference-fairness-id", true),
+        ("x-team", true),
+        ("authorization", false),
+        ("X-Upper", false),
+        ("", false),
+        ("bad header", false),
+    ] {
+        let text = format!("[server]\nfairness_header = {name:?}\n");
+        let r = slackgate_gateway::Config::from_toml(&text);
+        assert_eq!(r.is_ok(), ok, "{name:?}: {:?}", r.err());
+    }
+    let r = slackgate_gateway::Config::from_toml("[fairness.weights]\na = -1\n");
+    assert!(
+        r.err()
+            .is_some_and(|e| e.to_string().contains("fairness.weights")),
+        "a negative weight is refused at its path"
+    );
+}

@@ -1,0 +1,84 @@
+//! Fair share between tenants inside a class (issue 27), in the simulator: a tenant at 5x its
+//! share beside two at 0.3x, with and without `[fairness]`, and with the flooding tenant
+//! removed (same seed: each tenant's requests come from its own stream).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use slackgate_sim::report::PolicyReport;
+use slackgate_sim::scenario::Scenario;
+use slackgate_sim::tenants::TenantRow;
+use std::path::PathBuf;
+
+fn load(file: &str) -> Scenario {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scenarios");
+    Scenario::load(&dir.join(file)).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn run(s: &Scenario, policy: &str) -> PolicyReport {
+    let (rep, _) = slackgate_sim::simulate_with(s, &[policy.to_string()], false).unwrap();
+    rep.policies.into_iter().next().unwrap()
+}
+
+fn row<'a>(p: &'a PolicyReport, tenant: &str, class: &str) -> &'a TenantRow {
+    p.tenants
+        .iter()
+        .find(|t| t.tenant == tenant && t.class == class)
+        .unwrap_or_else(|| panic!("no row for {tenant} in {class}"))
+}
+
+fn served(p: &PolicyReport) -> f64 {
+    p.tenants.iter().map(|t| t.served_s).sum()
+}
+
+/// B and C on time at least 0.99 of what they get with A gone, A refused on its share, the
+/// pool as busy as without fairness (0.95), and every admitted request of B and C kept.
+fn check(file: &str, class: &str) {
+    let s = load(file);
+    let fair = run(&s, "slackgate");
+    let unfair = run(&s, "slackgate-unfair");
+    let mut alone = s.clone();
+    alone
+        .tenants
+        .retain(|t| !(t.name == "A" && t.class == class));
+    let without_a = run(&alone, "slackgate");
+    for t in ["B", "C"] {
+        let with = row(&fair, t, class);
+        let base = row(&without_a, t, class);
+        assert_eq!(
+            with.requests, base.requests,
+            "{t}: same requests either way"
+        );
+        assert!(
+            with.on_time as f64 >= 0.99 * base.on_time as f64,
+            "{file}: {t} on time {} with A flooding, {} without A",
+            with.on_time,
+            base.on_time
+        );
+        assert!(
+            with.on_time > row(&unfair, t, class).on_time,
+            "{file}: fairness serves {t} more than one shared line does"
+        );
+        assert_eq!(with.refused_share, 0, "{t} stays within its share");
+    }
+    let a = row(&fair, "A", class);
+    assert!(a.refused_share > 0, "A is refused on its share");
+    assert!(
+        served(&fair) >= 0.95 * served(&unfair),
+        "{file}: served {:.1} server-s with fairness, {:.1} without",
+        served(&fair),
+        served(&unfair)
+    );
+    assert!(
+        fair.tenant_fairness_gap_s.is_finite() && fair.tenant_fairness_gap_s >= 0.0,
+        "the fairness figure is reported"
+    );
+}
+
+#[test]
+fn a_flooding_tenant_cannot_spend_the_others_slack_in_one_class() {
+    check("tenants-flood.toml", "interactive");
+}
+
+#[test]
+fn a_flooding_tenant_cannot_spend_the_others_slack_beside_a_higher_class() {
+    check("tenants-flood-two-class.toml", "batch");
+}
