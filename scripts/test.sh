@@ -161,6 +161,7 @@ cargo test -p slackgate-gateway --test real_server --locked -- --include-ignored
 # load at about twice the server's capacity (about 5 minutes: two 60 s runs and their tails).
 cargo test -p slackgate --test calibrate_cli --locked -- --include-ignored
 cargo test -p slackgate-drill --test real_llama --locked -- --include-ignored --nocapture
+cargo test -p slackgate-drill --test real_llama_tenants --locked -- --include-ignored --nocapture
 scripts/real-server.sh stop
 llama_running=0
 unset SLACKGATE_LLAMA_URL

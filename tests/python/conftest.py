@@ -55,11 +55,20 @@ def binary() -> Path:
     return path
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A port that was free a moment ago (the OS picks it; the caller retries on a clash)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port that was free a moment ago (the OS picks it; the caller retries on a clash),
+    never one handed out before in this session: the OS may give a port it just freed again,
+    and two picks in a row must not name the same port."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class ProcessGroup:

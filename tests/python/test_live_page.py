@@ -50,6 +50,9 @@ default_class = "interactive"
 [server]
 listen = "$listen"
 tick_ms = 10
+fairness_header = "x-team"
+[fairness]
+unlisted = "own"
 [log]
 path = "$log"
 [admin]
@@ -112,11 +115,17 @@ READ_PAGE = """() => {
   for (const tr of document.querySelectorAll('#decision-table tbody tr')) {
     decisions[tr.dataset.key] = val(tr.querySelector('td[data-field=count]'));
   }
+  const tenants = {};
+  for (const tr of document.querySelectorAll('#tenant-table tbody tr')) {
+    const row = {};
+    for (const td of tr.querySelectorAll('td[data-field]')) row[td.dataset.field] = td.dataset.value;
+    tenants[tr.dataset.tenant] = row;
+  }
   const flags = {};
   for (const li of document.querySelectorAll('#flags li')) flags[li.dataset.flag] = li.dataset.value;
   const charts = {};
   for (const [k, ch] of Object.entries(window.slackgateLive.charts)) charts[k] = ch.plot.data[0].length;
-  return {snapshot: Number(st.dataset.snapshot), classes, endpoints, decisions, flags, charts};
+  return {snapshot: Number(st.dataset.snapshot), classes, endpoints, decisions, tenants, flags, charts};
 }"""
 
 
@@ -139,7 +148,24 @@ def expected(doc: dict) -> dict:
                  for d in doc["decisions"]}
     flags = {"admit_always": str(doc["gate"]["admit_always"]).lower(),
              "shadow": str(doc["gate"]["shadow"]).lower()}
-    return {"classes": classes, "endpoints": endpoints, "decisions": decisions, "flags": flags}
+    tenants = {}
+    for c in doc["gate"]["classes"]:
+        key = f"{c['name']} (overflow)" if c["overflow"] else c["name"]
+        for t in c["tenants"]:
+            tenants[f"{key}|{t['tenant']}"] = {
+                "share": js_number(t["share"]),
+                "queued": str(t["queued"]),
+                "queued_work_ms": str(t["queued_work_ms"]),
+                "admitted": str(t["admitted"]),
+                "refused_share": str(t["refused_share"]),
+            }
+    return {"classes": classes, "endpoints": endpoints, "decisions": decisions,
+            "tenants": tenants, "flags": flags}
+
+
+def js_number(x: float) -> str:
+    """A number as JavaScript's String() writes it (1 for 1.0; shortest round trip else)."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
 def check_against_stats(shown: dict, doc: dict) -> None:
@@ -147,6 +173,7 @@ def check_against_stats(shown: dict, doc: dict) -> None:
     assert shown["classes"] == want["classes"], (shown["snapshot"], shown["classes"], want["classes"])
     assert shown["endpoints"] == want["endpoints"]
     assert shown["decisions"] == want["decisions"]
+    assert shown["tenants"] == want["tenants"], (shown["snapshot"], shown["tenants"], want["tenants"])
     for k, v in want["flags"].items():
         assert shown["flags"][k] == v, k
 
@@ -161,7 +188,7 @@ def load(gate_url: str, stop: threading.Event, counts: dict) -> None:
         with httpx.Client(timeout=10.0) as c:
             while not stop.is_set():
                 r = c.post(f"{gate_url}/v1/chat/completions", json=body,
-                           headers={"x-job-class": cls})
+                           headers={"x-job-class": cls, "x-team": f"team-{i % 3}"})
                 counts[r.status_code] = counts.get(r.status_code, 0) + 1
                 if r.status_code != 200:
                     time.sleep(0.05)
@@ -222,7 +249,9 @@ def test_live_page_in_chromium_equals_stats(gate_stack, tmp_path: Path):
             assert checked >= 4 and busy >= 2, (checked, busy)
             # The charts drew the frames (uPlot's data: one x per frame kept).
             shown = page.evaluate(READ_PAGE)
-            for key in ("class:interactive", "class:batch", "decisions", "endpoints", "estimator"):
+            # Three teams, each with its share shown (fairness: every team its own bucket).
+            assert {k.split("|")[1] for k in shown["tenants"]} == {"team-0", "team-1", "team-2"}, shown["tenants"]
+            for key in ("class:interactive", "class:batch", "decisions", "endpoints", "estimator", "tenants"):
                 assert shown["charts"].get(key, 0) >= 3, (key, shown["charts"])
             page.screenshot(path=str(shot), full_page=True)
             stop.set()

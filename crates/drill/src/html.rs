@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 use slackgate_gateway::ops::live::assets::{UPLOT_CSS, UPLOT_JS, UPLOT_LICENSE};
-use slackgate_sim::engine::RunResult;
+use slackgate_sim::engine::{Outcome, RequestResult, RunResult};
 use slackgate_sim::report::Report;
 
 /// One run's series, as the page's script reads them.
@@ -17,6 +17,76 @@ struct RunSeries<'a> {
     depth: &'a [u32],
     in_flight: &'a [u32],
     rejections: &'a [u32],
+    /// Refusals and drops per period, one series per reason (as the live page's decisions
+    /// by reason).
+    by_reason: Vec<Named>,
+    /// Requests completed on time per period, one series per class.
+    on_time_by_class: Vec<Named>,
+    /// The same per scenario tenant (empty without tenants).
+    on_time_by_tenant: Vec<Named>,
+}
+
+/// A labelled series of counts per period.
+#[derive(Serialize)]
+struct Named {
+    label: String,
+    values: Vec<u32>,
+}
+
+/// Count `(label, at_ms)` events per period of `period_ms`, one series per label (sorted).
+fn binned(events: impl Iterator<Item = (String, u64)>, period_ms: u64, len: usize) -> Vec<Named> {
+    let mut by: std::collections::BTreeMap<String, Vec<u32>> = std::collections::BTreeMap::new();
+    let period = period_ms.max(1);
+    for (label, at) in events {
+        let i = (at / period) as usize;
+        let v = by.entry(label).or_insert_with(|| vec![0; len]);
+        if i >= v.len() {
+            v.resize(i + 1, 0);
+        }
+        v[i] += 1;
+    }
+    by.into_iter()
+        .map(|(label, values)| Named { label, values })
+        .collect()
+}
+
+/// The per-reason, per-class and per-tenant series of one run.
+fn breakdowns(report: &Report, r: &RunResult) -> (Vec<Named>, Vec<Named>, Vec<Named>) {
+    let period = r.series.period_ms;
+    let len = r.series.queue_age_ms.len();
+    let first = report.policies.first();
+    let class_name = |ci: usize| {
+        first
+            .and_then(|p| p.classes.get(ci))
+            .map_or_else(|| format!("class {ci}"), |(n, _)| n.clone())
+    };
+    let tenant_name = |ti: usize| {
+        first.and_then(|p| p.tenants.get(ti)).map_or_else(
+            || format!("tenant {ti}"),
+            |t| format!("{} ({})", t.tenant, t.class),
+        )
+    };
+    let refused = r.requests.iter().filter_map(|q| match q.outcome {
+        Outcome::Rejected => Some((q.reason.to_string(), q.first_at_ms)),
+        Outcome::Dropped => Some((format!("drop: {}", q.reason), q.answered_at_ms)),
+        _ => None,
+    });
+    let on_time = |q: &RequestResult| q.outcome == Outcome::OnTime;
+    let by_class = r
+        .requests
+        .iter()
+        .filter(|q| on_time(q))
+        .map(|q| (class_name(q.class), q.answered_at_ms));
+    let by_tenant = r
+        .requests
+        .iter()
+        .filter(|q| on_time(q))
+        .filter_map(|q| q.tenant.map(|t| (tenant_name(t), q.answered_at_ms)));
+    (
+        binned(refused, period, len),
+        binned(by_class, period, len),
+        binned(by_tenant, period, len),
+    )
 }
 
 /// One run's totals for the work chart.
@@ -47,13 +117,19 @@ pub fn report_html(report: &Report, runs: &[RunResult], markdown: &str) -> Strin
         scenario: &report.scenario,
         runs: runs
             .iter()
-            .map(|r| RunSeries {
-                policy: &r.policy,
-                period_ms: r.series.period_ms,
-                queue_age_ms: &r.series.queue_age_ms,
-                depth: &r.series.depth,
-                in_flight: &r.series.in_flight,
-                rejections: &r.series.rejections,
+            .map(|r| {
+                let (by_reason, on_time_by_class, on_time_by_tenant) = breakdowns(report, r);
+                RunSeries {
+                    policy: &r.policy,
+                    period_ms: r.series.period_ms,
+                    queue_age_ms: &r.series.queue_age_ms,
+                    depth: &r.series.depth,
+                    in_flight: &r.series.in_flight,
+                    rejections: &r.series.rejections,
+                    by_reason,
+                    on_time_by_class,
+                    on_time_by_tenant,
+                }
             })
             .collect(),
         work: report
@@ -89,6 +165,9 @@ fn render(data: &Data<'_>, markdown: &str) -> String {
 <h1>{title}</h1>
 <section><h2>Oldest queued age</h2><div id="queue_age" class="chart"></div></section>
 <section><h2>Refusals and drops per period</h2><div id="rejections" class="chart"></div></section>
+<section><h2>Refusals and drops per period, by reason</h2><div id="by_reason" class="chart"></div></section>
+<section><h2>Completed on time per period, by class</h2><div id="on_time_by_class" class="chart"></div></section>
+<section id="tenants"><h2>Completed on time per period, by tenant</h2><div id="on_time_by_tenant" class="chart"></div></section>
 <section><h2>Queued and in flight</h2><div id="depth" class="chart"></div></section>
 <section><h2>On-time work against wasted work (server-seconds)</h2><table id="work"><thead><tr><th>run</th><th>on-time work</th><th>wasted work</th></tr></thead><tbody></tbody></table></section>
 <section><h2>Report</h2><pre>{text}</pre></section>
@@ -129,6 +208,12 @@ mod tests {
                 depth: &[0, 2],
                 in_flight: &[1, 1],
                 rejections: &[0, 3],
+                by_reason: vec![Named {
+                    label: "</script>".into(),
+                    values: vec![1],
+                }],
+                on_time_by_class: Vec::new(),
+                on_time_by_tenant: Vec::new(),
             }],
             work: Vec::new(),
         };

@@ -148,23 +148,35 @@ fn check(target: f64) -> Result<(), DrillError> {
     }
 }
 
-/// What scales the load: the arrival rate, or a trace replay's `load`.
+/// What scales the load: the arrival rate and the tenants' rates together (their sum), or a
+/// trace replay's `load`.
 fn knob(s: &Scenario) -> Result<f64, DrillError> {
+    let rate = s.arrivals.rate + s.tenants.iter().map(|t| t.rate).sum::<f64>();
     match (&s.arrivals.process, &s.trace) {
         (Process::Trace, Some(t)) => Ok(t.load.unwrap_or(1.0)),
         (Process::Trace, None) => Err(DrillError::Load(
             "a trace replay without a [trace] table".into(),
         )),
-        _ if s.arrivals.rate > 0.0 => Ok(s.arrivals.rate),
+        _ if rate > 0.0 => Ok(rate),
         _ => Err(DrillError::Load(
-            "--load scales [arrivals] rate, and the scenario has none".into(),
+            "--load scales [arrivals] rate and the tenants' rates, and the scenario has none"
+                .into(),
         )),
     }
 }
 
+/// Set the knob to `v`: every rate scaled by the same factor (the tenants keep their ratio).
 fn set_knob(s: &mut Scenario, v: f64) {
+    let rate = s.arrivals.rate + s.tenants.iter().map(|t| t.rate).sum::<f64>();
     match (&s.arrivals.process, &mut s.trace) {
         (Process::Trace, Some(t)) => t.load = Some(v),
+        _ if rate > 0.0 => {
+            let k = v / rate;
+            s.arrivals.rate *= k;
+            for t in &mut s.tenants {
+                t.rate *= k;
+            }
+        }
         _ => s.arrivals.rate = v,
     }
 }

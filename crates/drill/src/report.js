@@ -27,6 +27,15 @@
   chart("depth", "jobs", d.runs.flatMap((r) => [{ label: `${r.policy} queued`, values: r.depth }].concat(
     r.in_flight.some((v) => v > 0) ? [{ label: `${r.policy} in flight`, values: r.in_flight, dash: [6, 4] }] : [])),
     (v) => String(Math.round(v)));
+  // Per run and reason, class or tenant: the live page's decisions by reason, and on-time
+  // completions, over the run.
+  const named = (key) => d.runs.flatMap((r) => r[key].map((s) => ({ label: `${r.policy}: ${s.label}`, values: s.values })));
+  const count = (v) => String(Math.round(v));
+  chart("by_reason", "per period", named("by_reason"), count);
+  chart("on_time_by_class", "per period", named("on_time_by_class"), count);
+  const tenants = named("on_time_by_tenant");
+  if (tenants.length) chart("on_time_by_tenant", "per period", tenants, count);
+  else document.getElementById("tenants").hidden = true;
   const body = document.querySelector("#work tbody");
   for (const w of d.work) {
     const tr = document.createElement("tr");

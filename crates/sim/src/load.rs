@@ -78,6 +78,8 @@ pub fn scale_to_load(s: &mut Scenario, load: f64) -> Result<f64, LoadError> {
     }
     let base_count = s.arrivals.count;
     let base_rate = s.arrivals.rate;
+    // Tenants' streams scale with the rest: the same requests, moved closer together.
+    let base_tenants: Vec<f64> = s.tenants.iter().map(|t| t.rate).collect();
     let mut k = 1.0f64;
     let mut measured = offered_load(s, &generate(s)?);
     for _ in 0..ROUNDS {
@@ -89,6 +91,9 @@ pub fn scale_to_load(s: &mut Scenario, load: f64) -> Result<f64, LoadError> {
         }
         k *= load / measured;
         s.arrivals.rate = base_rate * k;
+        for (t, r) in s.tenants.iter_mut().zip(&base_tenants) {
+            t.rate = r * k;
+        }
         if let Some(n) = base_count {
             s.arrivals.count = Some(((n as f64) * k).round().max(1.0) as u64);
         }

@@ -264,7 +264,7 @@ impl Gate {
         let (id, weight) = f.bucket(o.req.fairness_id.as_deref(), |id| {
             book.contains(id) || book.len() < f.max_tenants
         });
-        let st = book.arrive(o.now, id, weight);
+        let st = book.arrive(o.now, id, weight, f.active_ms);
         o.tenant = Some(st);
         o.d.tenant_share = Some(st.share);
         let Some(slack) = o.eval.padded_slack else {
@@ -470,7 +470,7 @@ impl Gate {
             let (id, weight) = f.bucket(o.req.fairness_id.as_deref(), |id| {
                 book.contains(id) || book.len() < f.max_tenants
             });
-            book.arrive(o.now, id, weight).slot
+            book.arrive(o.now, id, weight, f.active_ms).slot
         };
         self.classes[o.lane.0].tenants.queued(slot, work);
         Some(slot)

@@ -156,3 +156,49 @@ fn queued_work_leaves_the_bucket_however_the_job_leaves_the_queue() {
     drain(&mut g, 10_000);
     assert_eq!(g.snapshot(10_000).classes[0].tenants[0].queued_work_ms, 0);
 }
+
+/// One slot at 1 ms per output token (a request's estimate is its size hint), `prod` with a
+/// 4000 ms deadline and a 1000 ms displacement window.
+fn displacing(fair: bool) -> Gate {
+    let mut c = if fair { fair_cfg() } else { cfg(1, 0.0) };
+    c.pools[0].slots = 1;
+    c.pools[0].prior.overhead_ms = 0.0;
+    c.pools[0].prior.decode_ms_per_token = 1.0;
+    c.classes[0].displace_within_ms = Some(1000);
+    Gate::new(c).unwrap()
+}
+
+fn sized_as(g: &mut Gate, now: Millis, tenant: &str, tokens: u32) -> Decision {
+    let mut r = req(g, "prod");
+    r.fairness_id = Some(tenant.into());
+    r.expected_output_tokens = Some(tokens);
+    g.offer(now, r)
+}
+
+#[test]
+fn a_newcomer_does_not_displace_a_tenant_further_within_its_share() {
+    for fair in [false, true] {
+        let mut g = displacing(fair);
+        // a runs 1000 ms and queues 1000 more; b queues 1600 (wait 2000, slack 2400).
+        assert!(sized_as(&mut g, 0, "a", 1000).admitted());
+        drain(&mut g, 0);
+        assert!(sized_as(&mut g, 0, "a", 1000).admitted());
+        let b = sized_as(&mut g, 0, "b", 1600);
+        assert!(b.admitted(), "{b:?}");
+        // a's 1500 ms newcomer: wait 3600 > slack 2500. Without b's job it would wait 2000
+        // and fit; but a would then have 2500 ms queued at half the pool (5000 ms) against
+        // b's 1600 (3200): b is further within its share, and keeps its place.
+        let c = sized_as(&mut g, 0, "a", 1500);
+        if fair {
+            assert_eq!(
+                (c.reason, c.displaced),
+                (Reason::ProjectedWaitExceedsSlack, None)
+            );
+        } else {
+            assert_eq!(
+                (c.reason, c.displaced),
+                (Reason::WithinSlack, Some(b.job_id))
+            );
+        }
+    }
+}

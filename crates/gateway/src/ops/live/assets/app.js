@@ -122,6 +122,36 @@
     return needs;
   }
 
+  // The tenants with the most work queued per class (the gate keeps the list short), each
+  // held to its share: a tenant refused on its share is flooding, and highlighted.
+  function renderTenants(f) {
+    const body = $("tenant-table").tBodies[0];
+    body.replaceChildren();
+    const needs = [];
+    let any = false;
+    for (const c of f.gate.classes) {
+      for (const t of c.tenants || []) {
+        any = true;
+        const tr = el("tr", { "data-tenant": `${classKey(c)}|${t.tenant}` });
+        if (t.refused_share > 0) {
+          tr.className = "alert";
+          needs.push(`${classKey(c)}: tenant ${t.tenant} refused on its share (${t.refused_share})`);
+        }
+        cell(tr, classKey(c));
+        cell(tr, t.tenant);
+        cell(tr, String(t.weight), t.weight, "num");
+        cell(tr, pct(t.share), t.share, "num").dataset.field = "share";
+        cell(tr, String(t.queued), t.queued, "num").dataset.field = "queued";
+        cell(tr, dur(t.queued_work_ms), t.queued_work_ms, "num").dataset.field = "queued_work_ms";
+        cell(tr, String(t.admitted), t.admitted, "num").dataset.field = "admitted";
+        cell(tr, String(t.refused_share), t.refused_share, "num").dataset.field = "refused_share";
+        body.appendChild(tr);
+      }
+    }
+    $("tenants-off").hidden = any;
+    return needs;
+  }
+
   function renderDecisions(f) {
     const body = $("decision-table").tBodies[0];
     body.replaceChildren();
@@ -230,6 +260,17 @@
       return dt > 0 ? Math.max(0, ((m.get(r) || 0) - (sums[i - 1].get(r) || 0)) / dt) : null;
     }));
     draw("decisions", $("decision-chart"), "", reasons, [xs, ...rate], "per second", (v) => (v == null ? "-" : v.toFixed(1)));
+    // Each shown tenant's share over time, per class.
+    const tKeys = [...new Set(fr.flatMap((f) => f.gate.classes.flatMap((c) => (c.tenants || []).map((t) => `${classKey(c)}|${t.tenant}`))))].sort();
+    if (tKeys.length > 0) {
+      const tData = tKeys.map((key) => fr.map((f) => {
+        const [ck, tn] = key.split("|");
+        const c = f.gate.classes.find((y) => classKey(y) === ck);
+        const t = c && (c.tenants || []).find((x) => x.tenant === tn);
+        return t ? t.share * 100 : null;
+      }));
+      draw("tenants", $("tenant-chart"), "", tKeys.map((k) => k.replace("|", ": ")), [xs, ...tData], "share %", (v) => (v == null ? "-" : `${v.toFixed(0)} %`));
+    }
     // In flight per endpoint, with the slots in force.
     const eps = last.gate.pools.flatMap((p) => p.endpoints.map((e) => [p.name, e.name]));
     const epNames = [], epData = [];
@@ -260,7 +301,7 @@
   function render() {
     const f = state.frames[state.frames.length - 1];
     if (!f) return;
-    const needs = [].concat(renderRole(f), renderFlags(f), renderClasses(f), renderEndpoints(f));
+    const needs = [].concat(renderRole(f), renderFlags(f), renderClasses(f), renderTenants(f), renderEndpoints(f));
     renderDecisions(f);
     const ul = $("needs");
     ul.replaceChildren(...(needs.length ? needs.map((n) => el("li", {}, n)) : [el("li", { class: "ok" }, "nothing")]));
