@@ -662,12 +662,12 @@ async fn resolve_real(s: &Scenario, r: &RealUpstream) -> Result<RealInfo, DrillE
     })
 }
 
-/// The gate configuration of a run against a real server: the `--config` given (its pools
-/// pointed at the server, on an ephemeral loopback port, in-memory ledger, no admin API) or
-/// the scenario's, unscaled.
 /// The header the drill's clients name their tenant in (llm-d's fairness id).
 pub const FAIRNESS_HEADER: &str = "x-llm-d-inference-fairness-id";
 
+/// The gate configuration of a run against a real server: the `--config` given (its pools
+/// pointed at the server, on an ephemeral loopback port, in-memory ledger, no admin API) or
+/// the scenario's, unscaled.
 fn real_gate_config(s: &Scenario, r: &RealUpstream, mode: Mode, url: &str) -> Config {
     let Some(given) = &r.config else {
         return gate_config(s, 1.0, mode, url);

@@ -159,6 +159,8 @@ fn a_fairness_header_the_gate_reads_for_something_else_is_refused() {
         ("x-llm-d-inference-fairness-id", true),
         ("x-team", true),
         ("authorization", false),
+        ("x-tenant", false),
+        ("x-slackgate-replica", false),
         ("X-Upper", false),
         ("", false),
         ("bad header", false),

@@ -115,8 +115,9 @@ pub struct PolicyReport {
     /// Per scenario tenant (`[[tenants]]`), in scenario order; empty without tenants.
     pub tenants: Vec<crate::tenants::TenantRow>,
     /// The largest difference of served time per weight between two tenants both refused
-    /// something in one window (see [`crate::tenants::rows`]), server-s.
-    pub tenant_fairness_gap_s: f64,
+    /// something in one window (see [`crate::tenants::rows`]), server-s; `None` when no
+    /// window had two such tenants.
+    pub tenant_fairness_gap_s: Option<f64>,
 }
 
 /// A whole comparison.
@@ -528,11 +529,14 @@ fn tenant_tables(out: &mut String, policies: &[PolicyReport]) {
     }
     let _ = writeln!(out);
     for p in policies {
+        let gap = p.tenant_fairness_gap_s.map_or_else(
+            || "n/a (no window with two tenants both refused something)".to_string(),
+            |g| format!("{g:.1} server-s per weight"),
+        );
         let _ = writeln!(
             out,
-            "{}: fairness gap {:.1} server-s per weight (largest over {} s windows between tenants both refused something).",
+            "{}: fairness gap {gap} (largest over {} s windows between tenants both refused something).",
             p.policy,
-            p.tenant_fairness_gap_s,
             crate::tenants::FAIRNESS_WINDOW_MS / 1000
         );
     }

@@ -150,8 +150,9 @@ pub struct TenantRow {
 /// Per-tenant rows of a run, and the fairness figure: over windows of
 /// [`FAIRNESS_WINDOW_MS`], the largest difference of served time per weight between two
 /// tenants that were both refused something in that window (both asked for more than they
-/// got), in server-seconds per unit of weight; 0 when no window had two such tenants.
-pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, f64) {
+/// got), in server-seconds per unit of weight; `None` when no window had two such tenants
+/// (nothing to compare: not a measurement of 0).
+pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, Option<f64>) {
     let n = s.tenants.len();
     let mut rows: Vec<TenantRow> = s
         .tenants
@@ -169,7 +170,7 @@ pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, f64) {
         })
         .collect();
     if n == 0 {
-        return (rows, 0.0);
+        return (rows, None);
     }
     let windows = ((s.duration_s * 1000.0) as u64 / FAIRNESS_WINDOW_MS + 1) as usize;
     let mut served = vec![vec![0.0f64; n]; windows];
@@ -221,7 +222,7 @@ pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, f64) {
             admitted_on_time[ti] as f64 / admitted[ti] as f64
         };
     }
-    let mut gap = 0.0f64;
+    let mut gap: Option<f64> = None;
     for (sv, rf) in served.iter().zip(&refused) {
         let norm: Vec<f64> = (0..n)
             .filter(|&i| rf[i])
@@ -230,7 +231,7 @@ pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, f64) {
         if norm.len() >= 2 {
             let hi = norm.iter().copied().fold(f64::MIN, f64::max);
             let lo = norm.iter().copied().fold(f64::MAX, f64::min);
-            gap = gap.max(hi - lo);
+            gap = Some(gap.map_or(hi - lo, |g| g.max(hi - lo)));
         }
     }
     (rows, gap)

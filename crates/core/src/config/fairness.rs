@@ -33,8 +33,9 @@ pub struct FairnessConfig {
     /// new ids share `other` until a tracked one goes idle.
     pub max_tenants: usize,
     /// A tenant with nothing queued counts in the share for this long after its last
-    /// arrival (its share is kept for its next request), then leaves it and its state is
-    /// forgotten: a tenant returning from idle starts afresh and banks no credit.
+    /// arrival (its weight stays in the sum, so the others stay held to their shares), then
+    /// leaves it and its state is forgotten: a tenant returning from idle starts afresh and
+    /// banks no credit.
     pub active_ms: u64,
 }
 
@@ -51,7 +52,7 @@ impl Default for FairnessConfig {
             weights: BTreeMap::new(),
             unlisted: Unlisted::Shared,
             max_tenants: 10_000,
-            active_ms: 10_000,
+            active_ms: 60_000,
         }
     }
 }

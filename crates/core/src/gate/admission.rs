@@ -45,8 +45,11 @@ struct Offer {
     refused_wait: (u64, u64, u32),
     /// Its tenant's standing on the class's lane (`[fairness]` in use).
     tenant: Option<super::tenants::Standing>,
-    /// For a refusal on its tenant's share: the wait its share projects for it.
-    share_wait: u64,
+    /// For a refusal on its tenant's share: the wait its share projects for it, and the
+    /// slack that wait was held to.
+    share_wait: (u64, i64),
+    /// Its tenant's queued work is past what its share serves in time.
+    over_share: bool,
 }
 
 impl Gate {
@@ -172,7 +175,8 @@ impl Gate {
             exceeds_context: bounds.exceeds,
             victim: None,
             tenant: None,
-            share_wait: 0,
+            share_wait: (0, 0),
+            over_share: false,
             req,
         }
     }
@@ -270,23 +274,43 @@ impl Gate {
         let Some(slack) = o.eval.padded_slack else {
             return;
         };
-        if o.verdict != Ok(Reason::WithinSlack) || st.share >= 1.0 || st.queued_work == 0 {
+        if st.share >= 1.0 || st.queued_work == 0 {
             return;
         }
+        // A deadline the client chose counts for no more than its class's own: a tenant must
+        // not widen its share by asking for a day (the others' waits count its queued work
+        // whatever its deadlines).
+        let lane = &self.classes[o.class.0];
+        let slack = match lane.default_deadline_ms {
+            Some(d) => {
+                let own = i64::try_from(o.eval.own_service_ms).unwrap_or(i64::MAX);
+                slack.min(i64::try_from(d).unwrap_or(i64::MAX).saturating_sub(own))
+            }
+            None => slack,
+        };
         // Its share of what the pool serves this class: the slots less what the higher
         // classes (and the servers' neighbours) have recently taken of them.
         let pool = o.eval.pool;
-        let lane = &self.classes[o.class.0];
         let rho = (self.higher_demand(o.now, pool, lane.priority)
             + self.neighbour_demand(o.now, pool))
         .clamp(0.0, MAX_RHO);
         let p = &self.pools[pool.0];
-        let rate = st.share * f64::from(p.slots.max(1)) * (1.0 - rho);
-        let wait = (st.queued_work as f64 / rate).ceil().min(1e15) as u64;
+        let slots = f64::from(p.slots.max(1));
+        let rate = st.share * slots * (1.0 - rho);
+        // Behind what runs now, spread over the slots: the others' requests wait for that
+        // too, so each tenant's backlog is held to its share of the slack left after it
+        // (with every tenant so held, a newcomer within its share still fits).
+        let running = p.in_flight_remaining(o.now) as f64 / slots;
+        let wait = (st.queued_work as f64 / rate + running).ceil().min(1e15) as u64;
         let wait = wait.saturating_add(p.promise_guard_ms);
         if i128::from(wait) > i128::from(slack) {
-            o.share_wait = wait;
-            o.verdict = Err(Reason::TenantShareExceeded);
+            // Over its share: refused on it if it would otherwise be admitted, and in any
+            // case it may not displace another's job to get in (see `make_room`).
+            o.share_wait = (wait, slack);
+            o.over_share = true;
+            if o.verdict == Ok(Reason::WithinSlack) {
+                o.verdict = Err(Reason::TenantShareExceeded);
+            }
         }
     }
 
@@ -353,7 +377,8 @@ impl Gate {
     /// class admitted moments ago (see `displacement_victim`). The victim is only removed once
     /// this request is queued. Shadow mode only names the job it would have displaced.
     fn make_room(&mut self, o: &mut Offer) {
-        if o.verdict != Err(Reason::ProjectedWaitExceedsSlack) {
+        // A newcomer over its tenant's share gets no other tenant's place.
+        if o.verdict != Err(Reason::ProjectedWaitExceedsSlack) || o.over_share {
             return;
         }
         match self.displacement_victim(o.now, o.lane, &o.eval) {
@@ -570,8 +595,8 @@ impl Gate {
             return self.retry_after(
                 o.d.job_id,
                 reason,
-                o.share_wait,
-                e.padded_slack,
+                o.share_wait.0,
+                Some(o.share_wait.1),
                 e.count_ahead,
                 o.primary_pool,
                 false,

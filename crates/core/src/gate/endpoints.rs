@@ -621,6 +621,9 @@ impl Gate {
             .push(key, arrived, id, est, false);
         if let Some(j) = self.jobs.get_mut(&id) {
             j.state = JobState::Queued;
+            // Its tenant's bucket let go of it at dispatch and may be gone or reused since:
+            // back in the queue it counts in no bucket (never taken off one twice).
+            j.tenant_slot = None;
         }
         true
     }

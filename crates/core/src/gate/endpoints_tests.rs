@@ -390,3 +390,26 @@ fn a_share_that_rounds_to_nothing_keeps_one_slot_and_a_429_stays_within_the_shar
     // The throttled limit stays lowered when the share grows back.
     assert_eq!(g.endpoints(0, P)[0].limit, 1);
 }
+
+#[test]
+fn a_requeued_job_is_never_taken_off_its_tenants_bucket_twice() {
+    let mut c = with_endpoints(vec![ep("a", 1), ep("b", 1)]);
+    c.fairness.weights.insert("t".into(), 1.0);
+    let mut g = Gate::new(c).unwrap();
+    let offer = |g: &mut Gate| {
+        let mut r = req(g, "prod");
+        r.fairness_id = Some("t".into());
+        g.offer(0, r)
+    };
+    for _ in 0..3 {
+        assert!(offer(&mut g).admitted());
+    }
+    assert_eq!(dispatched(&drain(&mut g, 0)).len(), 2);
+    let queued = |g: &Gate| g.snapshot(10).classes[0].tenants[0].queued;
+    assert_eq!(queued(&g), 1, "job 3");
+    // Job 1 goes back to the queue and is dispatched again: job 3 is still counted.
+    assert_eq!(g.reroute(10, JobId(1)), None);
+    assert!(g.requeue(10, JobId(1)));
+    assert_eq!(dispatched(&drain(&mut g, 10)), vec![(JobId(1), 0)]);
+    assert_eq!(queued(&g), 1, "job 3 still queued and counted once");
+}

@@ -2,8 +2,9 @@
 //!
 //! A tenant's share of the pool is its weight over the summed weights of the lane's active
 //! tenants (those with work queued, or an arrival within `fairness.active_ms`): an idle
-//! tenant's share goes to the others, and a tenant that stays active keeps its share for its
-//! next request (the headroom kept for it). Admission holds each tenant's queued work to what
+//! tenant's share goes to the others, and a tenant that stays active keeps its weight in the
+//! sum, so the others' backlogs stay held to their own shares meanwhile. (Only queued work is
+//! counted: no slot is held back at dispatch.) Admission holds each tenant's queued work to what
 //! its share serves within the request's slack (`Gate::share_verdict`): a flooding tenant's
 //! backlog stays within its share of the deadline, so the earliest-deadline queue that every
 //! tenant shares keeps the others' waits (and promises) as if the flood were not there, while
@@ -25,7 +26,7 @@ const LIST_GRAIN: u64 = 16;
 
 /// One tenant's bucket on a lane: what an arrival reads and writes, in one cache line (its
 /// id, read only for the report, is kept apart).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default)]
 #[repr(align(64))]
 struct Bucket {
     /// Its id's keyed hash: its key in the index.
@@ -88,7 +89,7 @@ pub struct TenantStats {
     pub weight: f64,
     /// Its share of the pool now.
     pub share: f64,
-    /// Jobs and estimated work queued.
+    /// Jobs queued.
     pub queued: u32,
     /// Estimated work queued, in ms.
     pub queued_work_ms: u64,
@@ -298,33 +299,44 @@ impl TenantBook {
 
     /// Every tracked tenant's figures, heaviest backlog first, at most `top` of them.
     pub(crate) fn stats(&self, top: usize) -> Vec<TenantStats> {
-        let mut v: Vec<TenantStats> = self
-            .buckets
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.live)
-            .map(|(i, b)| (i as u32, b))
-            .map(|(slot, b)| TenantStats {
-                tenant: self
-                    .ids
-                    .get(slot as usize)
-                    .map_or_else(String::new, |s| s.to_string()),
-                weight: b.weight,
-                share: self.standing(slot).share,
-                queued: b.queued,
-                queued_work_ms: b.queued_work,
-                admitted: u64::from(b.admitted),
-                refused_share: u64::from(b.refused),
-            })
+        // Snapshots are taken under the gate's lock: pick the few without building a row
+        // (or copying an id) for every tracked tenant. O(tenants) to select, O(top log top)
+        // to order.
+        let rank = |b: &Bucket| {
+            (
+                std::cmp::Reverse(b.queued_work),
+                std::cmp::Reverse(b.admitted),
+            )
+        };
+        let mut live: Vec<u32> = (0..self.buckets.len() as u32)
+            .filter(|&s| self.bucket(s).is_some())
             .collect();
-        v.sort_by(|a, b| {
-            b.queued_work_ms
-                .cmp(&a.queued_work_ms)
-                .then(b.admitted.cmp(&a.admitted))
-                .then(a.tenant.cmp(&b.tenant))
-        });
-        v.truncate(top);
-        v
+        let key = |s: &u32| {
+            let b = self.bucket(*s).copied().unwrap_or_default();
+            (rank(&b), self.ids.get(*s as usize).map_or("", |id| &**id))
+        };
+        if live.len() > top && top > 0 {
+            live.select_nth_unstable_by(top - 1, |a, b| key(a).cmp(&key(b)));
+        }
+        live.truncate(top);
+        live.sort_by(|a, b| key(a).cmp(&key(b)));
+        live.into_iter()
+            .filter_map(|slot| {
+                let b = self.bucket(slot)?;
+                Some(TenantStats {
+                    tenant: self
+                        .ids
+                        .get(slot as usize)
+                        .map_or_else(String::new, |s| s.to_string()),
+                    weight: b.weight,
+                    share: self.standing(slot).share,
+                    queued: b.queued,
+                    queued_work_ms: b.queued_work,
+                    admitted: u64::from(b.admitted),
+                    refused_share: u64::from(b.refused),
+                })
+            })
+            .collect()
     }
 }
 

@@ -43,27 +43,28 @@ fn a_flooding_tenant_is_refused_on_its_share_and_the_other_keeps_its_slack() {
     assert_eq!(b.tenant_share, None);
 
     let (flood, b) = flood(fair_cfg());
-    // a's share is 1/2 of 2 slots: one slot's worth, so its queued work may be at most its
-    // slack, 3000 ms at 10 ms: after b's job and a's first one take the two slots, three of
-    // a's jobs (3000 ms of work) fit, the fourth would find 3000 ms queued (3000 ms at its
-    // share, over a slack of 2990 ms) and is refused, as is every later one.
+    // a's share is 1/2 of 2 slots: one slot's worth. b's job and a's first take the two
+    // slots (about 1000 ms left each: 1000 ms of running work per slot), so a's queued work
+    // may be at most its slack less that, about 2990 - 1000 ms at one slot: two of its jobs
+    // queue (2000 ms), the third would find 2000 ms queued (2000 + 1000 ms, over its
+    // slack) and is refused, as is every later one.
     let admitted = flood.iter().filter(|d| d.admitted()).count();
-    assert_eq!(admitted, 4, "{flood:#?}");
-    let refused = &flood[4];
+    assert_eq!(admitted, 3, "{flood:#?}");
+    let refused = &flood[3];
     assert_eq!(refused.reason, Reason::TenantShareExceeded);
     assert_eq!(refused.tenant_share, Some(0.5));
     assert!(refused.should_retry);
-    // Retry-After: its backlog drains at its share (1 slot) to what fits its slack:
-    // 3000 ms queued against 4000 - 1000 - 14 = 2986 ms of slack -> 14 ms; the floor applies.
+    // Retry-After: its backlog drains at its share (1 slot) to what fits its slack: about
+    // 3000 ms against 4000 - 1000 - 13 = 2987 ms of slack -> some ms; the floor applies.
     let r = GateConfig::default().retry;
     let after = refused.retry_after_ms.unwrap();
     let most = r.min_retry_after_ms * u64::from(100 + r.jitter_percent) / 100;
     assert!(after >= r.min_retry_after_ms && after <= most, "{after}");
-    assert!(flood[4..]
+    assert!(flood[3..]
         .iter()
         .all(|d| d.reason == Reason::TenantShareExceeded));
-    // b: its wait is a's three queued jobs and the two running ones, 2000 ms in all over two
-    // slots, within its 3000 ms slack.
+    // b: its wait is a's two queued jobs behind the two running ones, about 2000 ms, within
+    // its 3000 ms slack.
     assert!(b.admitted(), "{b:#?}");
     assert_eq!(b.reason, Reason::WithinSlack);
     assert!(b.projected_wait_ms <= 3000, "{}", b.projected_wait_ms);
@@ -201,4 +202,30 @@ fn a_newcomer_does_not_displace_a_tenant_further_within_its_share() {
             );
         }
     }
+}
+
+#[test]
+fn a_tenant_cannot_widen_its_share_by_asking_for_a_longer_deadline() {
+    let mut g = Gate::new(fair_cfg()).unwrap();
+    assert!(offer_as(&mut g, 0, "b").admitted());
+    drain(&mut g, 0);
+    // a asks for a day on each request: its share is still held to the class's 4000 ms.
+    let flood: Vec<Decision> = (0..20)
+        .map(|i| {
+            let mut r = req(&g, "prod");
+            r.fairness_id = Some("a".into());
+            r.deadline = Some(10 + i + 86_400_000);
+            g.offer(10 + i, r)
+        })
+        .collect();
+    assert_eq!(
+        flood.iter().filter(|d| d.admitted()).count(),
+        3,
+        "{flood:#?}"
+    );
+    assert!(flood[3..]
+        .iter()
+        .all(|d| d.reason == Reason::TenantShareExceeded));
+    drain(&mut g, 30);
+    assert!(offer_as(&mut g, 100, "b").admitted(), "b keeps its slack");
 }

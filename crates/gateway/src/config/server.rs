@@ -251,14 +251,25 @@ impl ServerConfig {
                 "must be a lowercase header name of 1 to 64 letters, digits, '-' or '_'",
             ));
         }
-        const GATE_OWN: [&str; 5] = [
+        const GATE_OWN: [&str; 15] = [
             "authorization",
             "x-job-class",
             "x-deadline-ms",
             "x-deadline",
             "idempotency-key",
+            "x-idempotency-key",
+            "x-attempt",
+            "x-stainless-retry-count",
+            "x-tenant",
+            "x-slo-ttft-ms",
+            "x-llm-d-slo-ttft-ms",
+            "x-expected-output-tokens",
+            "x-llm-d-inference-objective",
+            "host",
+            "content-length",
         ];
-        if GATE_OWN.contains(&h.as_str()) {
+        // The cluster's own headers (`x-slackgate-*`) are the gate's too.
+        if GATE_OWN.contains(&h.as_str()) || h.starts_with("x-slackgate-") {
             return Err(err(
                 "server.fairness_header",
                 "names a header the gate already reads for something else",

@@ -200,9 +200,18 @@ pub const MAX_FAIRNESS_ID_LEN: usize = 256;
 /// [`MAX_FAIRNESS_ID_LEN`] bytes; `None` when absent or empty (the tenant id is used then). A
 /// malformed one is refused: the header comes from a trusted proxy, so it is a fault to see.
 pub fn fairness_id(h: &HeaderMap, name: &str) -> Result<Option<String>, BadRequest> {
-    let Some(v) = h.get(name) else {
+    let mut all = h.get_all(name).iter();
+    let Some(v) = all.next() else {
         return Ok(None);
     };
+    // A proxy that appends its value instead of replacing the client's leaves two: which
+    // one is the proxy's cannot be told, so neither is taken.
+    if all.next().is_some() {
+        return Err(bad(
+            Reason::InvalidRequest,
+            format!("{name}: sent more than once"),
+        ));
+    }
     let id = v
         .to_str()
         .map(str::trim)
@@ -549,6 +558,12 @@ mod tests {
                 .unwrap_or(http::HeaderValue::from_static("x")),
         );
         let e = fairness_id(&raw, H).err();
+        assert_eq!(e.map(|e| e.reason), Some(Reason::InvalidRequest));
+        // Twice (a client's and an appending proxy's): neither is taken.
+        let mut twice = HeaderMap::new();
+        twice.append(H, http::HeaderValue::from_static("client"));
+        twice.append(H, http::HeaderValue::from_static("proxy"));
+        let e = fairness_id(&twice, H).err();
         assert_eq!(e.map(|e| e.reason), Some(Reason::InvalidRequest));
     }
 

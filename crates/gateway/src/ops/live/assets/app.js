@@ -133,7 +133,11 @@
       for (const t of c.tenants || []) {
         any = true;
         const tr = el("tr", { "data-tenant": `${classKey(c)}|${t.tenant}` });
-        if (t.refused_share > 0) {
+        // Refused on its share since the last frame: flooding now (not an old refusal).
+        const prev = state.frames.length > 1 ? state.frames[state.frames.length - 2] : null;
+        const pc = prev && prev.gate.classes.find((y) => classKey(y) === classKey(c));
+        const pt = pc && (pc.tenants || []).find((x) => x.tenant === t.tenant);
+        if (t.refused_share > (pt ? pt.refused_share : 0)) {
           tr.className = "alert";
           needs.push(`${classKey(c)}: tenant ${t.tenant} refused on its share (${t.refused_share})`);
         }
@@ -264,7 +268,8 @@
     const tKeys = [...new Set(fr.flatMap((f) => f.gate.classes.flatMap((c) => (c.tenants || []).map((t) => `${classKey(c)}|${t.tenant}`))))].sort();
     if (tKeys.length > 0) {
       const tData = tKeys.map((key) => fr.map((f) => {
-        const [ck, tn] = key.split("|");
+        const cut = key.indexOf("|");
+        const ck = key.slice(0, cut), tn = key.slice(cut + 1);
         const c = f.gate.classes.find((y) => classKey(y) === ck);
         const t = c && (c.tenants || []).find((x) => x.tenant === tn);
         return t ? t.share * 100 : null;
