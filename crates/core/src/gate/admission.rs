@@ -274,7 +274,13 @@ impl Gate {
         let Some(slack) = o.eval.padded_slack else {
             return;
         };
-        if st.share >= 1.0 || st.queued_work == 0 {
+        // Asked only where it decides something: an admission, or a displacement.
+        let displacing = o.verdict == Err(Reason::ProjectedWaitExceedsSlack)
+            && self.classes[o.class.0].displace_within_ms.is_some();
+        if st.share >= 1.0
+            || st.queued_work == 0
+            || !(o.verdict == Ok(Reason::WithinSlack) || displacing)
+        {
             return;
         }
         // A deadline the client chose counts for no more than its class's own: a tenant must
