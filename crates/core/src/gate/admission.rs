@@ -252,79 +252,33 @@ impl Gate {
         }
     }
 
-    /// `[fairness]`: count the request in its tenant's bucket on the class's lane and refuse
-    /// it when the tenant's queued work is more than its share of the pool serves within the
-    /// slack the promise is held to (with the pool's guard): its share of the slots the
-    /// higher classes leave, by their recent demand (as the forecast counts it). Only a request that would be
-    /// admitted as within its slack is held to its share; a tenant with nothing queued is
-    /// never refused on it. See [`super::tenants`].
+    /// `[fairness]`: count the request in its tenant's bucket on the class's lane and, where
+    /// it decides something (an admission, or a displacement), hold the tenant's queued work
+    /// to what its share serves within the request's slack (see `Gate::share_wait`): over it,
+    /// a request that would be admitted is refused, and none displaces another's job. A
+    /// tenant with nothing queued is never refused on its share. See [`super::tenants`].
     fn share_verdict(&mut self, o: &mut Offer) {
         if !self.fairness_on() {
             return;
         }
-        let f = &self.cfg.fairness;
-        let book = &mut self.classes[o.class.0].tenants;
-        book.expire(o.now, f.active_ms);
-        let (id, weight) = f.bucket(o.req.fairness_id.as_deref(), |id| {
-            book.contains(id) || book.len() < f.max_tenants
-        });
-        let st = book.arrive(o.now, id, weight, f.active_ms);
+        let st = self.tenant_arrives(o.now, o.class, o.req.fairness_id.as_deref());
         o.tenant = Some(st);
         o.d.tenant_share = Some(st.share);
-        let Some(slack) = o.eval.padded_slack else {
-            return;
-        };
-        // Asked only where it decides something: an admission, or a displacement.
         let displacing = o.verdict == Err(Reason::ProjectedWaitExceedsSlack)
             && self.classes[o.class.0].displace_within_ms.is_some();
-        if st.share >= 1.0
-            || st.queued_work == 0
-            || !(o.verdict == Ok(Reason::WithinSlack) || displacing)
-        {
+        if !(o.verdict == Ok(Reason::WithinSlack) || displacing) {
             return;
         }
-        // A deadline the client chose counts for no more than its class's own: a tenant must
-        // not widen its share by asking for a day (the others' waits count its queued work
-        // whatever its deadlines).
-        let lane = &self.classes[o.class.0];
-        let slack = match lane.default_deadline_ms {
-            Some(d) => {
-                let own = i64::try_from(o.eval.own_service_ms).unwrap_or(i64::MAX);
-                slack.min(i64::try_from(d).unwrap_or(i64::MAX).saturating_sub(own))
-            }
-            None => slack,
+        let Some((wait, slack)) = self.share_wait(o.now, o.class, &o.eval, st) else {
+            return;
         };
-        // Its share of what the pool serves this class: the slots less what the higher
-        // classes (and the servers' neighbours) have recently taken of them.
-        let pool = o.eval.pool;
-        let rho = (self.higher_demand(o.now, pool, lane.priority)
-            + self.neighbour_demand(o.now, pool))
-        .clamp(0.0, MAX_RHO);
-        let p = &self.pools[pool.0];
-        let slots = f64::from(p.slots.max(1));
-        let rate = st.share * slots * (1.0 - rho);
-        // Behind what runs now, spread over the slots: the others' requests wait for that
-        // too, so each tenant's backlog is held to its share of the slack left after it
-        // (with every tenant so held, a newcomer within its share still fits).
-        let running = p.in_flight_remaining(o.now) as f64 / slots;
-        let wait = (st.queued_work as f64 / rate + running).ceil().min(1e15) as u64;
-        let wait = wait.saturating_add(p.promise_guard_ms);
         if i128::from(wait) > i128::from(slack) {
-            // Over its share: refused on it if it would otherwise be admitted, and in any
-            // case it may not displace another's job to get in (see `make_room`).
             o.share_wait = (wait, slack);
             o.over_share = true;
             if o.verdict == Ok(Reason::WithinSlack) {
                 o.verdict = Err(Reason::TenantShareExceeded);
             }
         }
-    }
-
-    /// Tenants are told apart: some are weighted, or unlisted ids get buckets of their own
-    /// (otherwise every request is in one bucket and the share is always the whole pool).
-    pub(super) fn fairness_on(&self) -> bool {
-        let f = &self.cfg.fairness;
-        !f.weights.is_empty() || f.unlisted == crate::config::Unlisted::Own
     }
 
     /// A capacity refusal of a class with an overflow pool in `route` mode: admit it there
@@ -491,19 +445,15 @@ impl Gate {
     /// class's own, or its overflow lane), as its bucket there.
     fn tenant_queued(&mut self, o: &Offer) -> Option<u32> {
         let st = o.tenant?;
-        let work = o.eval.est.service_ms;
         let slot = if o.lane == o.class {
             st.slot
         } else {
-            let f = &self.cfg.fairness;
-            let book = &mut self.classes[o.lane.0].tenants;
-            book.expire(o.now, f.active_ms);
-            let (id, weight) = f.bucket(o.req.fairness_id.as_deref(), |id| {
-                book.contains(id) || book.len() < f.max_tenants
-            });
-            book.arrive(o.now, id, weight, f.active_ms).slot
+            self.tenant_arrives(o.now, o.lane, o.req.fairness_id.as_deref())
+                .slot
         };
-        self.classes[o.lane.0].tenants.queued(slot, work);
+        self.classes[o.lane.0]
+            .tenants
+            .queued(slot, o.eval.est.service_ms);
         Some(slot)
     }
 

@@ -195,6 +195,7 @@ mod endpoints;
 #[cfg(test)]
 mod endpoints_tests;
 mod evaluate;
+mod fairness;
 mod forecast;
 #[cfg(test)]
 mod forecast_tests;
