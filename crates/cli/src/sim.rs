@@ -38,6 +38,10 @@ pub struct SimArgs {
     /// Set slackgate's pool `headroom`: `learned`, `off` or a number of slots.
     #[arg(long)]
     pub headroom: Option<slackgate_core::config::Headroom>,
+    /// Set slackgate's `[fairness] headroom_max_idle` (0: no tenant headroom; 1: every slot
+    /// the other tenants' forecast asks for).
+    #[arg(long, value_name = "FRACTION")]
+    pub tenant_headroom: Option<f64>,
     /// Skip the clairvoyant reference run (false rejections are not counted).
     #[arg(long)]
     pub no_reference: bool,
@@ -65,6 +69,9 @@ pub fn run(a: SimArgs) -> Result<()> {
     }
     if let Some(h) = a.headroom {
         s.slackgate.headroom = Some(h);
+    }
+    if let Some(idle) = a.tenant_headroom {
+        s.slackgate.tenant_headroom_max_idle = Some(idle);
     }
     if let Some(load) = a.load {
         slackgate_sim::load::scale_to_load(&mut s, load)?;

@@ -79,7 +79,18 @@ async fn replica_ttl(
     upstream: SocketAddr,
     lease_ttl_ms: u64,
 ) -> Result<Replica, String> {
-    let text = TOML.replace("{UPSTREAM}", &format!("http://{upstream}"));
+    replica_with(redis_url, name, id, upstream, lease_ttl_ms, TOML).await
+}
+
+async fn replica_with(
+    redis_url: &str,
+    name: &str,
+    id: &str,
+    upstream: SocketAddr,
+    lease_ttl_ms: u64,
+    toml: &str,
+) -> Result<Replica, String> {
+    let text = toml.replace("{UPSTREAM}", &format!("http://{upstream}"));
     let mut cfg = Config::from_toml(&text).unwrap();
     let cluster = ClusterConfig {
         redis: redis_url.to_string(),
@@ -754,5 +765,139 @@ async fn a_new_leader_learns_a_live_replicas_settlement_of_an_adopted_hold() {
     .await;
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = keep_alive.join();
+    b.gate.shutdown().await;
+}
+
+/// One slot, a frozen estimator at 10 ms per output token (a trusted size hint is the
+/// estimate), tenants `a` and `b` of weight 1 named in the fairness header.
+const FAIR_TOML: &str = r#"
+[server]
+tenant_hash_key = "00112233445566778899aabbccddeeff"
+trust_size_hint = true
+fairness_header = "x-llm-d-inference-fairness-id"
+[fairness.weights]
+a = 1
+b = 1
+[[pools]]
+name = "p"
+upstream = "{UPSTREAM}"
+slots = 1
+[pools.prior]
+overhead_ms = 0
+prefill_ms_per_token = 0
+decode_ms_per_token = 10
+learn = false
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 20000
+pool = "p"
+"#;
+
+/// A request of tenant `tenant` sized `tokens` (10 ms each), sent to `r` in the background.
+fn send_as(
+    r: &Replica,
+    tenant: &str,
+    key: &str,
+    tokens: &str,
+    hold: bool,
+) -> tokio::task::JoinHandle<Resp> {
+    let mut h: Vec<(&'static str, String)> = vec![
+        ("x-job-class", "interactive".into()),
+        ("x-llm-d-inference-fairness-id", tenant.into()),
+        ("idempotency-key", key.into()),
+        ("x-stub-request-id", key.into()),
+        ("x-expected-output-tokens", tokens.into()),
+        ("x-stub-output-tokens", "5".into()),
+    ];
+    if hold {
+        h.push(("x-stub-hold", key.into()));
+    }
+    let url = r.url("/v1/chat/completions");
+    tokio::spawn(async move {
+        let h: Vec<(&str, &str)> = h.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        post(&url, &h, &chat(2000)).await
+    })
+}
+
+/// `[fairness]` in cluster mode: the shares live with the decision, on the leader. A tenant
+/// flooding through the follower is refused on its share there, as by one gate; the other
+/// tenant, through the leader, still gets in; the follower tracks no tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shares_live_on_the_leader_whichever_replica_a_tenant_sends_to() {
+    let redis = redis();
+    let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
+    let name = unique("fair");
+    let a = replica_with(
+        &redis.url(),
+        &name,
+        "a",
+        stub.local_addr(),
+        1_500,
+        FAIR_TOML,
+    )
+    .await
+    .unwrap();
+    let b = replica_with(
+        &redis.url(),
+        &name,
+        "b",
+        stub.local_addr(),
+        1_500,
+        FAIR_TOML,
+    )
+    .await
+    .unwrap();
+    let l = leader_of(&[&a, &b]).await;
+    let (leader, follower) = if l == 0 { (&a, &b) } else { (&b, &a) };
+    // Tenant b holds the slot (1 s estimated), through the leader.
+    let _b1 = send_as(leader, "b", "b1", "100", true);
+    let held = eventually(Duration::from_secs(10), || async {
+        stub.stats().in_flight == 1
+    })
+    .await;
+    assert!(held, "b1 holds the slot");
+    // Tenant a floods through the follower: two 5 s requests fit its half of the slot
+    // within its slack, the third does not.
+    let _a1 = send_as(follower, "a", "a1", "500", false);
+    let _a2 = send_as(follower, "a", "a2", "500", false);
+    wait_until(
+        Duration::from_secs(10),
+        "a1 and a2 queued on the leader",
+        || std::future::ready(leader.gate.shared().snapshot().classes[0].depth == 2),
+    )
+    .await;
+    let a3 = send_as(follower, "a", "a3", "500", false).await.unwrap();
+    assert_eq!(a3.status, 429, "{:?}", a3.body);
+    let body = a3.json();
+    assert_eq!(
+        body["admission"]["reason"], "tenant_share_exceeded",
+        "{body}"
+    );
+    assert_eq!(body["admission"]["tenant_share"], 0.5, "{body}");
+    // b's next request, through the leader, still fits.
+    let _b2 = send_as(leader, "b", "b2", "100", false);
+    wait_until(Duration::from_secs(10), "b2 queued on the leader", || {
+        std::future::ready(leader.gate.shared().snapshot().classes[0].depth == 3)
+    })
+    .await;
+    assert_eq!(
+        leader.gate.shared().snapshot().classes[0].tenants_tracked,
+        2
+    );
+    assert_eq!(
+        follower.gate.shared().snapshot().classes[0].tenants_tracked,
+        0,
+        "the follower decides nothing: it keeps no shares"
+    );
+    // a3's answer came back through it (a1 and a2 are still waiting for the slot).
+    assert!(follower.status().forwarded >= 1);
+    let _ = post(
+        &format!("http://{}/stub/release", stub.local_addr()),
+        &[],
+        r#"{"name":"b1"}"#,
+    )
+    .await;
+    a.gate.shutdown().await;
     b.gate.shutdown().await;
 }

@@ -176,3 +176,75 @@ fn a_fairness_header_the_gate_reads_for_something_else_is_refused() {
         "a negative weight is refused at its path"
     );
 }
+
+/// With `unlisted = "own"` every id gets a bucket; the metrics page shows the 10 with the
+/// most work queued per class and sums the rest into one row per class, however many ids
+/// arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_show_ten_tenants_and_sum_the_rest() {
+    let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
+    let config = CONFIG.replace(
+        "[fairness.weights]",
+        "[fairness]\nunlisted = \"own\"\n[fairness.weights]",
+    );
+    let gate = TestGate::start(&config, stub.local_addr(), "fairness-rest").await;
+    let url = gate.url("/v1/chat/completions");
+    let mut hold = headers("b", "hold", "10");
+    hold.push(("x-stub-hold", "hold".into()));
+    let _hold = send(&url, &hold);
+    let held = eventually(PATIENCE, || async { stub.stats().in_flight == 1 }).await;
+    assert!(held, "the slot is held");
+    // Twelve more tenants queue one request each, t0 the smallest and t11 the largest.
+    let mut sent = Vec::new();
+    for i in 0..12 {
+        let key = format!("t{i}");
+        sent.push(send(&url, &headers(&key, &key, &(10 + i).to_string())));
+    }
+    wait_until(PATIENCE, "all twelve admitted", || async {
+        let lines = gate.log_lines().await;
+        (0..12).all(|i| admitted(&lines, &format!("t{i}")))
+    })
+    .await;
+    let page = gate.metrics().await;
+    let shown = page
+        .lines()
+        .filter(|l| l.starts_with("slackgate_tenant_share{"))
+        .count();
+    assert_eq!(shown, 10, "{page}");
+    assert_eq!(
+        metric(
+            &page,
+            r#"slackgate_tenants_tracked{class="interactive",pool="p"}"#
+        ),
+        Some(13.0),
+        "{page}"
+    );
+    // The three not shown (b, whose request runs, and the two smallest backlogs) summed:
+    // 10 and 11 tokens at 10 ms, and none for b.
+    let rest = metric(
+        &page,
+        r#"slackgate_tenant_rest_queued_work_seconds{class="interactive",pool="p"}"#,
+    );
+    assert!(
+        rest.is_some_and(|s| (s - 0.21).abs() < 1e-6),
+        "{rest:?}\n{page}"
+    );
+    let rest_share = metric(
+        &page,
+        r#"slackgate_tenant_rest_share{class="interactive",pool="p"}"#,
+    );
+    assert!(
+        rest_share.is_some_and(|s| (s - 3.0 / 13.0).abs() < 1e-6),
+        "{rest_share:?}"
+    );
+    assert!(
+        page.contains(r#"tenant="t11""#) && !page.contains(r#"tenant="t0""#),
+        "{page}"
+    );
+    let _ = post(
+        &format!("http://{}/stub/release", stub.local_addr()),
+        &[],
+        r#"{"name":"hold"}"#,
+    )
+    .await;
+}

@@ -122,6 +122,7 @@ pub fn build_policy(s: &Scenario, name: &str) -> Result<Box<dyn Policy>, SimErro
         "admit-always" => Box::new(Slackgate::admit_always(s)?),
         "slackgate-displace" => Box::new(Slackgate::displacing(s)?),
         "slackgate-unfair" => Box::new(Slackgate::unfair(s)?),
+        "slackgate-work-conserving" => Box::new(Slackgate::work_conserving(s)?),
         "clairvoyant" => Box::new(Clairvoyant::new(slots)),
         "clairvoyant-firm" => Box::new(Clairvoyant::firm(slots)),
         other => return Err(SimError::UnknownPolicy(other.to_string())),

@@ -506,14 +506,17 @@ fn tenant_tables(out: &mut String, policies: &[PolicyReport]) {
     let _ = writeln!(out, "\n### tenants\n");
     let _ = writeln!(
         out,
-        "| policy | tenant | class | weight | requests | on time | refused on share | refused (other) | admitted on time | served (server-s) |"
+        "| policy | tenant | class | weight | requests | on time | refused on share | refused (other) | admitted on time | served (server-s) | TTFT p50 | TTFT p90 |"
     );
-    let _ = writeln!(out, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        out,
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for p in policies {
         for t in &p.tenants {
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.2} s | {:.2} s |",
                 p.policy,
                 t.tenant,
                 t.class,
@@ -523,7 +526,9 @@ fn tenant_tables(out: &mut String, policies: &[PolicyReport]) {
                 t.refused_share,
                 t.refused_other,
                 pct(t.admitted_on_time_share),
-                t.served_s
+                t.served_s,
+                t.ttft_p50_s,
+                t.ttft_p90_s
             );
         }
     }

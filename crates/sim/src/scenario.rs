@@ -99,7 +99,7 @@ pub enum Dist {
 }
 
 impl Dist {
-    fn validate(&self) -> Result<(), (&'static str, String)> {
+    pub(crate) fn validate(&self) -> Result<(), (&'static str, String)> {
         match *self {
             Dist::Fixed { .. } => Ok(()),
             Dist::Uniform { min, max } if min > max => Err(("min", format!("{min} > max {max}"))),
@@ -567,6 +567,9 @@ pub struct SlackgateSpec {
     /// it in real ms scaled like every other duration.
     #[serde(default)]
     pub promise_guard_ms: Option<u64>,
+    /// `[fairness] headroom_max_idle` (default: the gate's).
+    #[serde(default)]
+    pub tenant_headroom_max_idle: Option<f64>,
 }
 
 impl Default for SlackgateSpec {
@@ -580,6 +583,7 @@ impl Default for SlackgateSpec {
             forecast_refused_weight: None,
             headroom: None,
             promise_guard_ms: None,
+            tenant_headroom_max_idle: None,
         }
     }
 }
@@ -670,11 +674,13 @@ pub const ALL_POLICIES: &[&str] = &[
 /// slackgate with displacement on for every class with a deadline (window: the class's
 /// `displace_within_ms`, else its deadline); `clairvoyant-firm` is the clairvoyant reference
 /// without revocation: it never drops what it admitted (a greedy reference for gates whose
-/// admission is a promise, not an upper bound).
+/// admission is a promise, not an upper bound); `slackgate-unfair` is slackgate without
+/// `[fairness]`, `slackgate-work-conserving` with it but no tenant headroom.
 pub const EXTRA_POLICIES: &[&str] = &[
     "admit-always",
     "slackgate-displace",
     "slackgate-unfair",
+    "slackgate-work-conserving",
     "clairvoyant-firm",
 ];
 

@@ -28,6 +28,10 @@ pub struct TenantSpec {
     pub start_s: f64,
     #[serde(default)]
     pub end_s: Option<f64>,
+    /// Its own output lengths (tokens), instead of its class's (within the class's
+    /// `max_tokens`): a tenant of long requests.
+    #[serde(default)]
+    pub output_tokens: Option<crate::scenario::Dist>,
 }
 
 fn one() -> f64 {
@@ -69,6 +73,9 @@ pub(crate) fn arrivals(s: &Scenario, root: &Rng) -> Vec<Arrival> {
             }
             let mut a = crate::workload::sized(s, class, at, &mut sizes);
             a.tenant = Some(ti);
+            if let Some(d) = &t.output_tokens {
+                a.output_tokens = crate::workload::sample(d, &mut sizes).min(a.max_tokens);
+            }
             let f = if s.estimator_noise > 0.0 {
                 noise.lognormal(0.0, s.estimator_noise)
             } else {
@@ -113,6 +120,9 @@ pub(crate) fn validate(s: &Scenario) -> Result<(), (String, String)> {
         if !(t.weight.is_finite() && t.weight > 0.0 && t.weight <= 1e6) {
             return Err((at("weight"), "must be above 0 and at most 1000000".into()));
         }
+        if let Some(Err((f, m))) = t.output_tokens.as_ref().map(|d| d.validate()) {
+            return Err((at(&format!("output_tokens.{f}")), m));
+        }
         let end = t.end_s.unwrap_or(s.duration_s);
         if !(t.start_s.is_finite() && t.start_s >= 0.0 && end.is_finite() && end > t.start_s) {
             return Err((at("start_s"), "must be at least 0 and before end_s".into()));
@@ -145,6 +155,10 @@ pub struct TenantRow {
     pub admitted_on_time_share: f64,
     /// Server time its completed requests used (nominal, s).
     pub served_s: f64,
+    /// Median and 90th percentile time to first token of its requests that ran (s; 0
+    /// when none ran): what a flood's long requests cost the others in waiting for a slot.
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
 }
 
 /// Per-tenant rows of a run, and the fairness figure: over windows of
@@ -167,6 +181,8 @@ pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, Option<
             refused_other: 0,
             admitted_on_time_share: 0.0,
             served_s: 0.0,
+            ttft_p50_s: 0.0,
+            ttft_p90_s: 0.0,
         })
         .collect();
     if n == 0 {
@@ -177,12 +193,16 @@ pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, Option<
     let mut refused = vec![vec![false; n]; windows];
     let mut admitted = vec![0u64; n];
     let mut admitted_on_time = vec![0u64; n];
+    let mut ttft: Vec<Vec<u64>> = vec![Vec::new(); n];
     for r in results {
         let Some(ti) = r.tenant.filter(|&i| i < n) else {
             continue;
         };
         let row = &mut rows[ti];
         row.requests += 1;
+        if let Some(t) = r.ttft_ms {
+            ttft[ti].push(t);
+        }
         let w = (r.first_at_ms / FAIRNESS_WINDOW_MS) as usize;
         if r.on_time() {
             row.on_time += 1;
@@ -216,6 +236,14 @@ pub fn rows(s: &Scenario, results: &[RequestResult]) -> (Vec<TenantRow>, Option<
         }
     }
     for (ti, row) in rows.iter_mut().enumerate() {
+        let t = &mut ttft[ti];
+        t.sort_unstable();
+        let q = |p: f64| {
+            t.get(((t.len() as f64 - 1.0) * p).round() as usize)
+                .map_or(0.0, |&ms| ms as f64 / 1000.0)
+        };
+        row.ttft_p50_s = q(0.5);
+        row.ttft_p90_s = q(0.9);
         row.admitted_on_time_share = if admitted[ti] == 0 {
             1.0
         } else {

@@ -95,7 +95,7 @@ pub fn generate(s: &Scenario) -> Result<Vec<Arrival>, ScenarioError> {
     Ok(out)
 }
 
-fn sample(d: &Dist, rng: &mut Rng) -> u32 {
+pub(crate) fn sample(d: &Dist, rng: &mut Rng) -> u32 {
     let v = match *d {
         Dist::Fixed { value } => return value,
         Dist::Uniform { min, max } => {

@@ -113,3 +113,54 @@ fn two_flooding_tenants_split_the_pool_by_weight() {
     );
     assert!(g < u, "fairness gap {g:.1} with fairness, {u:.1} without");
 }
+
+/// A flood of long requests on 16 slots (`tenants-long-flood.toml`): a server does not
+/// preempt, so without the tenant headroom B's and C's short requests wait for one of A's
+/// to end; with it (the default `headroom_max_idle`) they start at once, no tenant's
+/// admitted request is late, B and C are served as much, and A keeps most of what it got.
+#[test]
+fn the_tenant_headroom_keeps_slots_for_the_light_tenants_when_one_floods_long_requests() {
+    let s = load("tenants-long-flood.toml");
+    let held = run(&s, "slackgate");
+    let plain = run(&s, "slackgate-work-conserving");
+    for t in ["A", "B", "C"] {
+        assert_eq!(
+            row(&held, t, "interactive").admitted_on_time_share,
+            1.0,
+            "{t}"
+        );
+    }
+    for t in ["B", "C"] {
+        let (h, p) = (row(&held, t, "interactive"), row(&plain, t, "interactive"));
+        assert_eq!(h.on_time, p.on_time, "{t}: as much served");
+        assert!(p.ttft_p50_s >= 0.5, "{t} waits for a slot without: {p:?}");
+        assert!(h.ttft_p50_s <= 0.1, "{t} starts at once with: {h:?}");
+    }
+    let (a, a_plain) = (
+        row(&held, "A", "interactive"),
+        row(&plain, "A", "interactive"),
+    );
+    assert!(
+        a.served_s >= 0.85 * a_plain.served_s,
+        "A served {:.0} s with the headroom, {:.0} s without",
+        a.served_s,
+        a_plain.served_s
+    );
+}
+
+/// Two tenants flooding at once with the headroom at its fullest (every slot the light
+/// tenant's forecast asks for), at noise 0 and 0.3: held jobs race for the same freed slots,
+/// and every admitted request of every tenant is still on time.
+#[test]
+fn held_jobs_of_two_flooding_tenants_keep_their_promises() {
+    let mut s = load("tenants-weighted.toml");
+    s.slackgate.tenant_headroom_max_idle = Some(1.0);
+    for noise in [0.0, 0.3] {
+        s.estimator_noise = noise;
+        let p = run(&s, "slackgate");
+        for t in &p.tenants {
+            assert_eq!(t.admitted_on_time_share, 1.0, "noise {noise}: {t:?}");
+        }
+        assert_eq!(p.total.dropped, 0, "noise {noise}");
+    }
+}

@@ -37,6 +37,16 @@ pub struct FairnessConfig {
     /// leaves it and its state is forgotten: a tenant returning from idle starts afresh and
     /// banks no credit.
     pub active_ms: u64,
+    /// Tenant headroom: a tenant that runs its share of a pool's slots does not take the last
+    /// free ones while the other tenants' recent arrivals say they will need them (a server
+    /// does not preempt: a flood of long requests would otherwise fill every idle slot), and
+    /// waits for a slot of its own share while its deadline allows. A kept slot idles while
+    /// the others do not come; this is the most of the pool's slot time the headroom may
+    /// leave idle by that forecast (their running jobs taken as Poisson with their recent
+    /// mean): it keeps a slot only where the others' demand makes that slot likely used.
+    /// `0`: no tenant headroom, fully work-conserving (shares held at admission only); `1`:
+    /// every slot the forecast asks for.
+    pub headroom_max_idle: f64,
 }
 
 /// The bucket every unlisted id shares (with `unlisted = "shared"`), and untagged requests.
@@ -53,6 +63,7 @@ impl Default for FairnessConfig {
             unlisted: Unlisted::Shared,
             max_tenants: 10_000,
             active_ms: 60_000,
+            headroom_max_idle: 0.05,
         }
     }
 }

@@ -130,6 +130,12 @@ impl GateConfig {
                 "must be between 1 ms and a day",
             ));
         }
+        if !(0.0..=1.0).contains(&f.headroom_max_idle) {
+            return Err(ConfigError::new(
+                "fairness.headroom_max_idle",
+                "must be between 0 (no tenant headroom) and 1",
+            ));
+        }
         Ok(())
     }
 

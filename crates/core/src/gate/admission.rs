@@ -453,7 +453,7 @@ impl Gate {
         };
         self.classes[o.lane.0]
             .tenants
-            .queued(slot, o.eval.est.service_ms);
+            .queued(o.now, slot, o.eval.est.service_ms);
         Some(slot)
     }
 

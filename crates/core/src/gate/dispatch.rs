@@ -64,8 +64,16 @@ impl Gate {
     /// held, for its dispatch line): the next queued job of the lanes not held.
     fn next_startable(&mut self, now: Millis, pool: PoolId) -> Option<JobId> {
         let mut held: Vec<LaneId> = Vec::new();
+        let mut passed: Vec<JobId> = Vec::new();
         loop {
-            let (lane, id) = self.next_queued(pool.0, &held)?;
+            let next = self.next_queued(now, pool.0, &held, &mut passed);
+            // Jobs the tenant headroom held back wait in their queue, marked held.
+            for id in passed.drain(..) {
+                if let Some(j) = self.jobs.get_mut(&id) {
+                    j.held_since.get_or_insert(now);
+                }
+            }
+            let (lane, id) = next?;
             let hold = self
                 .jobs
                 .get(&id)
@@ -83,15 +91,22 @@ impl Gate {
     }
 
     /// The job a pool runs next, leaving out the lanes in `skip`: highest priority first;
-    /// among equal priorities, earliest deadline.
-    fn next_queued(&self, pi: usize, skip: &[LaneId]) -> Option<(LaneId, JobId)> {
+    /// among equal priorities, earliest deadline. Jobs the tenant headroom holds back are
+    /// passed over (and listed in `passed`).
+    fn next_queued(
+        &self,
+        now: Millis,
+        pi: usize,
+        skip: &[LaneId],
+        passed: &mut Vec<JobId>,
+    ) -> Option<(LaneId, JobId)> {
         let mut best: Option<(u32, QueueKey, LaneId, JobId)> = None;
         for cid in &self.pools[pi].classes {
             if skip.contains(cid) {
                 continue;
             }
             let c = &self.classes[cid.0];
-            if let Some((key, id)) = c.queue.front() {
+            if let Some((key, id)) = self.lane_next(now, PoolId(pi), *cid, passed) {
                 match best {
                     Some((p, k, _, _)) if p > c.priority || (p == c.priority && k <= key) => {}
                     _ => best = Some((c.priority, key, *cid, id)),
@@ -102,6 +117,47 @@ impl Gate {
             }
         }
         best.map(|(_, _, lane, id)| (lane, id))
+    }
+
+    /// A lane's next job on its pool: its front or, with tenants told apart, the first of
+    /// the next [`SHARE_SCAN`] the tenant headroom does not hold (see `fairness`); past
+    /// them, the front.
+    fn lane_next(
+        &self,
+        now: Millis,
+        pool: PoolId,
+        lane: LaneId,
+        passed: &mut Vec<JobId>,
+    ) -> Option<(QueueKey, JobId)> {
+        let q = &self.classes[lane.0].queue;
+        let front = q.front()?;
+        if !self.fairness_on() {
+            return Some(front);
+        }
+        let before = passed.len();
+        // The jobs passed over, by tenant: a tenant's later job waits for its earlier ones.
+        let mut tenants = [(u32::MAX, 0u64); super::fairness::SHARE_SCAN];
+        for (n, (key, id)) in q.iter().take(super::fairness::SHARE_SCAN).enumerate() {
+            let Some(j) = self.jobs.get(&id) else {
+                return Some((key, id));
+            };
+            let slot = j.tenant_slot.unwrap_or(u32::MAX);
+            let ahead: u64 = tenants[..n]
+                .iter()
+                .filter(|t| t.0 == slot)
+                .map(|t| t.1)
+                .sum();
+            if !self.held_for_share(now, pool, j, ahead) {
+                return Some((key, id));
+            }
+            tenants[n] = (slot, j.est.service_ms);
+            passed.push(id);
+        }
+        if passed.len() - before < super::fairness::SHARE_SCAN {
+            return None; // every job of the lane held
+        }
+        passed.truncate(before);
+        Some(front)
     }
 
     /// Teach the job's class how late it starts against its promise (a job dropped now
@@ -163,8 +219,13 @@ impl Gate {
                 est: est.service_ms,
                 endpoint,
                 lane: job.class,
+                tenant: job.tenant_slot,
             },
         );
+        if let Some(slot) = job.tenant_slot {
+            self.classes[job.class.0].tenants.started(slot);
+        }
+        let pool = &mut self.pools[pool_id.0];
         if let Some(e) = pool.endpoints.get_mut(endpoint) {
             e.in_flight += 1;
         }
@@ -308,6 +369,11 @@ impl Gate {
         let mut count = 0usize;
         let mut filler = WaterFiller::new(&r[..filled]);
         let mut doomed: Vec<(JobId, u64)> = Vec::new();
+        // With tenants told apart, a job the tenant headroom holds starts on a slot of its
+        // tenant's share, whatever the other tenants' held jobs ahead of it do: its wait is
+        // at most that (its tenant's work queued ahead of it summed here).
+        let fair = self.fairness_on();
+        let mut ahead: std::collections::HashMap<(usize, u32), u64> = Default::default();
         let classes = &pool.classes;
         let mut i = 0;
         while i < classes.len() {
@@ -323,11 +389,19 @@ impl Gate {
                 let Some(job) = self.jobs.get(&id) else {
                     continue;
                 };
-                let wait = if count < free || filled == 0 {
+                let mut wait = if count < free || filled == 0 {
                     0
                 } else {
                     filler.level(work)
                 };
+                if let (true, Some(slot)) = (fair && wait > 0, job.tenant_slot) {
+                    let n = ahead.entry((job.class.0, slot)).or_insert(0);
+                    let st = self.classes[job.class.0].tenants.standing(slot);
+                    if let Some(own) = self.share_hold_wait(now, PoolId(pi), job.class, st, *n) {
+                        wait = wait.min(own);
+                    }
+                    *n = n.saturating_add(job.est.service_ms);
+                }
                 if !job.protected && job.slack_after(now, wait).is_some_and(|s| s < 0) {
                     doomed.push((id, wait));
                 } else {

@@ -608,6 +608,10 @@ impl Gate {
         let Some(run) = p.in_flight.remove(&id) else {
             return false;
         };
+        if let Some(slot) = run.tenant {
+            self.classes[run.lane.0].tenants.finished(slot);
+        }
+        let p = &mut self.pools[pool.0];
         p.context_now = if p.in_flight.is_empty() {
             0.0
         } else {

@@ -1,9 +1,43 @@
-//! The gate's side of `[fairness]`: which bucket a request counts in on a lane, and the wait
-//! its tenant's share projects for the tenant's queued work. The decision itself (refuse,
-//! no displacement) is the admission pipeline's `share_verdict`; the buckets are
-//! [`super::tenants`].
+//! The gate's side of `[fairness]`: which bucket a request counts in on a lane, the wait its
+//! tenant's share projects for the tenant's queued work, and the tenant headroom at dispatch.
+//! The decision itself (refuse, no displacement) is the admission pipeline's `share_verdict`;
+//! the buckets are [`super::tenants`].
 
+use super::tenants::Standing;
 use super::*;
+
+/// The tenant headroom's margin over the other tenants' forecast busy slots, in units of its
+/// square root (as the class headroom's).
+const SHARE_SPREAD: f64 = 0.5;
+
+/// Jobs of one lane dispatch looks past for one the tenant headroom does not hold; beyond
+/// them the lane's front goes (every admission behind it counted on that order anyway).
+pub(super) const SHARE_SCAN: usize = 32;
+
+/// Ends of a tenant's running jobs ranked at most this deep; deeper, the latest is used.
+const RANK_DEPTH: usize = 64;
+
+/// The most slots kept for tenants whose running jobs number `N ~ Poisson(m)` (an M/G/inf
+/// view of their arrivals) whose expected idle, `E[(k - N)+]`, is at most `budget` slots.
+pub(super) fn affordable_keep(m: f64, budget: f64) -> u32 {
+    if !(m.is_finite() && m > 0.0 && budget > 0.0) {
+        return 0;
+    }
+    // P(N = n), summed as k grows: E[(k+1 - N)+] = E[(k - N)+] + P(N <= k).
+    let (mut p, mut cdf, mut idle) = ((-m).exp(), 0.0, 0.0);
+    let mut k = 0u32;
+    while k < 1024 {
+        cdf += p;
+        let next = idle + cdf;
+        if next > budget {
+            break;
+        }
+        idle = next;
+        k += 1;
+        p *= m / f64::from(k);
+    }
+    k
+}
 
 impl Gate {
     /// Tenants are told apart: some are weighted, or unlisted ids get buckets of their own
@@ -45,7 +79,30 @@ impl Gate {
         st: super::tenants::Standing,
     ) -> Option<(u64, i64)> {
         let slack = e.padded_slack?;
-        if st.share >= 1.0 || st.queued_work == 0 {
+        if st.share >= 1.0 {
+            return None;
+        }
+        // Where the tenant headroom may hold it, it starts on a slot of its own share behind
+        // its tenant's queued work (if no more are free now than the headroom keeps), and
+        // the hold lets it go with its margin in hand (see `hold_margin`).
+        // Free slots enough for its queued jobs and this one beyond the headroom: it starts
+        // now, whatever the hold would do later.
+        let target = self.tenant_keep_target(now, e.pool, lane, st).0;
+        let free = self.pools[e.pool.0].free_now_seen(now, super::endpoints::Neighbours::Ignored);
+        let starts_now = free > target.saturating_add(st.queued);
+        let (own, margin) = if target > 0 && !starts_now {
+            (
+                self.own_slot_wait(now, e.pool, lane, st, st.queued_work),
+                // Twice the hold's: its estimate of the own slots drifts as jobs run and
+                // end, and a job admitted at the edge would be let go at once.
+                self.hold_margin(now, e.pool)
+                    .saturating_mul(2)
+                    .saturating_sub(self.pools[e.pool.0].promise_guard_ms),
+            )
+        } else {
+            (0, 0)
+        };
+        if st.queued_work == 0 && own == 0 && margin == 0 {
             return None;
         }
         let l = &self.classes[lane.0];
@@ -63,7 +120,181 @@ impl Gate {
         let slots = f64::from(p.slots.max(1));
         let rate = st.share * slots * (1.0 - rho);
         let running = p.in_flight_remaining(now) as f64 / slots;
-        let wait = (st.queued_work as f64 / rate + running).ceil().min(1e15) as u64;
-        Some((wait.saturating_add(p.promise_guard_ms), slack))
+        let wait = (st.queued_work as f64 / rate + running)
+            .max(own as f64)
+            .ceil()
+            .min(1e15) as u64;
+        Some((
+            wait.saturating_add(margin)
+                .saturating_add(p.promise_guard_ms),
+            slack,
+        ))
+    }
+
+    /// The tenant headroom for `st` on `pool`, and how many slots the light tenants it is
+    /// kept for already hold (their reserve in use): slots the other tenants of `lane` are
+    /// forecast to need, when `st` already runs its share of the slots (its weight's share,
+    /// rounded up); while no more than that less theirs are free, its next job waits for a
+    /// slot of its own share. The forecast is the light tenants' admitted work per ms (busy
+    /// slots `m`, at most their share) plus half of `sqrt(m)` for the spread of concurrent
+    /// arrivals, rounded, at most what `headroom_max_idle` affords to leave idle
+    /// ([`affordable_keep`]), and never so many that `st` cannot run its share. `(0, _)`:
+    /// it may take any free slot.
+    fn tenant_keep_target(
+        &self,
+        now: Millis,
+        pool: PoolId,
+        lane: LaneId,
+        st: Standing,
+    ) -> (u32, u32) {
+        let max_idle = self.cfg.fairness.headroom_max_idle;
+        if st.share >= 1.0 || max_idle <= 0.0 || self.cfg.admit_always || self.cfg.shadow {
+            return (0, 0);
+        }
+        let slots = self.pools[pool.0].slots;
+        let own = ((st.share * f64::from(slots)).ceil() as u32).max(1);
+        if st.running < own {
+            return (0, 0);
+        }
+        let book = &self.classes[lane.0].tenants;
+        // The headroom is for the tenants that are not flooding too: a tenant with work
+        // queued that already runs its share is held itself, and keeping slots for it would
+        // only idle them (and set two floods racing for the same slot). Their rates leave
+        // the forecast; the others' running jobs are their reserve in use.
+        let mut m = book.others_rate(now, st.slot);
+        let mut light_running = 0u32;
+        let mut seen = [u32::MAX; RANK_DEPTH];
+        let mut n_seen = 0;
+        for r in self.pools[pool.0].in_flight.values() {
+            let Some(y) = r.tenant.filter(|&y| r.lane == lane && y != st.slot) else {
+                continue;
+            };
+            if seen[..n_seen].contains(&y) {
+                continue;
+            }
+            if n_seen == RANK_DEPTH {
+                break; // the rest counted as light: more kept, never less
+            }
+            seen[n_seen] = y;
+            n_seen += 1;
+            let other = book.standing(y);
+            let own_y = ((other.share * f64::from(slots)).ceil() as u32).max(1);
+            if other.queued_work > 0 && other.running >= own_y {
+                m -= book.rate(now, y);
+            } else {
+                light_running += other.running;
+            }
+        }
+        let m = m.clamp(0.0, (1.0 - st.share) * f64::from(slots));
+        let keep = ((m + SHARE_SPREAD * m.sqrt()).round().max(0.0) as u32)
+            .min(slots.saturating_sub(own))
+            .min(affordable_keep(m, max_idle * f64::from(slots)));
+        (keep, light_running)
+    }
+
+    /// How long a job of tenant `st` would wait for the tenant headroom to let it start on
+    /// `pool` now: `None` when it would not be held (fewer free slots than the headroom keeps
+    /// would hold it); otherwise [`Gate::own_slot_wait`].
+    pub(super) fn share_hold_wait(
+        &self,
+        now: Millis,
+        pool: PoolId,
+        lane: LaneId,
+        st: Standing,
+        ahead_work: u64,
+    ) -> Option<u64> {
+        let (target, light_running) = self.tenant_keep_target(now, pool, lane, st);
+        let keep = target.saturating_sub(light_running);
+        let p = &self.pools[pool.0];
+        if keep == 0 || p.free_now_seen(now, super::endpoints::Neighbours::Ignored) > keep {
+            return None;
+        }
+        Some(self.own_slot_wait(now, pool, lane, st, ahead_work))
+    }
+
+    /// When tenant `st`'s own slots on `pool` (its share of them, rounded up) have taken
+    /// `ahead_work` of its queued work (by the estimates): those slots free up as its running
+    /// jobs on `lane` end, past the ones it runs beyond its share.
+    pub(super) fn own_slot_wait(
+        &self,
+        now: Millis,
+        pool: PoolId,
+        lane: LaneId,
+        st: Standing,
+        ahead_work: u64,
+    ) -> u64 {
+        let p = &self.pools[pool.0];
+        // Its share of the slots, rounded up (beyond them it runs only on spare slots, which
+        // another flooding tenant may take first).
+        let own = ((st.share * f64::from(p.slots)).ceil() as u32).max(1) as usize;
+        let mut ends = [0u64; RANK_DEPTH];
+        let mut n = 0;
+        let mut latest = 0u64;
+        for r in p.in_flight.values() {
+            if r.lane != lane || r.tenant != Some(st.slot) {
+                continue;
+            }
+            let left = super::projection::remaining(now, r.started, r.est);
+            latest = latest.max(left);
+            if n < RANK_DEPTH {
+                ends[n] = left;
+                n += 1;
+            }
+        }
+        if n < st.running as usize {
+            // More of its jobs run than are ranked: the latest end stands for each of them.
+            return latest.saturating_add(ahead_work / own as u64);
+        }
+        let ends = &mut ends[..n];
+        ends.sort_unstable();
+        // Its slots once it is back within its share: the last `own` of the ends (and, while
+        // it runs fewer, free ones now).
+        let mut slots = [0u64; RANK_DEPTH];
+        let k = own.min(RANK_DEPTH);
+        let from = n.saturating_sub(k);
+        let ranked = n - from;
+        slots[k - ranked..k].copy_from_slice(&ends[from..]);
+        super::projection::water_fill(&slots[..k], ahead_work)
+    }
+
+    /// What a held job keeps in hand when the hold lets it go: two promise guards (one for
+    /// the promise, one for the tick that notices), and twice the mean gap between the
+    /// pool's slot ends (its running jobs' remaining time over their count, squared), for a
+    /// slot that goes to an earlier deadline let go at the same moment. Admission counts it
+    /// too, so a tenant's backlog, packed to its share, can be held.
+    pub(super) fn hold_margin(&self, now: Millis, pool: PoolId) -> u64 {
+        let p = &self.pools[pool.0];
+        let n = p.in_flight.len().max(1) as u64;
+        let gap = p.in_flight_remaining(now) / n.saturating_mul(n);
+        p.promise_guard_ms
+            .saturating_mul(2)
+            .saturating_add(gap.saturating_mul(2))
+    }
+
+    /// A queued job is held by the tenant headroom on `pool`: its tenant runs its share of
+    /// the slots, starting it would leave fewer free than the others' forecast needs, and it
+    /// can still wait for a slot of its own share (after `ahead_work` of its tenant's jobs
+    /// passed over before it) and keep its deadline with two promise guards in hand: one for the
+    /// promise, one for the tick that lets it go. Work under `admit_always` or `shadow`,
+    /// protected work and reservations are never held.
+    pub(super) fn held_for_share(
+        &self,
+        now: Millis,
+        pool: PoolId,
+        job: &Job,
+        ahead_work: u64,
+    ) -> bool {
+        let Some(slot) = job.tenant_slot else {
+            return false;
+        };
+        if job.protected || job.reservation || !self.fairness_on() {
+            return false;
+        }
+        let st = self.classes[job.class.0].tenants.standing(slot);
+        let Some(wait) = self.share_hold_wait(now, pool, job.class, st, ahead_work) else {
+            return false;
+        };
+        let wait = wait.saturating_add(self.hold_margin(now, pool));
+        job.slack_after(now, wait).is_none_or(|s| s >= 0)
     }
 }

@@ -240,6 +240,11 @@ impl Gate {
                     ms as f64
                 };
             }
+            if let Some(slot) = run.tenant {
+                if let Some(l) = self.classes.get_mut(run.lane.0) {
+                    l.tenants.finished(slot);
+                }
+            }
             self.leave_endpoint(now, pool, run, served);
         }
         let hold = self.settle_hold(now, &job, settle);

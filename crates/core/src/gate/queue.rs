@@ -73,6 +73,11 @@ impl ClassQueue {
         self.order.first_key_value().map(|(k, v)| (*k, *v))
     }
 
+    /// The queue in dispatch order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (QueueKey, JobId)> + '_ {
+        self.order.iter().map(|(k, v)| (*k, *v))
+    }
+
     pub(crate) fn oldest_enqueued_at(&self) -> Option<Millis> {
         self.by_age.first().map(|(t, _)| *t)
     }

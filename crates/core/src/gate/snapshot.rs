@@ -45,6 +45,9 @@ pub struct ClassSnapshot {
     /// `[fairness]`: the [`TENANTS_SHOWN`] tenants with the most work queued (then the most
     /// admitted), with their shares.
     pub tenants: Vec<TenantStats>,
+    /// `[fairness]`: the tracked tenants beyond those listed, summed (shares, queued work and
+    /// counts; `tenant` is empty, `weight` summed too); `None` when every one is listed.
+    pub tenants_rest: Option<TenantStats>,
 }
 
 /// Tenants listed per class in a snapshot: the state is bounded, and so is what is shown.
@@ -192,6 +195,7 @@ impl Gate {
             probes: home.probes,
             tenants_tracked: c.tenants.len() as u32,
             tenants: c.tenants.stats(TENANTS_SHOWN),
+            tenants_rest: c.tenants.rest(TENANTS_SHOWN),
         }
     }
 

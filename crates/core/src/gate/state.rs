@@ -287,6 +287,9 @@ pub(super) struct Running {
     pub(super) endpoint: usize,
     /// Its lane: the headroom counts the slots urgent classes already hold.
     pub(super) lane: LaneId,
+    /// Its tenant's bucket on the lane, when tenants are told apart (the tenant headroom
+    /// counts the slots each tenant holds).
+    pub(super) tenant: Option<u32>,
 }
 
 #[derive(Debug)]

@@ -10,6 +10,12 @@
 //! tenant shares keeps the others' waits (and promises) as if the flood were not there, while
 //! every slot stays busy (the queue itself is one line: nothing waits for a tenant's turn).
 //!
+//! A server does not preempt, so a tenant that fills idle slots with long requests would still
+//! make the others wait for a slot. Each bucket therefore also counts its running jobs and the
+//! recent rate of its admitted work: at dispatch a tenant that already runs its share of the
+//! slots does not take the last ones the other tenants' arrivals are forecast to need
+//! (`Gate::held_for_share`, tenant headroom); it keeps its share meanwhile.
+//!
 //! Counted in estimated server time, the same unit the wait is projected in (weighted tokens
 //! would price a long prompt and a long answer alike; server time is what the slots spend).
 //! The state is bounded: at most `fairness.max_tenants` buckets per lane, each forgotten once
@@ -24,17 +30,26 @@ use std::collections::{HashMap, VecDeque};
 /// to `active_ms` more).
 const LIST_GRAIN: u64 = 16;
 
+/// The rate of a tenant's admitted work decays with a time constant of `active_ms` over this,
+/// within [`RATE_TAU_MS`]: the forecast of its arrivals follows them within seconds.
+const RATE_TAU_DIV: u64 = 16;
+const RATE_TAU_MS: (u64, u64) = (500, 15_000);
+
+fn tau_of(active_ms: u64) -> u64 {
+    (active_ms / RATE_TAU_DIV).clamp(RATE_TAU_MS.0, RATE_TAU_MS.1)
+}
+
 /// One tenant's bucket on a lane: what an arrival reads and writes, in one cache line (its
 /// id, read only for the report, is kept apart).
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(align(64))]
 struct Bucket {
-    /// Its id's keyed hash: its key in the index.
-    key: u64,
     weight: f64,
     /// Estimated work of its queued jobs, and how many.
     queued_work: u64,
     last_seen: Millis,
+    /// When `rate` was last brought up to date.
+    rate_at: Millis,
     /// The time of its live entry in the expiry list ([`NOT_LISTED`]: none; older entries
     /// of it there are stale and skipped).
     listed_at: Millis,
@@ -42,6 +57,10 @@ struct Bucket {
     /// Admitted and refused on its share, for the per-tenant report.
     admitted: u32,
     refused: u32,
+    /// Its jobs running (dispatched from this lane, not ended).
+    running: u32,
+    /// Its admitted work per ms (estimated server time: busy slots), decayed to `rate_at`.
+    rate: f32,
     /// In use (a forgotten bucket waits in the free list).
     live: bool,
 }
@@ -67,6 +86,20 @@ pub(crate) struct TenantBook {
     /// from the front as they age past `active_ms`.
     seen: VecDeque<(Millis, u32)>,
     active_weight: f64,
+    /// The buckets' rates summed (decayed to `rate_at`; exponential decay keeps a sum exact).
+    rate_sum: f64,
+    rate_at: Millis,
+    /// The rates' time constant (`active_ms / RATE_TAU_DIV`), as the last call gave it.
+    tau_ms: u64,
+}
+
+/// `rate` as of `at`, decayed to `now` with time constant `tau` (0 once `tau` is 0).
+fn decayed(rate: f64, at: Millis, now: Millis, tau: u64) -> f64 {
+    if tau == 0 {
+        return 0.0;
+    }
+    let dt = now.saturating_sub(at) as f64;
+    rate * (-dt / tau as f64).exp()
 }
 
 /// A tenant's standing on a lane as a decision reads it.
@@ -78,6 +111,9 @@ pub(crate) struct Standing {
     pub(crate) share: f64,
     /// Estimated work it has queued on the lane.
     pub(crate) queued_work: u64,
+    /// Its jobs queued and running on the lane.
+    pub(crate) queued: u32,
+    pub(crate) running: u32,
 }
 
 /// A tenant's figures, for `/stats` and the report.
@@ -131,6 +167,7 @@ impl TenantBook {
     /// `now`. A tenant with queued work is kept; it is listed again when its queue empties.
     /// Amortised O(1) per arrival.
     pub(crate) fn expire(&mut self, now: Millis, active_ms: u64) {
+        self.tau_ms = tau_of(active_ms);
         while let Some(&(at, slot)) = self.seen.front() {
             if now.saturating_sub(at) < active_ms {
                 break;
@@ -143,8 +180,8 @@ impl TenantBook {
                 continue; // stale: a later entry of it is further back
             }
             b.listed_at = NOT_LISTED;
-            if b.queued > 0 {
-                continue; // listed again when its queue empties
+            if b.queued > 0 || b.running > 0 {
+                continue; // listed again when its queue empties and its jobs end
             }
             if now.saturating_sub(b.last_seen) >= active_ms {
                 self.forget(slot);
@@ -158,11 +195,17 @@ impl TenantBook {
     }
 
     fn forget(&mut self, slot: u32) {
+        let tau = self.tau_ms;
+        // Its key in the index, from its id (the bucket keeps no copy: a forget is rare).
+        let key = self.key(self.ids.get(slot as usize).map_or("", |id| &**id));
         if let Some(b) = self.bucket_mut(slot) {
             b.live = false;
-            let (key, weight) = (b.key, b.weight);
+            let weight = b.weight;
+            let (rate, at) = (f64::from(b.rate), b.rate_at);
             self.index.remove(&key);
             self.active_weight = (self.active_weight - weight).max(0.0);
+            let gone = decayed(rate, at, self.rate_at, tau);
+            self.rate_sum = (self.rate_sum - gone).max(0.0);
             if let Some(id) = self.ids.get_mut(slot as usize) {
                 *id = Box::from("");
             }
@@ -171,6 +214,7 @@ impl TenantBook {
         if self.index.is_empty() {
             // No rounding left behind by a long run of adds and subtracts.
             self.active_weight = 0.0;
+            self.rate_sum = 0.0;
         }
     }
 
@@ -191,6 +235,7 @@ impl TenantBook {
         weight: f64,
         active_ms: u64,
     ) -> Standing {
+        self.tau_ms = tau_of(active_ms);
         let key = self.key(id);
         let slot = match self.index.get(&key) {
             Some(&s) => s,
@@ -213,7 +258,6 @@ impl TenantBook {
 
     fn open(&mut self, id: &str, key: u64, weight: f64) -> u32 {
         let b = Bucket {
-            key,
             weight,
             listed_at: NOT_LISTED,
             live: true,
@@ -237,9 +281,10 @@ impl TenantBook {
     }
 
     pub(crate) fn standing(&self, slot: u32) -> Standing {
-        let (weight, queued_work) = self
-            .bucket(slot)
-            .map_or((0.0, 0), |b| (b.weight, b.queued_work));
+        let (weight, queued_work, queued, running) =
+            self.bucket(slot).map_or((0.0, 0, 0, 0), |b| {
+                (b.weight, b.queued_work, b.queued, b.running)
+            });
         let share = if self.active_weight > 0.0 {
             (weight / self.active_weight).clamp(f64::MIN_POSITIVE, 1.0)
         } else {
@@ -249,6 +294,8 @@ impl TenantBook {
             slot,
             share,
             queued_work,
+            queued,
+            running,
         }
     }
 
@@ -264,13 +311,61 @@ impl TenantBook {
         self.active_weight = total;
     }
 
-    /// An admitted job of the bucket joins the lane's queue.
-    pub(crate) fn queued(&mut self, slot: u32, work: u64) {
-        if let Some(b) = self.bucket_mut(slot) {
-            b.queued += 1;
-            b.queued_work = b.queued_work.saturating_add(work);
-            b.admitted = b.admitted.saturating_add(1);
+    /// An admitted job of the bucket joins the lane's queue at `now`: its work counts in the
+    /// backlog and in the bucket's rate.
+    pub(crate) fn queued(&mut self, now: Millis, slot: u32, work: u64) {
+        let tau = self.tau_ms;
+        let now = now.max(self.rate_at);
+        let add = if tau == 0 {
+            0.0
+        } else {
+            work as f64 / tau as f64
+        };
+        // The buckets alone borrowed: the lane's sums are updated beside them.
+        let Some(b) = self.buckets.get_mut(slot as usize).filter(|b| b.live) else {
+            return;
+        };
+        b.queued += 1;
+        b.queued_work = b.queued_work.saturating_add(work);
+        b.admitted = b.admitted.saturating_add(1);
+        b.rate = (decayed(f64::from(b.rate), b.rate_at, now, tau) + add) as f32;
+        b.rate_at = now;
+        self.rate_sum = decayed(self.rate_sum, self.rate_at, now, tau) + add;
+        self.rate_at = now;
+    }
+
+    /// A job of the bucket started on a slot.
+    pub(crate) fn started(&mut self, slot: u32) {
+        if let Some(b) = self.buckets.get_mut(slot as usize).filter(|b| b.live) {
+            b.running = b.running.saturating_add(1);
         }
+    }
+
+    /// A job of the bucket left its slot (ended, or put back in the queue). With nothing
+    /// queued or running it leaves the share at the next expiry after its last arrival.
+    pub(crate) fn finished(&mut self, slot: u32) {
+        let Some(b) = self.buckets.get_mut(slot as usize).filter(|b| b.live) else {
+            return;
+        };
+        b.running = b.running.saturating_sub(1);
+        if b.queued == 0 && b.running == 0 && b.listed_at == NOT_LISTED {
+            b.listed_at = b.last_seen;
+            self.seen.push_back((b.last_seen, slot));
+        }
+    }
+
+    /// The other tenants' admitted work per ms at `now` (their forecast busy slots): the
+    /// lane's rate less the bucket's own.
+    pub(crate) fn others_rate(&self, now: Millis, slot: u32) -> f64 {
+        let all = decayed(self.rate_sum, self.rate_at, now, self.tau_ms);
+        (all - self.rate(now, slot)).max(0.0)
+    }
+
+    /// The bucket's admitted work per ms at `now`.
+    pub(crate) fn rate(&self, now: Millis, slot: u32) -> f64 {
+        self.bucket(slot).map_or(0.0, |b| {
+            decayed(f64::from(b.rate), b.rate_at, now, self.tau_ms)
+        })
     }
 
     /// A job of the bucket left the queue (dispatched, dropped, cancelled). With its queue
@@ -280,7 +375,7 @@ impl TenantBook {
         if let Some(b) = self.bucket_mut(slot) {
             b.queued = b.queued.saturating_sub(1);
             b.queued_work = b.queued_work.saturating_sub(work);
-            if b.queued == 0 && b.listed_at == NOT_LISTED {
+            if b.queued == 0 && b.running == 0 && b.listed_at == NOT_LISTED {
                 // Expiry passed it over while it had work queued: list it again.
                 b.listed_at = b.last_seen;
                 emptied = Some(b.last_seen);
@@ -299,6 +394,57 @@ impl TenantBook {
 
     /// Every tracked tenant's figures, heaviest backlog first, at most `top` of them.
     pub(crate) fn stats(&self, top: usize) -> Vec<TenantStats> {
+        let (live, _) = self.ranked(top);
+        live.into_iter()
+            .filter_map(|slot| {
+                let b = self.bucket(slot)?;
+                Some(TenantStats {
+                    tenant: self
+                        .ids
+                        .get(slot as usize)
+                        .map_or_else(String::new, |s| s.to_string()),
+                    weight: b.weight,
+                    share: self.standing(slot).share,
+                    queued: b.queued,
+                    queued_work_ms: b.queued_work,
+                    admitted: u64::from(b.admitted),
+                    refused_share: u64::from(b.refused),
+                })
+            })
+            .collect()
+    }
+
+    /// The tracked tenants past the `top` of [`TenantBook::stats`], summed into one row (an
+    /// empty `tenant`); `None` when there are none.
+    pub(crate) fn rest(&self, top: usize) -> Option<TenantStats> {
+        if self.len() <= top {
+            return None;
+        }
+        let (_, rest) = self.ranked(top);
+        let mut sum = TenantStats {
+            tenant: String::new(),
+            weight: 0.0,
+            share: 0.0,
+            queued: 0,
+            queued_work_ms: 0,
+            admitted: 0,
+            refused_share: 0,
+        };
+        for slot in rest {
+            let Some(b) = self.bucket(slot) else { continue };
+            sum.weight += b.weight;
+            sum.share += self.standing(slot).share;
+            sum.queued = sum.queued.saturating_add(b.queued);
+            sum.queued_work_ms = sum.queued_work_ms.saturating_add(b.queued_work);
+            sum.admitted = sum.admitted.saturating_add(u64::from(b.admitted));
+            sum.refused_share = sum.refused_share.saturating_add(u64::from(b.refused));
+        }
+        Some(sum)
+    }
+
+    /// The live buckets split into the `top` (heaviest backlog first, then most admitted, in
+    /// order) and the rest (unordered).
+    fn ranked(&self, top: usize) -> (Vec<u32>, Vec<u32>) {
         // Snapshots are taken under the gate's lock: pick the few without building a row
         // (or copying an id) for every tracked tenant. O(tenants) to select, O(top log top)
         // to order.
@@ -318,31 +464,21 @@ impl TenantBook {
         if live.len() > top && top > 0 {
             live.select_nth_unstable_by(top - 1, |a, b| key(a).cmp(&key(b)));
         }
-        live.truncate(top);
+        let rest = live.split_off(top.min(live.len()));
         live.sort_by(|a, b| key(a).cmp(&key(b)));
-        live.into_iter()
-            .filter_map(|slot| {
-                let b = self.bucket(slot)?;
-                Some(TenantStats {
-                    tenant: self
-                        .ids
-                        .get(slot as usize)
-                        .map_or_else(String::new, |s| s.to_string()),
-                    weight: b.weight,
-                    share: self.standing(slot).share,
-                    queued: b.queued,
-                    queued_work_ms: b.queued_work,
-                    admitted: u64::from(b.admitted),
-                    refused_share: u64::from(b.refused),
-                })
-            })
-            .collect()
+        (live, rest)
     }
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bucket_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Bucket>(), 64);
+    }
 
     #[test]
     fn shares_split_by_weight_among_the_active_and_go_to_the_others_when_idle() {
@@ -365,7 +501,7 @@ mod tests {
     fn a_tenant_with_work_queued_stays_until_its_queue_empties() {
         let mut t = TenantBook::default();
         let a = t.arrive(0, "a", 1.0, 1000);
-        t.queued(a.slot, 500);
+        t.queued(0, a.slot, 500);
         t.arrive(0, "b", 1.0, 1000);
         t.expire(5000, 1000);
         assert!(t.contains("a"), "a has work queued");
@@ -386,10 +522,16 @@ mod tests {
         let mut t = TenantBook::default();
         for i in 0..100u64 {
             let s = t.arrive(i, &format!("t{i}"), 1.0, 1000);
-            t.queued(s.slot, i);
+            t.queued(i, s.slot, i);
         }
         assert_eq!(t.stats(5).len(), 5);
         assert_eq!(t.stats(5)[0].tenant, "t99", "heaviest backlog first");
+        // The other 95 summed: backlogs 0..=94, every one of them admitted once.
+        let rest = t.rest(5).unwrap();
+        assert_eq!(rest.queued_work_ms, (0..95).sum::<u64>());
+        assert_eq!((rest.queued, rest.admitted), (95, 95));
+        assert!((rest.share - 0.95).abs() < 1e-9, "{}", rest.share);
+        assert_eq!(t.rest(100), None, "every tenant listed");
         for i in 0..100u32 {
             t.unqueued(i, u64::from(i));
         }

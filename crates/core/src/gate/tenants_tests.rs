@@ -4,6 +4,7 @@
 use super::tests::{cfg, drain, req};
 use super::*;
 use crate::config::Unlisted;
+use std::collections::HashMap;
 
 /// Two slots, every job 1000 ms, `prod` with a 4000 ms deadline: a newcomer's slack is
 /// 3000 ms. Tenants `a` and `b` weigh 1 each.
@@ -228,4 +229,196 @@ fn a_tenant_cannot_widen_its_share_by_asking_for_a_longer_deadline() {
         .all(|d| d.reason == Reason::TenantShareExceeded));
     drain(&mut g, 30);
     assert!(offer_as(&mut g, 100, "b").admitted(), "b keeps its slack");
+}
+
+/// What became of one request in [`run`].
+#[derive(Debug)]
+struct Ran {
+    tenant: &'static str,
+    at: Millis,
+    admitted: bool,
+    started: Option<Millis>,
+    done: Option<Millis>,
+}
+
+/// Drive the gate through `arrivals` (time, tenant) in 10 ms steps until `until`: every job
+/// runs exactly 1000 ms (the estimate), and the most jobs of tenant `a` running at once
+/// while `b` runs none is recorded.
+fn run(c: GateConfig, arrivals: &[(Millis, &'static str)], until: Millis) -> (Vec<Ran>, u32) {
+    let mut g = Gate::new(c).unwrap();
+    let mut ran: Vec<Ran> = Vec::new();
+    let mut by_job: HashMap<JobId, usize> = HashMap::new();
+    let mut next = 0;
+    let mut a_alone_max = 0u32;
+    let mut now = 0;
+    while now <= until {
+        let finished: Vec<JobId> = by_job
+            .iter()
+            .filter(|(_, &i)| {
+                ran[i].started.is_some_and(|s| s + 1000 <= now) && ran[i].done.is_none()
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in finished {
+            g.on_complete(
+                now,
+                id,
+                Completion {
+                    ok: true,
+                    ..Completion::default()
+                },
+            );
+            ran[by_job[&id]].done = Some(now);
+        }
+        while next < arrivals.len() && arrivals[next].0 <= now {
+            let (at, tenant) = arrivals[next];
+            let d = offer_as(&mut g, now, tenant);
+            if d.admitted() {
+                by_job.insert(d.job_id, ran.len());
+            }
+            ran.push(Ran {
+                tenant,
+                at,
+                admitted: d.admitted(),
+                started: None,
+                done: None,
+            });
+            next += 1;
+        }
+        g.tick(now);
+        for ev in drain(&mut g, now) {
+            if let Event::Dispatch { job_id, .. } = ev {
+                if let Some(&i) = by_job.get(&job_id) {
+                    ran[i].started = Some(now);
+                }
+            }
+        }
+        let running = |t: &str| {
+            ran.iter()
+                .filter(|r| r.tenant == t && r.started.is_some() && r.done.is_none())
+                .count() as u32
+        };
+        if running("b") == 0 {
+            a_alone_max = a_alone_max.max(running("a"));
+        }
+        now += 10;
+    }
+    (ran, a_alone_max)
+}
+
+/// Four slots, jobs of 1000 ms, `prod`'s deadline 4000 ms; `a` and `b` weigh 1 each. `b`
+/// sends one request every 2 s all along (half a slot busy on average); `a` floods from
+/// 5 s to 25 s at ten requests a second (2.5 times the pool).
+fn headroom_run(headroom: bool) -> (Vec<Ran>, u32) {
+    let mut c = fair_cfg();
+    c.pools[0].slots = 4;
+    // The mechanism at its fullest: every slot b's forecast asks for (the default's idle
+    // cap would keep none for so light a tenant on 4 slots; see the next test).
+    c.fairness.headroom_max_idle = if headroom { 1.0 } else { 0.0 };
+    let mut arrivals: Vec<(Millis, &'static str)> =
+        (0..15).map(|i| (i * 2000 + 500, "b")).collect();
+    arrivals.extend((0..200).map(|i| (5000 + i * 100, "a")));
+    arrivals.sort();
+    run(c, &arrivals, 32_000)
+}
+
+#[test]
+fn a_flooding_tenant_leaves_the_slots_the_others_arrivals_need() {
+    // Fully work-conserving, the flood takes every slot the moment one frees: b's requests
+    // during the flood wait for one of a's jobs to end.
+    let (plain, a_max) = headroom_run(false);
+    assert_eq!(a_max, 4, "a fills every slot");
+    let waited = |ran: &[Ran]| {
+        ran.iter()
+            .filter(|r| r.tenant == "b" && (6000..25_000).contains(&r.at))
+            .map(|r| r.started.map_or(u64::MAX, |s| s - r.at))
+            .max()
+            .unwrap()
+    };
+    assert!(
+        waited(&plain) >= 100,
+        "b waited {} ms for a slot",
+        waited(&plain)
+    );
+
+    // With the tenant headroom a runs its share (2 slots) and the spare slot beyond b's
+    // forecast; the last one it takes only for a job whose deadline cannot wait for one of
+    // its own: b's requests start the moment they arrive.
+    let (fair, _) = headroom_run(true);
+    assert_eq!(waited(&fair), 0);
+    // Every admitted request, of either tenant, starts and ends by its deadline.
+    for r in fair.iter().filter(|r| r.admitted) {
+        let done = r.done.unwrap_or(u64::MAX);
+        assert!(done <= r.at + 4000, "{r:?}");
+    }
+    // Held jobs keep their promise, and a still gets its share and more.
+    let served = |ran: &[Ran], t: &str| {
+        ran.iter()
+            .filter(|r| r.tenant == t && r.done.is_some())
+            .count()
+    };
+    assert_eq!(served(&fair, "b"), 15);
+    assert!(
+        served(&fair, "a") * 100 >= served(&plain, "a") * 70,
+        "{} vs {}",
+        served(&fair, "a"),
+        served(&plain, "a")
+    );
+}
+
+#[test]
+fn with_the_others_gone_quiet_a_tenant_takes_every_slot_again() {
+    // b sends its last request at 4.5 s; a floods from 5 s on. b's forecast decays (and b
+    // is forgotten after active_ms): the headroom goes, and a fills the pool.
+    let mut c = fair_cfg();
+    c.pools[0].slots = 4;
+    c.fairness.active_ms = 8000;
+    let mut arrivals: Vec<(Millis, &'static str)> = (0..3).map(|i| (i * 2000 + 500, "b")).collect();
+    arrivals.extend((0..300).map(|i| (5000 + i * 100, "a")));
+    let (ran, _) = run(c, &arrivals, 36_000);
+    let busy_at = |t: Millis| {
+        ran.iter()
+            .filter(|r| r.started.is_some_and(|s| s <= t) && r.done.is_none_or(|d| d > t))
+            .count()
+    };
+    assert_eq!(
+        busy_at(30_000),
+        4,
+        "work-conserving once the others are idle"
+    );
+}
+
+#[test]
+fn the_headroom_keeps_only_the_slots_it_can_afford_to_leave_idle() {
+    use super::fairness::affordable_keep;
+    // The others' running jobs ~ Poisson(m). One kept slot idles with P(N = 0) = e^-m.
+    assert_eq!(affordable_keep(0.8, 0.2), 0, "e^-0.8 = 0.45 > 0.2");
+    assert_eq!(affordable_keep(0.8, 0.5), 1);
+    // Two kept slots idle 2 P(0) + P(1) = 0.54 at m = 2; three 0.54 + P(N <= 2) = 1.22.
+    assert_eq!(affordable_keep(2.0, 0.4), 1);
+    assert_eq!(affordable_keep(2.0, 0.6), 2);
+    assert_eq!(affordable_keep(2.0, 1.3), 3);
+    assert_eq!(affordable_keep(0.0, 1.0), 0, "no demand, nothing kept");
+    assert_eq!(affordable_keep(f64::NAN, 1.0), 0);
+    assert_eq!(affordable_keep(3.0, 0.0), 0, "no budget, nothing kept");
+    assert!(affordable_keep(1e9, 1e9) <= 1024, "bounded work");
+
+    // The default (5% of the pool idle at most) keeps no slot on 4 slots for a tenant
+    // with half a slot busy on average: the flood takes every slot, as work-conserving.
+    let mut c = fair_cfg();
+    c.pools[0].slots = 4;
+    assert_eq!(c.fairness.headroom_max_idle, 0.05);
+    let mut arrivals: Vec<(Millis, &'static str)> =
+        (0..15).map(|i| (i * 2000 + 500, "b")).collect();
+    arrivals.extend((0..200).map(|i| (5000 + i * 100, "a")));
+    arrivals.sort();
+    let (_, a_max) = run(c.clone(), &arrivals, 32_000);
+    assert_eq!(a_max, 4);
+    // On 32 slots the same 5% is 1.6 slots of idle: a slot is kept for b there.
+    c.pools[0].slots = 32;
+    let mut heavy: Vec<(Millis, &'static str)> = (0..60).map(|i| (i * 500 + 250, "b")).collect();
+    heavy.extend((0..1500).map(|i| (5000 + i * 15, "a")));
+    heavy.sort();
+    let (_, a_max) = run(c, &heavy, 32_000);
+    assert!(a_max < 32, "a ran {a_max} of 32 while b ran none");
 }

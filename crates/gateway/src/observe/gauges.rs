@@ -235,6 +235,32 @@ impl GateGauges {
             });
             f.gauge(name, help, rows)?;
         }
+        // The tracked tenants past those shown, summed: one row per class at most.
+        let rest: [TenantGauge; 3] = [
+            (
+                "slackgate_tenant_rest_share",
+                "The summed shares of the tracked tenants not shown per tenant.",
+                |t| t.share,
+            ),
+            (
+                "slackgate_tenant_rest_queued_work_seconds",
+                "Estimated work queued by the tracked tenants not shown per tenant.",
+                |t| ms_to_s(t.queued_work_ms),
+            ),
+            (
+                "slackgate_tenant_rest_refused_share",
+                "Requests refused on their share, of the tracked tenants not shown per tenant.",
+                |t| t.refused_share as f64,
+            ),
+        ];
+        for (name, help, value) in rest {
+            let rows = self
+                .snap
+                .classes
+                .iter()
+                .filter_map(|c| c.tenants_rest.as_ref().map(|t| (class_pool(c), value(t))));
+            f.gauge(name, help, rows)?;
+        }
         Ok(())
     }
 

@@ -91,6 +91,9 @@ pub fn gate_config(s: &Scenario) -> GateConfig {
     for t in &s.tenants {
         fairness.weights.insert(t.name.clone(), t.weight);
     }
+    if let Some(idle) = s.slackgate.tenant_headroom_max_idle {
+        fairness.headroom_max_idle = idle;
+    }
     GateConfig {
         pools: vec![pool],
         classes,
@@ -135,6 +138,16 @@ impl Slackgate {
         cfg.fairness = Default::default();
         let mut g = Slackgate::with_config(s, cfg)?;
         g.name = "slackgate-unfair";
+        Ok(g)
+    }
+
+    /// The gate with `[fairness]` but no tenant headroom (`slackgate-work-conserving`):
+    /// shares held at admission only, every free slot taken at dispatch.
+    pub fn work_conserving(s: &Scenario) -> Result<Slackgate, ConfigError> {
+        let mut cfg = gate_config(s);
+        cfg.fairness.headroom_max_idle = 0.0;
+        let mut g = Slackgate::with_config(s, cfg)?;
+        g.name = "slackgate-work-conserving";
         Ok(g)
     }
 
