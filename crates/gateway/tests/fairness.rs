@@ -130,6 +130,23 @@ async fn a_flooding_tenant_is_refused_on_its_share_and_another_still_gets_in() {
         Some(0.5),
         "{page}"
     );
+    // b's request holds the slot; a's are queued.
+    assert_eq!(
+        metric(
+            &page,
+            r#"slackgate_tenant_running{class="interactive",pool="p",tenant="b"}"#
+        ),
+        Some(1.0),
+        "{page}"
+    );
+    assert_eq!(
+        metric(
+            &page,
+            r#"slackgate_tenant_running{class="interactive",pool="p",tenant="a"}"#
+        ),
+        Some(0.0),
+        "{page}"
+    );
     // A fairness id over the limit is refused with a reason, never cut into another id.
     let long = "x".repeat(300);
     let bad = post(

@@ -127,6 +127,8 @@ pub struct TenantStats {
     pub share: f64,
     /// Jobs queued.
     pub queued: u32,
+    /// Jobs running (dispatched from the class's queue on this pool, not ended).
+    pub running: u32,
     /// Estimated work queued, in ms.
     pub queued_work_ms: u64,
     /// Admitted since it became active.
@@ -406,6 +408,7 @@ impl TenantBook {
                     weight: b.weight,
                     share: self.standing(slot).share,
                     queued: b.queued,
+                    running: b.running,
                     queued_work_ms: b.queued_work,
                     admitted: u64::from(b.admitted),
                     refused_share: u64::from(b.refused),
@@ -426,6 +429,7 @@ impl TenantBook {
             weight: 0.0,
             share: 0.0,
             queued: 0,
+            running: 0,
             queued_work_ms: 0,
             admitted: 0,
             refused_share: 0,
@@ -435,6 +439,7 @@ impl TenantBook {
             sum.weight += b.weight;
             sum.share += self.standing(slot).share;
             sum.queued = sum.queued.saturating_add(b.queued);
+            sum.running = sum.running.saturating_add(b.running);
             sum.queued_work_ms = sum.queued_work_ms.saturating_add(b.queued_work);
             sum.admitted = sum.admitted.saturating_add(u64::from(b.admitted));
             sum.refused_share = sum.refused_share.saturating_add(u64::from(b.refused));

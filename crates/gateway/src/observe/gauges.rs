@@ -203,7 +203,7 @@ impl GateGauges {
                 .map(|c| (class_pool(c), f64::from(c.tenants_tracked))),
         )?;
         type TenantGauge = (&'static str, &'static str, fn(&TenantStats) -> f64);
-        let gauges: [TenantGauge; 3] = [
+        let gauges: [TenantGauge; 4] = [
             (
                 "slackgate_tenant_share",
                 "A tenant's share of the pool within its class, for the tenants with most queued.",
@@ -218,6 +218,11 @@ impl GateGauges {
                 "slackgate_tenant_refused_share",
                 "Requests of a tenant refused on its share since it became active.",
                 |t| t.refused_share as f64,
+            ),
+            (
+                "slackgate_tenant_running",
+                "Jobs of a tenant running from the class's queue, for the tenants with most queued.",
+                |t| f64::from(t.running),
             ),
         ];
         for (name, help, value) in gauges {
