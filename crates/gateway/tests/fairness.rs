@@ -265,3 +265,39 @@ async fn the_metrics_show_ten_tenants_and_sum_the_rest() {
     )
     .await;
 }
+
+/// The reservation API counts a worker's reservation under the configured fairness header
+/// when it sends one (as a proxied request), under its `tenant` otherwise; a malformed header
+/// is refused with a reason before anything is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_counts_under_the_fairness_header() {
+    let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
+    let gate = TestGate::start(CONFIG, stub.local_addr(), "fairness-reserve").await;
+    let url = gate.url("/admission/v1/reserve");
+    let body = |key: &str| {
+        serde_json::json!({"idempotency_key": key, "tokens": 10, "class": "interactive",
+            "tenant": "worker-pool", "slack_ms": 20000})
+        .to_string()
+    };
+    let r = post(&url, &[(HEADER, "a")], &body("r1")).await;
+    assert_eq!(r.status, 202, "{:?}", r.body);
+    let r = post(&url, &[], &body("r2")).await;
+    assert_eq!(r.status, 202, "{:?}", r.body);
+    let stats = gate.stats().await;
+    let tenants: Vec<String> = stats["gate"]["classes"][0]["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tenant"].as_str().unwrap().to_string())
+        .collect();
+    // r1 under `a`; r2 (no header) under its tenant id, unlisted: the shared `other`.
+    assert!(tenants.contains(&"a".to_string()), "{stats}");
+    assert!(tenants.contains(&"other".to_string()), "{stats}");
+    let long = "x".repeat(300);
+    let bad = post(&url, &[(HEADER, long.as_str())], &body("r3")).await;
+    assert_eq!(bad.status, 400, "{:?}", bad.body);
+    assert_eq!(
+        gate.stats().await["classes"][0]["depth"],
+        stats["classes"][0]["depth"]
+    );
+}

@@ -58,8 +58,9 @@ impl Gate {
         let f = &self.cfg.fairness;
         let book = &mut self.classes[lane.0].tenants;
         book.expire(now, f.active_ms);
+        // Room is checked first: the id is hashed once more only when the book is full.
         let (id, weight) = f.bucket(fairness_id, |id| {
-            book.contains(id) || book.len() < f.max_tenants
+            book.len() < f.max_tenants || book.contains(id)
         });
         book.arrive(now, id, weight, f.active_ms)
     }

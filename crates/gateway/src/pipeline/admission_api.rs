@@ -114,11 +114,20 @@ where
         }
         ("POST", "/admission/v1/reserve" | "/admission/v1/commit" | "/admission/v1/cancel") => {
             let (parts, body) = req.into_parts();
+            // A worker behind the same trusted proxy names its tenant's fairness id as a
+            // proxied request does.
+            let fairness = match shared.server.fairness_header.as_deref() {
+                Some(name) => match crate::wire::request_info::fairness_id(&parts.headers, name) {
+                    Ok(id) => id,
+                    Err(e) => return bad_request(&shared, &path, None, e),
+                },
+                None => None,
+            };
             let bytes = match read_body(&shared, body, &parts.headers).await {
                 Ok(b) => b,
                 Err(e) => return body_failure(&shared, &path, None, e),
             };
-            handle_body(&shared, &path, &bytes).await
+            handle_body_as(&shared, &path, &bytes, fairness).await
         }
         _ => response::not_found(&path),
     }
@@ -128,8 +137,19 @@ where
 /// read (`path` without a trailing slash; any other path is `cancel`). Public for the fuzz
 /// harness, which drives the bodies without sockets.
 pub async fn handle_body(shared: &Arc<Shared>, path: &str, bytes: &[u8]) -> Response<ResBody> {
+    handle_body_as(shared, path, bytes, None).await
+}
+
+/// [`handle_body`], a reservation counted under `fairness` (the configured fairness header's
+/// value) for its tenant's share when given, else under its `tenant`.
+async fn handle_body_as(
+    shared: &Arc<Shared>,
+    path: &str,
+    bytes: &[u8],
+    fairness: Option<String>,
+) -> Response<ResBody> {
     let result = match path {
-        "/admission/v1/reserve" => reserve(shared, bytes).await,
+        "/admission/v1/reserve" => reserve(shared, bytes, fairness).await,
         "/admission/v1/commit" => settle(shared, bytes, true).await,
         _ => settle(shared, bytes, false).await,
     };
@@ -143,8 +163,13 @@ pub async fn handle_body(shared: &Arc<Shared>, path: &str, bytes: &[u8]) -> Resp
 /// ```
 ///
 /// Bad input is answered before the core sees it (`Err`, a 400 built by the caller).
-async fn reserve(shared: &Arc<Shared>, bytes: &[u8]) -> Result<Response<ResBody>, BadRequest> {
-    let asked = parse_reserve(shared, bytes)?;
+async fn reserve(
+    shared: &Arc<Shared>,
+    bytes: &[u8],
+    fairness: Option<String>,
+) -> Result<Response<ResBody>, BadRequest> {
+    let mut asked = parse_reserve(shared, bytes)?;
+    asked.fairness = fairness.or_else(|| asked.tenant.clone());
     let now = shared.clock.now_ms();
     let (req, meta) = offer(&asked, now);
     let (d, held, write) = shared.reserve(asked.body.class.as_deref(), req, meta);
@@ -163,6 +188,9 @@ struct AskedReservation {
     /// The tenant as an id, hashed like the proxy's `X-Tenant` (`t:<keyed hash>`), so grants
     /// apply the same way.
     tenant: Option<String>,
+    /// What it counts under in `[fairness]`: the configured fairness header's value, else
+    /// the tenant id.
+    fairness: Option<String>,
 }
 
 /// Phase **parse**: the JSON body, then its key, tenant, tokens and slack, in that order.
@@ -189,7 +217,11 @@ fn parse_reserve(shared: &Shared, bytes: &[u8]) -> Result<AskedReservation, BadR
     {
         return Err(invalid("slack_ms must be between 1 and 86400000"));
     }
-    Ok(AskedReservation { body, tenant })
+    Ok(AskedReservation {
+        body,
+        tenant,
+        fairness: None,
+    })
 }
 
 /// Phase **offer**: the core's request (deadline from `now`) and the job's meta.
@@ -203,7 +235,7 @@ fn offer(asked: &AskedReservation, now: u64) -> (CoreRequest, JobMeta) {
         max_tokens: Some(0),
         idempotency_key: b.idempotency_key.clone(),
         tenant: asked.tenant.clone(),
-        fairness_id: asked.tenant.clone(),
+        fairness_id: asked.fairness.clone(),
         attempt: b.attempt,
         hold_tokens: Some(b.tokens),
         reservation: true,
