@@ -768,32 +768,6 @@ async fn a_new_leader_learns_a_live_replicas_settlement_of_an_adopted_hold() {
     b.gate.shutdown().await;
 }
 
-/// One slot, a frozen estimator at 10 ms per output token (a trusted size hint is the
-/// estimate), tenants `a` and `b` of weight 1 named in the fairness header.
-const FAIR_TOML: &str = r#"
-[server]
-tenant_hash_key = "00112233445566778899aabbccddeeff"
-trust_size_hint = true
-fairness_header = "x-llm-d-inference-fairness-id"
-[fairness.weights]
-a = 1
-b = 1
-[[pools]]
-name = "p"
-upstream = "{UPSTREAM}"
-slots = 1
-[pools.prior]
-overhead_ms = 0
-prefill_ms_per_token = 0
-decode_ms_per_token = 10
-learn = false
-[[classes]]
-name = "interactive"
-priority = 100
-deadline_ms = 20000
-pool = "p"
-"#;
-
 /// A request of tenant `tenant` sized `tokens` (10 ms each), sent to `r` in the background.
 fn send_as(
     r: &Replica,
@@ -834,7 +808,7 @@ async fn shares_live_on_the_leader_whichever_replica_a_tenant_sends_to() {
         "a",
         stub.local_addr(),
         1_500,
-        FAIR_TOML,
+        FAIR_TWO_TENANTS,
     )
     .await
     .unwrap();
@@ -844,7 +818,7 @@ async fn shares_live_on_the_leader_whichever_replica_a_tenant_sends_to() {
         "b",
         stub.local_addr(),
         1_500,
-        FAIR_TOML,
+        FAIR_TWO_TENANTS,
     )
     .await
     .unwrap();

@@ -13,31 +13,6 @@ use std::time::Duration;
 const HEADER: &str = "x-llm-d-inference-fairness-id";
 const PATIENCE: Duration = Duration::from_secs(30);
 
-/// One slot, a frozen estimator at 10 ms per output token (a trusted size hint is the
-/// estimate), one class with a 20 s deadline, tenants `a` and `b` of weight 1.
-const CONFIG: &str = r#"
-[server]
-trust_size_hint = true
-fairness_header = "x-llm-d-inference-fairness-id"
-[fairness.weights]
-a = 1
-b = 1
-[[pools]]
-name = "p"
-slots = 1
-upstream = "{UPSTREAM}"
-[pools.prior]
-overhead_ms = 0
-prefill_ms_per_token = 0
-decode_ms_per_token = 10
-learn = false
-[[classes]]
-name = "interactive"
-priority = 100
-deadline_ms = 20000
-pool = "p"
-"#;
-
 fn headers(tenant: &str, key: &str, tokens: &str) -> Vec<(&'static str, String)> {
     vec![
         ("x-job-class", "interactive".into()),
@@ -63,7 +38,7 @@ fn admitted(lines: &[serde_json::Value], key: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_tenant_is_refused_on_its_share_and_another_still_gets_in() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
-    let gate = TestGate::start(CONFIG, stub.local_addr(), "fairness").await;
+    let gate = TestGate::start(FAIR_TWO_TENANTS, stub.local_addr(), "fairness").await;
     let url = gate.url("/v1/chat/completions");
     // b holds the slot (1 s estimated): b is active, and its share is kept for it.
     let mut hb = headers("b", "b1", "100");
@@ -200,7 +175,7 @@ fn a_fairness_header_the_gate_reads_for_something_else_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_show_ten_tenants_and_sum_the_rest() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
-    let config = CONFIG.replace(
+    let config = FAIR_TWO_TENANTS.replace(
         "[fairness.weights]",
         "[fairness]\nunlisted = \"own\"\n[fairness.weights]",
     );
@@ -272,7 +247,7 @@ async fn the_metrics_show_ten_tenants_and_sum_the_rest() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reservation_counts_under_the_fairness_header() {
     let stub = stub(1, "tokens:prefill_us=0,decode_us=1000").await;
-    let gate = TestGate::start(CONFIG, stub.local_addr(), "fairness-reserve").await;
+    let gate = TestGate::start(FAIR_TWO_TENANTS, stub.local_addr(), "fairness-reserve").await;
     let url = gate.url("/admission/v1/reserve");
     let body = |key: &str| {
         serde_json::json!({"idempotency_key": key, "tokens": 10, "class": "interactive",

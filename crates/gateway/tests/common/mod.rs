@@ -375,3 +375,30 @@ where
     }
     cond().await
 }
+
+/// One slot, a frozen estimator at 10 ms per output token (a trusted size hint is the
+/// estimate), one class with a 20 s deadline, tenants `a` and `b` of weight 1 named in the
+/// fairness header (`x-llm-d-inference-fairness-id`).
+pub const FAIR_TWO_TENANTS: &str = r#"
+[server]
+tenant_hash_key = "00112233445566778899aabbccddeeff"
+trust_size_hint = true
+fairness_header = "x-llm-d-inference-fairness-id"
+[fairness.weights]
+a = 1
+b = 1
+[[pools]]
+name = "p"
+upstream = "{UPSTREAM}"
+slots = 1
+[pools.prior]
+overhead_ms = 0
+prefill_ms_per_token = 0
+decode_ms_per_token = 10
+learn = false
+[[classes]]
+name = "interactive"
+priority = 100
+deadline_ms = 20000
+pool = "p"
+"#;
