@@ -300,16 +300,18 @@ impl Estimator {
         let signed = (y - pred) / pred;
         let r = signed.abs();
         let seen = (self.samples as usize).min(RESIDUALS);
-        let mut abs: Vec<f64> = self.residuals[..seen].iter().map(|v| v.abs()).collect();
-        let mut sgn: Vec<f64> = self.residuals[..seen].to_vec();
-        abs.sort_by(f64::total_cmp);
-        sgn.sort_by(f64::total_cmp);
+        // On the stack: this runs at every completion.
+        let mut abs = self.residuals.map(f64::abs);
+        let mut sgn = self.residuals;
+        let (abs, sgn) = (&mut abs[..seen], &mut sgn[..seen]);
+        abs.sort_unstable_by(f64::total_cmp);
+        sgn.sort_unstable_by(f64::total_cmp);
         let median = |v: &[f64]| if v.is_empty() { 0.0 } else { v[v.len() / 2] };
-        let threshold = HUBER.max(HUBER_SPREAD * median(&abs));
+        let threshold = HUBER.max(HUBER_SPREAD * median(abs));
         let huber = if r > threshold { threshold / r } else { 1.0 };
         // A lasting change: most recent completions off the same way. Forget faster so the
         // fit follows in tens of completions instead of the data's full memory.
-        let lambda = if seen == RESIDUALS && median(&sgn).abs() > CHANGE {
+        let lambda = if seen == RESIDUALS && median(sgn).abs() > CHANGE {
             CHANGE_LAMBDA
         } else {
             LAMBDA
@@ -436,15 +438,21 @@ impl ErrorTracker {
         if self.ring.is_empty() {
             return ErrorSummary::default();
         }
-        let mut abs: Vec<f64> = self.ring.iter().map(|e| e.abs()).collect();
-        let mut signed = self.ring.clone();
-        abs.sort_by(f64::total_cmp);
-        signed.sort_by(f64::total_cmp);
+        // On the stack: this runs at every completion.
+        let n = self.ring.len().min(Self::WINDOW);
+        let (mut abs, mut signed) = ([0.0; Self::WINDOW], [0.0; Self::WINDOW]);
+        signed[..n].copy_from_slice(&self.ring[..n]);
+        for (a, s) in abs.iter_mut().zip(&signed[..n]) {
+            *a = s.abs();
+        }
+        let (abs, signed) = (&mut abs[..n], &mut signed[..n]);
+        abs.sort_unstable_by(f64::total_cmp);
+        signed.sort_unstable_by(f64::total_cmp);
         ErrorSummary {
             samples: self.ring.len() as u32,
-            median: quantile(&abs, 0.5),
-            p90: quantile(&abs, 0.9),
-            bias: quantile(&signed, 0.5),
+            median: quantile(abs, 0.5),
+            p90: quantile(abs, 0.9),
+            bias: quantile(signed, 0.5),
         }
     }
 }
@@ -533,13 +541,20 @@ fn nonneg_quadratic_min(
 /// Solve `M_FF x_F = q_F` on the free set `F` (zeros elsewhere) by Gaussian elimination with
 /// partial pivoting.
 fn solve_free(m: &[[f64; DIM]; DIM], q: &[f64; DIM], free: &[bool; DIM]) -> Option<[f64; DIM]> {
-    let idx: Vec<usize> = (0..DIM).filter(|&i| free[i]).collect();
-    let n = idx.len();
+    // On the stack (it runs at every completion): the free indices, then the augmented
+    // system of the `n` free rows and columns.
+    let mut idx = [0usize; DIM];
+    let mut n = 0;
+    for i in (0..DIM).filter(|&i| free[i]) {
+        idx[n] = i;
+        n += 1;
+    }
+    let idx = &idx[..n];
     let mut out = [0.0; DIM];
     if n == 0 {
         return Some(out);
     }
-    let mut a = vec![vec![0.0; n + 1]; n];
+    let mut a = [[0.0f64; DIM + 1]; DIM];
     for (r, &i) in idx.iter().enumerate() {
         for (c, &j) in idx.iter().enumerate() {
             a[r][c] = m[i][j];
@@ -552,18 +567,18 @@ fn solve_free(m: &[[f64; DIM]; DIM], q: &[f64; DIM], free: &[bool; DIM]) -> Opti
             return None;
         }
         a.swap(col, pivot);
-        let (top, rest) = a.split_at_mut(col + 1);
+        let (top, rest) = a[..n].split_at_mut(col + 1);
         let pivot_row = &top[col];
         for row in rest.iter_mut() {
             let f = row[col] / pivot_row[col];
             if f != 0.0 {
-                for (v, p) in row[col..].iter_mut().zip(&pivot_row[col..]) {
+                for (v, p) in row[col..=n].iter_mut().zip(&pivot_row[col..=n]) {
                     *v -= f * p;
                 }
             }
         }
     }
-    let mut sol = vec![0.0; n];
+    let mut sol = [0.0; DIM];
     for r in (0..n).rev() {
         let s: f64 = (r + 1..n).map(|c| a[r][c] * sol[c]).sum();
         sol[r] = (a[r][n] - s) / a[r][r];

@@ -360,10 +360,18 @@ impl Gate {
         // queued work ahead of it over these (see `PoolState::wait_for_slot`). With no
         // endpoint available nothing is projected: only jobs already past their deadline
         // are dropped, the rest wait for an endpoint to return.
-        let mut r = vec![0; pool.slot_count()];
+        let n = pool.slot_count();
+        let mut stack = [0u64; super::projection::STACK_SLOTS];
+        let mut heap = Vec::new();
+        let r: &mut [u64] = if n <= stack.len() {
+            &mut stack[..n]
+        } else {
+            heap.resize(n, 0);
+            &mut heap
+        };
         // On the gate's own view: see `Neighbours`.
         let seen = super::endpoints::Neighbours::Ignored;
-        let filled = pool.free_times_seen(now, &mut r, seen);
+        let filled = pool.free_times_seen(now, r, seen);
         let free = pool.free_now_seen(now, seen) as usize;
         let mut work = 0u64;
         let mut count = 0usize;
@@ -373,8 +381,17 @@ impl Gate {
         // tenant's share, whatever the other tenants' held jobs ahead of it do: its wait is
         // at most that (its tenant's work queued ahead of it summed here).
         let fair = self.fairness_on();
-        let mut ahead: std::collections::HashMap<(usize, u32), u64> = Default::default();
         let classes = &pool.classes;
+        // Sized once for the tenants tracked on the pool's classes (none without fairness).
+        let tenants = match fair {
+            true => classes
+                .iter()
+                .map(|c| self.classes[c.0].tenants.len())
+                .sum(),
+            false => 0,
+        };
+        let mut ahead: std::collections::HashMap<(usize, u32), u64> =
+            std::collections::HashMap::with_capacity(tenants);
         let mut i = 0;
         while i < classes.len() {
             // Nothing at this level or below can die: stop walking.
@@ -425,9 +442,15 @@ impl Gate {
         i: &mut usize,
     ) -> (Vec<(QueueKey, JobId)>, (usize, u64)) {
         let prio = self.classes[classes[*i].0].priority;
-        let mut level: Vec<(QueueKey, JobId)> = Vec::new();
-        let mut bulk = (0usize, 0u64);
         let first = *i;
+        // Sized once (the walk runs every tick over every deadlined job).
+        let deadlined = classes[first..]
+            .iter()
+            .take_while(|c| self.classes[c.0].priority == prio)
+            .map(|c| self.classes[c.0].queue.deadlined())
+            .sum();
+        let mut level: Vec<(QueueKey, JobId)> = Vec::with_capacity(deadlined);
+        let mut bulk = (0usize, 0u64);
         while *i < classes.len() && self.classes[classes[*i].0].priority == prio {
             let q = &self.classes[classes[*i].0].queue;
             level.extend(q.iter_deadlined());

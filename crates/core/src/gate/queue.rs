@@ -130,6 +130,11 @@ impl ClassQueue {
         self.order.range(..(Millis::MAX, 0)).map(|(k, v)| (*k, *v))
     }
 
+    /// Jobs with a deadline queued.
+    pub(crate) fn deadlined(&self) -> usize {
+        self.deadlined
+    }
+
     pub(crate) fn has_deadlined(&self) -> bool {
         self.deadlined > 0
     }

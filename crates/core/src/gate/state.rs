@@ -242,9 +242,15 @@ impl LaneState {
         let correction = if self.ratios.len() < CONFIRM_SAMPLES as usize {
             1.0
         } else {
-            let mut v: Vec<f64> = self.ratios.iter().copied().collect();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2].clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
+            // On the stack: this runs at every completion.
+            let n = self.ratios.len().min(CORRECTION_WINDOW);
+            let mut v = [0.0; CORRECTION_WINDOW];
+            for (slot, r) in v.iter_mut().zip(self.ratios.iter().take(n)) {
+                *slot = *r;
+            }
+            let v = &mut v[..n];
+            v.sort_unstable_by(f64::total_cmp);
+            v[n / 2].clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
         };
         self.record = ClassRecord {
             errors: self.errors.summary(),
