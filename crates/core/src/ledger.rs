@@ -44,23 +44,24 @@ fn orphaned(
         // A dispatched request's hold taken over from another gate expires when its
         // estimate has run out (see `Gate::adopt_ledger`, which sets that expiry), not at once.
         && (r.dispatched.is_none() || r.expires_at_ms == NEVER)
-        && !live.contains(&r.key)
-        && !r.owner.as_ref().is_some_and(|o| alive.contains(o))
+        && !live.contains(&*r.key)
+        && !r.owner.as_ref().is_some_and(|o| alive.contains(&**o))
 }
 
 /// The reservation ledger.
 #[derive(Debug, Default)]
 pub struct Ledger {
     cfg: LedgerConfig,
-    holds: std::collections::HashMap<String, HoldRecord>,
+    holds: std::collections::HashMap<Shared, HoldRecord>,
     /// Unsettled holds by expiry time.
-    expiry: std::collections::BTreeSet<(Millis, String)>,
+    expiry: std::collections::BTreeSet<(Millis, Shared)>,
     /// Settled or rejected keys by last change, for forgetting them after `retention_ms`.
-    settled: std::collections::BTreeSet<(Millis, String)>,
-    tenants: std::collections::HashMap<String, Usage>,
+    settled: std::collections::BTreeSet<(Millis, Shared)>,
+    /// Per tenant ("" for none); its key is the tenant's one shared copy.
+    tenants: std::collections::HashMap<Shared, Usage>,
     totals: LedgerStats,
     /// Written into every hold placed ([`HoldRecord::owner`]).
-    owner: Option<String>,
+    owner: Option<Shared>,
 }
 
 impl Ledger {
@@ -97,7 +98,7 @@ impl Ledger {
         alive: &std::collections::HashSet<String>,
     ) -> (Ledger, Vec<HoldRecord>) {
         let mut l = Ledger::new(cfg);
-        let mut latest: std::collections::HashMap<String, HoldRecord> =
+        let mut latest: std::collections::HashMap<Shared, HoldRecord> =
             std::collections::HashMap::new();
         for r in records {
             if r.key.is_empty() || r.key.len() > MAX_KEY_LEN {
@@ -110,7 +111,7 @@ impl Ledger {
                 }
             }
         }
-        let mut keys: Vec<String> = latest.keys().cloned().collect();
+        let mut keys: Vec<Shared> = latest.keys().cloned().collect();
         keys.sort_unstable(); // deterministic rebuild
         for k in keys {
             if let Some(r) = latest.remove(&k) {
@@ -126,9 +127,11 @@ impl Ledger {
     }
 
     /// Account a record as the key's current one (no previous record for the key).
-    fn install(&mut self, r: HoldRecord) {
-        let tenant = r.tenant.clone().unwrap_or_default();
-        let u = self.tenants.entry(tenant).or_default();
+    fn install(&mut self, mut r: HoldRecord) {
+        // One shared copy of each tenant id, whatever the records carried.
+        r.tenant = r.tenant.as_deref().map(|t| self.tenant_id(t));
+        let id = self.tenant_id(r.tenant.as_deref().unwrap_or(""));
+        let u = self.tenants.entry(id).or_default();
         // Earlier holds of this key (retried after a cancel or an expiry) still count.
         u.spent = u.spent.saturating_add(r.prior_spent);
         u.wasted = u.wasted.saturating_add(r.prior_wasted);
@@ -164,9 +167,32 @@ impl Ledger {
         }
     }
 
+    /// The key's shared copy: the ledger's own when it knows the key, a new one otherwise.
+    fn key_id(&self, key: &str) -> Shared {
+        self.holds
+            .get_key_value(key)
+            .map_or_else(|| Shared::from(key), |(k, _)| k.clone())
+    }
+
+    /// The tenant's shared copy, made (and counted from nothing) the first time it is seen.
+    fn tenant_id(&mut self, tenant: &str) -> Shared {
+        if let Some((k, _)) = self.tenants.get_key_value(tenant) {
+            return k.clone();
+        }
+        let k = Shared::from(tenant);
+        self.tenants.insert(k.clone(), Usage::default());
+        k
+    }
+
+    /// What a tenant (`None`: the requests without one) has held, spent and wasted.
+    fn tenant_usage(&mut self, tenant: Option<&str>) -> &mut Usage {
+        let id = self.tenant_id(tenant.unwrap_or(""));
+        self.tenants.entry(id).or_default()
+    }
+
     /// Write `owner` into every hold placed from now on ([`HoldRecord::owner`]).
     pub fn set_owner(&mut self, owner: Option<String>) {
-        self.owner = owner;
+        self.owner = owner.map(Shared::from);
     }
 
     /// Expire at once the proxied holds nobody will settle: held, not placed through the
@@ -178,7 +204,7 @@ impl Ledger {
         live: &std::collections::HashSet<String>,
         alive: &std::collections::HashSet<String>,
     ) -> Vec<HoldRecord> {
-        let orphans: std::collections::BTreeSet<String> = self
+        let orphans: std::collections::BTreeSet<Shared> = self
             .holds
             .values()
             .filter(|r| orphaned(r, live, alive))
@@ -220,7 +246,7 @@ impl Ledger {
         if r.state != HoldState::Held {
             return None;
         }
-        self.expiry.remove(&(r.expires_at_ms, key.to_string()));
+        self.expiry.remove(&(r.expires_at_ms, r.key.clone()));
         r.expires_at_ms = NEVER;
         Some(r.clone())
     }
@@ -400,10 +426,11 @@ impl Ledger {
         tokens: u64,
     ) -> HoldRecord {
         let carried = self.carried(key);
+        let (key_id, tenant_id) = (self.key_id(key), tenant.map(|t| self.tenant_id(t)));
         self.forget_settled(key);
         let r = HoldRecord {
-            key: key.to_string(),
-            tenant: tenant.map(str::to_string),
+            key: key_id,
+            tenant: tenant_id,
             state: HoldState::Held,
             attempt,
             tokens_held: tokens,
@@ -419,14 +446,8 @@ impl Ledger {
             owner: self.owner.clone(),
             dispatched: None,
         };
-        let t = tenant.unwrap_or("");
-        // Look up before inserting: the common case (a known tenant) allocates nothing.
-        if !self.tenants.contains_key(t) {
-            self.tenants.insert(t.to_string(), Usage::default());
-        }
-        if let Some(u) = self.tenants.get_mut(t) {
-            u.held = u.held.saturating_add(tokens);
-        }
+        let u = self.tenant_usage(tenant);
+        u.held = u.held.saturating_add(tokens);
         self.totals.held += 1;
         self.totals.tokens_held = self.totals.tokens_held.saturating_add(tokens);
         self.expiry.insert((r.expires_at_ms, r.key.clone()));
@@ -453,10 +474,11 @@ impl Ledger {
         }
         let attempt = self.effective_attempt(key, attempt);
         let carried = self.carried(key);
+        let (key_id, tenant_id) = (self.key_id(key), tenant.map(|t| self.tenant_id(t)));
         self.forget_settled(key);
         let r = HoldRecord {
-            key: key.to_string(),
-            tenant: tenant.map(str::to_string),
+            key: key_id,
+            tenant: tenant_id,
             state: HoldState::Rejected,
             attempt,
             tokens_held: tokens.min(MAX_TOKENS),
@@ -482,7 +504,7 @@ impl Ledger {
     fn forget_settled(&mut self, key: &str) {
         if let Some(prev) = self.holds.get(key) {
             if prev.state != HoldState::Held {
-                self.settled.remove(&(prev.updated_at_ms, key.to_string()));
+                self.settled.remove(&(prev.updated_at_ms, prev.key.clone()));
             }
         }
     }
@@ -507,10 +529,7 @@ impl Ledger {
         r.updated_at_ms = now;
         r.version = r.version.saturating_add(1);
         let r = r.clone();
-        let u = self
-            .tenants
-            .entry(r.tenant.clone().unwrap_or_default())
-            .or_default();
+        let u = self.tenant_usage(r.tenant.as_deref());
         u.held = u.held.saturating_sub(r.tokens_held);
         u.spent = u.spent.saturating_add(r.tokens_spent);
         u.wasted = u.wasted.saturating_add(r.tokens_wasted);
@@ -628,7 +647,7 @@ impl Ledger {
     pub fn forget(&mut self, key: &str) {
         if let Some(r) = self.holds.get(key) {
             if r.state != HoldState::Held {
-                self.settled.remove(&(r.updated_at_ms, key.to_string()));
+                self.settled.remove(&(r.updated_at_ms, r.key.clone()));
                 self.holds.remove(key);
             }
         }

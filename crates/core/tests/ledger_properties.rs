@@ -111,10 +111,10 @@ fn shuffled(log: &[HoldRecord], seed: u64) -> Vec<HoldRecord> {
 fn latest_of(records: &[HoldRecord]) -> BTreeMap<String, HoldRecord> {
     let mut m: BTreeMap<String, HoldRecord> = BTreeMap::new();
     for r in records {
-        match m.get(&r.key) {
+        match m.get(&*r.key) {
             Some(p) if p.version >= r.version => {}
             _ => {
-                m.insert(r.key.clone(), r.clone());
+                m.insert(r.key.to_string(), r.clone());
             }
         }
     }
@@ -128,7 +128,7 @@ fn latest_of(records: &[HoldRecord]) -> BTreeMap<String, HoldRecord> {
 fn check_lifecycles(log: &[HoldRecord], all_settled: bool) -> Result<(), TestCaseError> {
     let mut per_key: BTreeMap<&str, Vec<&HoldRecord>> = BTreeMap::new();
     for r in log {
-        per_key.entry(r.key.as_str()).or_default().push(r);
+        per_key.entry(&*r.key).or_default().push(r);
     }
     for (k, recs) in per_key {
         let mut prev: Option<&HoldRecord> = None;
@@ -369,7 +369,8 @@ fn usage_of_latest<'a>(latest: impl IntoIterator<Item = &'a HoldRecord>) -> BTre
                 HoldState::Held => r.tokens_held,
                 _ => r.tokens_spent + r.tokens_wasted,
             };
-        *u.entry(r.tenant.clone().unwrap_or_default()).or_default() += add;
+        *u.entry(r.tenant.as_deref().unwrap_or_default().to_string())
+            .or_default() += add;
     }
     u
 }
@@ -485,8 +486,8 @@ impl Model {
             }
         }
         let r = HoldRecord {
-            key: k.to_string(),
-            tenant: t.map(str::to_string),
+            key: k.into(),
+            tenant: t.map(Into::into),
             state: HoldState::Held,
             attempt,
             tokens_held: tokens,
@@ -526,8 +527,8 @@ impl Model {
             .map_or(attempt, |r| attempt.max(r.attempt + 1));
 
         let r = HoldRecord {
-            key: k.to_string(),
-            tenant: t.map(str::to_string),
+            key: k.into(),
+            tenant: t.map(Into::into),
             state: HoldState::Rejected,
             attempt,
             tokens_held: tokens.min(MAX_TOKENS),
@@ -613,7 +614,7 @@ impl Model {
             .latest
             .values()
             .filter(|r| r.state == HoldState::Held && r.expires_at_ms <= self.now)
-            .map(|r| (r.expires_at_ms, r.key.clone()))
+            .map(|r| (r.expires_at_ms, r.key.to_string()))
             .collect();
         due.sort();
         due.into_iter()
@@ -631,7 +632,7 @@ impl Model {
             .latest
             .values()
             .filter(|r| r.state == HoldState::Held && !r.reservation)
-            .map(|r| r.key.clone())
+            .map(|r| r.key.to_string())
             .collect();
         held.sort();
         held.into_iter()
@@ -1134,7 +1135,7 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
                 let dup = before.as_ref().is_some_and(|r| match r.state {
                     // A live request's hold is renewed at its TTL rather than expired.
                     HoldState::Held => {
-                        r.expires_at_ms > now || jobs.live.values().any(|(k, _)| *k == r.key)
+                        r.expires_at_ms > now || jobs.live.values().any(|(k, _)| **k == *r.key)
                     }
                     HoldState::Done => true,
                     _ => false,
@@ -1170,7 +1171,7 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
                         && r.tokens_held == d.tokens_held
                         && r.created_at_ms == now));
                     jobs.live
-                        .insert(d.job_id, (d.idempotency_key.clone(), false));
+                        .insert(d.job_id, (d.idempotency_key.to_string(), false));
                 } else {
                     prop_assert_eq!(d.tokens_held, 0);
                 }
@@ -1255,7 +1256,7 @@ fn run_gate(spec: &GateSpec, ops: &[GOp]) -> Result<(), TestCaseError> {
     let s = g.ledger_stats();
     prop_assert_eq!((s.held, s.tokens_held), (0, 0));
     check_lifecycles(&jobs.log, true)?;
-    let keys: BTreeSet<&str> = jobs.log.iter().map(|r| r.key.as_str()).collect();
+    let keys: BTreeSet<&str> = jobs.log.iter().map(|r| &*r.key).collect();
     for k in keys {
         // Client keys are remembered settled; generated ones are forgotten once settled.
         let remembered = g.ledger().get(k);

@@ -30,8 +30,8 @@ const WINDOW: usize = 8_192;
 fn pair(i: usize) -> (HoldRecord, HoldRecord) {
     let now = 1_700_000_000_000 + i as u64;
     let held = HoldRecord {
-        key: format!("bench-{i:08}"),
-        tenant: Some("3f2a9c1e".to_owned()),
+        key: format!("bench-{i:08}").into(),
+        tenant: Some("3f2a9c1e".into()),
         state: HoldState::Held,
         attempt: 0,
         tokens_held: 800,

@@ -605,7 +605,7 @@ async fn a_ledger_slower_to_load_than_a_lease_does_not_let_the_lease_lapse() {
         other.write(
             (written..written + 50_000)
                 .map(|i| HoldRecord {
-                    key: format!("old-{i}"),
+                    key: format!("old-{i}").into(),
                     tenant: None,
                     state: HoldState::Done,
                     attempt: 0,
@@ -733,7 +733,7 @@ async fn a_new_leader_learns_a_live_replicas_settlement_of_an_adopted_hold() {
         prior_spent: 0,
         prior_wasted: 0,
         reservation: false,
-        owner: Some(c_owner.clone()),
+        owner: Some(c_owner.as_str().into()),
         dispatched: None,
     };
     store.write(vec![held.clone()]);

@@ -28,8 +28,8 @@ fn temp_db(name: &str) -> PathBuf {
 
 fn rec(key: &str, tenant: Option<&str>, state: HoldState, updated_at_ms: u64) -> HoldRecord {
     HoldRecord {
-        key: key.to_owned(),
-        tenant: tenant.map(str::to_owned),
+        key: key.into(),
+        tenant: tenant.map(Into::into),
         state,
         attempt: 0,
         tokens_held: 100,
@@ -96,7 +96,7 @@ fn pruning_deletes_only_old_settled_and_generated_keys_and_keeps_tenant_totals()
 
     let store = SqliteStore::open(&path, SqliteOptions::default()).unwrap();
     let after = store.load().unwrap();
-    let keys: Vec<&str> = after.iter().map(|r| r.key.as_str()).collect();
+    let keys: Vec<&str> = after.iter().map(|r| &*r.key).collect();
     assert!(keys.iter().all(|k| !k.starts_with("old-")));
     assert!(keys.iter().all(|k| !k.starts_with("gen-1a2b")));
     assert_eq!(keys.iter().filter(|k| k.starts_with("held-")).count(), 120);

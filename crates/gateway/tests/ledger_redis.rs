@@ -25,8 +25,8 @@ fn opts(server: &RedisServer, prefix: &str) -> RedisOptions {
 
 fn rec(key: &str, attempt: u32, created: u64, state: HoldState, version: u64) -> HoldRecord {
     HoldRecord {
-        key: key.to_owned(),
-        tenant: Some("k:a".to_owned()),
+        key: key.into(),
+        tenant: Some("k:a".into()),
         state,
         attempt,
         tokens_held: 100,
@@ -49,7 +49,7 @@ fn rec(key: &str, attempt: u32, created: u64, state: HoldState, version: u64) ->
 }
 
 fn state_of(store: &RedisStore, key: &str) -> Option<HoldRecord> {
-    store.load().unwrap().into_iter().find(|r| r.key == key)
+    store.load().unwrap().into_iter().find(|r| *r.key == *key)
 }
 
 fn raw(server: &RedisServer) -> redis::Connection {
@@ -386,7 +386,7 @@ fn pruning_folds_tokens_into_carry_records() {
             let state = [HoldState::Done, HoldState::Cancelled, HoldState::Expired][j % 3];
             let mut push = |key: String, state: HoldState, at: u64| {
                 let mut r = rec(&key, 0, at, state, 3);
-                r.tenant = t.map(str::to_owned);
+                r.tenant = t.map(Into::into);
                 r.updated_at_ms = at;
                 r.prior_spent = 5;
                 r.prior_wasted = 1;
@@ -408,7 +408,7 @@ fn pruning_folds_tokens_into_carry_records() {
     assert_eq!(store.prune_now().unwrap(), 0, "idempotent");
     assert_eq!(store.stats().rows_pruned, 240);
     let after = store.load().unwrap();
-    let keys: Vec<&str> = after.iter().map(|r| r.key.as_str()).collect();
+    let keys: Vec<&str> = after.iter().map(|r| &*r.key).collect();
     assert!(keys.iter().all(|k| !k.starts_with("old-")));
     assert!(keys.iter().all(|k| !k.starts_with("gen-1a2b")));
     assert_eq!(keys.iter().filter(|k| k.starts_with("held-")).count(), 120);
@@ -425,7 +425,7 @@ fn pruning_folds_tokens_into_carry_records() {
     }
     // A second round adds to the carry records rather than replacing them.
     let mut more = rec("gen-late", 0, recent, HoldState::Done, 3);
-    more.tenant = Some("k:a".to_owned());
+    more.tenant = Some("k:a".into());
     store.write(vec![more]);
     store.flush().unwrap();
     let with_more = store.load().unwrap();
@@ -474,7 +474,7 @@ fn hostile_entries_in_the_hash_are_skipped_and_counted() {
         .unwrap();
     let loaded = store.load().unwrap();
     assert_eq!(loaded.len(), 1);
-    assert_eq!(loaded[0].key, "good");
+    assert_eq!(&*loaded[0].key, "good");
     assert_eq!(store.stats().rows_skipped, entries.len() as u64);
     // Pruning steps over it; a write over a garbage value replaces it with a record.
     store.prune_now().unwrap();
@@ -533,7 +533,7 @@ fn another_replica_restores_the_same_tenant_totals() {
 
 fn owned(r: HoldRecord, owner: &str) -> HoldRecord {
     HoldRecord {
-        owner: Some(owner.to_owned()),
+        owner: Some(owner.into()),
         ..r
     }
 }

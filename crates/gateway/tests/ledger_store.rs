@@ -77,8 +77,8 @@ fn both(name: &str, body: impl Fn(&dyn Backend)) {
 
 fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
     HoldRecord {
-        key: key.to_owned(),
-        tenant: Some("tenant-a".to_owned()),
+        key: key.into(),
+        tenant: Some("tenant-a".into()),
         state,
         attempt: 0,
         tokens_held: 800,
@@ -173,10 +173,7 @@ fn an_older_version_never_wins() {
         store.write(vec![same]);
         store.flush().unwrap();
         let all = load_sorted(&*store);
-        let got: Vec<_> = all
-            .iter()
-            .map(|r| (r.key.as_str(), r.state, r.version))
-            .collect();
+        let got: Vec<_> = all.iter().map(|r| (&*r.key, r.state, r.version)).collect();
         assert_eq!(
             got,
             [
@@ -431,7 +428,12 @@ fn write_failures_are_counted_retried_with_backoff_then_reported_by_flush() {
     other.execute_batch("rollback").unwrap();
     store.write(vec![rec("kept", HoldState::Held, 1)]);
     store.flush().unwrap();
-    let keys: Vec<String> = store.load().unwrap().into_iter().map(|r| r.key).collect();
+    let keys: Vec<String> = store
+        .load()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.key.to_string())
+        .collect();
     assert_eq!(keys, ["kept"]);
     assert_eq!(store.stats().records_written, 1);
 }
@@ -444,7 +446,12 @@ fn unstorable_numbers_are_lost_not_panicked_on() {
         huge.tokens_held = u64::MAX;
         store.write(vec![huge, rec("fine", HoldState::Held, 1)]);
         let flushed = store.flush();
-        let keys: Vec<String> = store.load().unwrap().into_iter().map(|r| r.key).collect();
+        let keys: Vec<String> = store
+            .load()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.key.to_string())
+            .collect();
         match b.name() {
             // Memory keeps anything; SQLite integers are i64, so the record is refused.
             "memory" => assert!(flushed.is_ok() && keys.len() == 2),
@@ -509,7 +516,12 @@ fn a_failed_batch_is_reported_to_the_flushes_of_its_own_writes_only() {
     // since the failure reports it, the next does not report it again.
     assert!(matches!(store.flush(), Err(StoreError::NotStored { .. })));
     store.flush().unwrap();
-    let keys: Vec<String> = store.load().unwrap().into_iter().map(|r| r.key).collect();
+    let keys: Vec<String> = store
+        .load()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.key.to_string())
+        .collect();
     assert_eq!(keys, ["after", "before"]);
 }
 
@@ -574,6 +586,11 @@ async fn a_flush_not_answered_within_its_timeout_fails_and_the_write_stays_queue
     .await
     .unwrap();
     assert!(stored, "the write was stored once the lock went away");
-    let keys: Vec<String> = store.load().unwrap().into_iter().map(|r| r.key).collect();
+    let keys: Vec<String> = store
+        .load()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.key.to_string())
+        .collect();
     assert_eq!(keys, ["slow"]);
 }

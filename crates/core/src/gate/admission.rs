@@ -66,7 +66,7 @@ impl Gate {
         // reject_unlabeled: only a live class's primary lane takes offers.
         let Some(class) = self.offered_lane(req.class) else {
             let mut d = self.rejection(job_id, None, Reason::RejectUnlabeled);
-            d.idempotency_key = req.idempotency_key.unwrap_or_default();
+            d.idempotency_key = self.shared_key(req.idempotency_key.as_deref());
             return d;
         };
         let o = self.open_offer(now, job_id, class, req);
@@ -151,7 +151,7 @@ impl Gate {
             deadline: e.deadline,
             // A generated key is only spelled out if the request is admitted (a refusal
             // under it is never recorded), so rejections cost no allocation for it.
-            idempotency_key: req.idempotency_key.clone().unwrap_or_default(),
+            idempotency_key: self.shared_key(req.idempotency_key.as_deref()),
             tokens_held: 0,
             ledger: None,
             shadow: false,
@@ -402,15 +402,28 @@ impl Gate {
             }
         }
         let generated_key = o.req.idempotency_key.is_none();
+        // The ledger makes the key's one shared copy (or has it: a retried key), which the
+        // decision, the job and the key index then share.
         let key = if generated_key {
-            format!("{}{}", self.key_prefix, job_id.0)
+            let mut buf = [0u8; 128];
+            let mut w = &mut buf[..];
+            let spelled =
+                std::io::Write::write_fmt(&mut w, format_args!("{}{}", self.key_prefix, job_id.0));
+            let len = 128 - w.len();
+            match (spelled, std::str::from_utf8(&buf[..len])) {
+                (Ok(()), Ok(k)) => self.place_hold(&mut o, k),
+                // A prefix longer than the buffer: spelled on the heap.
+                _ => self.place_hold(&mut o, &format!("{}{}", self.key_prefix, job_id.0)),
+            }
         } else {
-            std::mem::take(&mut o.d.idempotency_key)
+            let key = o.d.idempotency_key.clone();
+            self.place_hold(&mut o, &key)
+        };
+        let key = match key {
+            ControlFlow::Continue(key) => key,
+            ControlFlow::Break(refused) => return refused,
         };
         o.d.idempotency_key = key.clone();
-        if let ControlFlow::Break(refused) = self.place_hold(&mut o, &key) {
-            return refused;
-        }
         self.keys.insert(key.clone(), job_id);
         let job = queued_job(&o, reason, key, generated_key);
         self.enqueue(&o, job);
@@ -469,9 +482,19 @@ impl Gate {
         }
     }
 
-    /// Reserve the admitted request's tokens under `key`. Under the rollback flag (or a
-    /// shadowed ledger refusal) the retry cap and grant were bypassed: reserve past them.
-    fn place_hold(&mut self, o: &mut Offer, key: &str) -> ControlFlow<Decision> {
+    /// A decision's key: the request's, or the shared empty one.
+    fn shared_key(&self, key: Option<&str>) -> crate::ledger::Shared {
+        key.map_or_else(|| self.no_key.clone(), crate::ledger::Shared::from)
+    }
+
+    /// Reserve the admitted request's tokens under `key`; returns the key's shared copy the
+    /// hold is under. Under the rollback flag (or a shadowed ledger refusal) the retry cap
+    /// and grant were bypassed: reserve past them.
+    fn place_hold(
+        &mut self,
+        o: &mut Offer,
+        key: &str,
+    ) -> ControlFlow<Decision, crate::ledger::Shared> {
         let (now, req) = (o.now, &o.req);
         let tenant = req.tenant.as_deref();
         let hold = if o.bypass_ledger {
@@ -490,8 +513,9 @@ impl Gate {
                 } else {
                     self.ledger.untrack_expiry(key).unwrap_or(r)
                 };
+                let key = r.key.clone();
                 self.ledger_out.push(r);
-                ControlFlow::Continue(())
+                ControlFlow::Continue(key)
             }
             Err(rej) => {
                 // check() just passed; only a duplicate can remain, and that was handled
@@ -581,7 +605,7 @@ fn perf_slowdown() {
 }
 
 /// The queued job an admitted offer becomes, held under `key`.
-fn queued_job(o: &Offer, reason: Reason, key: String, generated_key: bool) -> Job {
+fn queued_job(o: &Offer, reason: Reason, key: crate::ledger::Shared, generated_key: bool) -> Job {
     let (req, e) = (&o.req, &o.eval);
     Job {
         class: o.lane,

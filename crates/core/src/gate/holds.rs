@@ -55,7 +55,7 @@ impl Gate {
         self.keys
             .iter()
             .filter(|(_, id)| self.jobs.contains_key(id))
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| k.to_string())
             .collect()
     }
 
@@ -113,24 +113,24 @@ impl Gate {
         let live = self.live_keys();
         let shared: std::collections::HashMap<&str, (u64, u32, Millis)> = records
             .iter()
-            .map(|r| (r.key.as_str(), (r.version, r.attempt, r.created_at_ms)))
+            .map(|r| (&*r.key, (r.version, r.attempt, r.created_at_ms)))
             .collect();
         let me = me.as_deref();
         let mine: Vec<HoldRecord> = self
             .ledger
             .records()
-            .filter(|r| match shared.get(r.key.as_str()) {
+            .filter(|r| match shared.get(&*r.key) {
                 // Only a newer version of the same hold (versions of different holds come
                 // from different replicas' clocks): this gate's live job's, or one it placed.
                 Some((version, attempt, created)) => {
                     *version < r.version
                         && *attempt == r.attempt
                         && *created == r.created_at_ms
-                        && (live.contains(&r.key) || (me.is_some() && r.owner.as_deref() == me))
+                        && (live.contains(&*r.key) || (me.is_some() && r.owner.as_deref() == me))
                 }
                 // A key the store lacks was pruned there (its writes were flushed before the
                 // load), unless the store lost its data.
-                None => store_lost_data || live.contains(&r.key),
+                None => store_lost_data || live.contains(&*r.key),
             })
             .cloned()
             .collect();
@@ -168,7 +168,7 @@ impl Gate {
                 continue;
             }
             let until = d.until(grace_ms);
-            if !r.owner.as_ref().is_some_and(|o| alive.contains(o)) {
+            if !r.owner.as_ref().is_some_and(|o| alive.contains(&**o)) {
                 // Whether it ran to its end is unknown (its `done` may be lost with its
                 // process, or cut off with it): its key stays held for the hold's TTL, so a
                 // retry is a duplicate rather than a second run.
@@ -198,8 +198,8 @@ impl Gate {
             .records()
             .filter(|r| r.state == crate::ledger::HoldState::Held && !r.reservation)
             .filter(|r| r.owner.is_some() && r.owner.as_deref() != me)
-            .filter(|r| !live.contains(&r.key))
-            .map(|r| r.key.clone())
+            .filter(|r| !live.contains(&*r.key))
+            .map(|r| r.key.to_string())
             .take(limit)
             .collect()
     }

@@ -44,9 +44,11 @@ pub struct Gate {
     /// Ledger records changed since the caller last took them (to persist).
     ledger_out: Vec<HoldRecord>,
     /// Live jobs by idempotency key.
-    keys: HashMap<String, JobId>,
+    keys: HashMap<crate::ledger::Shared, JobId>,
     /// Prefix of generated keys, unique per process start (set by the caller).
     key_prefix: String,
+    /// The empty key of a decision without one (shared: a refusal allocates nothing).
+    no_key: crate::ledger::Shared,
     /// Shutting down: nothing new is admitted, and queued work must finish by this time.
     closing_at: Option<Millis>,
     /// A drain suspended the default class: unlabeled work is refused.
@@ -79,6 +81,7 @@ impl Gate {
             ledger_out: Vec::new(),
             keys: HashMap::new(),
             key_prefix: GENERATED_KEY_PREFIX.into(),
+            no_key: crate::ledger::Shared::from(""),
             closing_at: None,
             unlabeled_suspended: false,
             share_parts: 1,

@@ -88,7 +88,7 @@ impl Gate {
             retry_after_ms: Some(after),
             should_retry: retry,
             deadline: None,
-            idempotency_key: String::new(),
+            idempotency_key: self.no_key.clone(),
             tokens_held: 0,
             ledger: None,
             shadow: self.cfg.shadow && !self.cfg.admit_always,

@@ -35,7 +35,7 @@ pub(super) struct Job {
     /// Admitted while the estimator warms up: its estimate is not trusted enough to drop it.
     pub(super) protected: bool,
     /// Idempotency key of its hold in the ledger.
-    pub(super) key: String,
+    pub(super) key: crate::ledger::Shared,
     /// The gate made the key up (the client sent none): nobody can replay it.
     pub(super) generated_key: bool,
     /// Placed through the reservation API.

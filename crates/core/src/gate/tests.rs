@@ -758,7 +758,7 @@ fn shared_hold(
         prior_spent: 0,
         prior_wasted: 0,
         reservation: false,
-        owner: owner.map(str::to_string),
+        owner: owner.map(Into::into),
         dispatched: None,
     }
 }
@@ -792,7 +792,7 @@ fn a_gate_adopting_a_shared_ledger_keeps_its_own_live_holds_and_expires_a_dead_p
     let out = g.take_ledger_records();
     assert!(out
         .iter()
-        .any(|h| h.key == "dead" && h.state == HoldState::Expired));
+        .any(|h| &*h.key == "dead" && h.state == HoldState::Expired));
     let mut dup = req(&g, "prod");
     dup.idempotency_key = Some("settled".into());
     assert_eq!(g.offer(2_001, dup).reason, Reason::RejectDuplicate);
@@ -828,7 +828,7 @@ fn a_gate_adopting_an_emptied_shared_ledger_keeps_what_it_knew_and_writes_it_bac
     let out = g.take_ledger_records();
     assert!(out
         .iter()
-        .any(|h| h.key == "k" && h.state == HoldState::Done));
+        .any(|h| &*h.key == "k" && h.state == HoldState::Done));
     let mut dup = req(&g, "prod");
     dup.idempotency_key = Some("k".into());
     assert_eq!(g.offer(2_001, dup).reason, Reason::RejectDuplicate);
@@ -855,7 +855,7 @@ fn adopting_without_data_loss_brings_back_no_pruned_key_and_keeps_live_replicas_
     assert_eq!(l.get("c-live").map(|h| h.state), Some(HoldState::Held));
     assert_eq!(l.get("a-dead").map(|h| h.state), Some(HoldState::Expired));
     let out = g.take_ledger_records();
-    assert!(out.iter().all(|h| h.key != "old"));
+    assert!(out.iter().all(|h| &*h.key != "old"));
     // Replica c stops checking in: its proxied hold is an orphan now.
     assert_eq!(
         g.expire_orphans(3_000, &std::collections::HashSet::new()),
@@ -903,7 +903,7 @@ fn a_gate_taking_a_cluster_over_counts_the_old_leaders_running_requests_in_their
     let store = a.take_ledger_records();
     let mark = store
         .iter()
-        .filter(|r| r.key == "a1")
+        .filter(|r| &*r.key == "a1")
         .filter_map(|r| r.dispatched.clone())
         .next_back()
         .expect("a dispatched hold records its dispatch");

@@ -106,7 +106,7 @@ pub struct Decision {
     /// The absolute deadline the gate holds the request to.
     pub deadline: Option<Millis>,
     /// The idempotency key the hold is (or would be) under.
-    pub idempotency_key: String,
+    pub idempotency_key: crate::ledger::Shared,
     /// Tokens held for this request (0 when rejected).
     pub tokens_held: u64,
     /// For ledger rejections: duplicate, retry cap or budget details.

@@ -54,13 +54,18 @@ impl HoldState {
     }
 }
 
+/// A shared, immutable string: an idempotency key, a tenant or a replica id. Made once (when a
+/// key is generated or first seen) and shared by the ledger's maps, the records it hands out,
+/// the queued job and its decision, so that an admission copies no string.
+pub type Shared = std::sync::Arc<str>;
+
 /// One key's latest hold, as persisted (one row per key in the embedded store).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HoldRecord {
     /// The idempotency key (client-sent, or generated).
-    pub key: String,
+    pub key: Shared,
     /// Hashed tenant, if known.
-    pub tenant: Option<String>,
+    pub tenant: Option<Shared>,
     /// Where the hold stands.
     pub state: HoldState,
     /// Attempt number of this hold (0 for the first try).
@@ -95,7 +100,7 @@ pub struct HoldRecord {
     /// replica taking a cluster's ledger over expires the proxied holds of replicas that are
     /// gone, and keeps those of replicas still running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub owner: Option<String>,
+    pub owner: Option<Shared>,
     /// Where and when the hold's request was sent upstream (cluster mode; `None` while it
     /// queues, and on a gate alone). A replica taking a cluster over counts such a request as
     /// occupying its slot until its estimate (plus a grace) has run out, whoever placed it.

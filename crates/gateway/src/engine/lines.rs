@@ -152,7 +152,7 @@ pub(crate) fn admission_body(
         retry_after_ms: d.retry_after_ms,
         job_id: d.job_id.0,
         class: (!meta.class.is_empty()).then(|| meta.class.clone()),
-        idempotency_key: (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.clone()),
+        idempotency_key: (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.to_string()),
         ledger: d.ledger.clone(),
         tenant_share: d.tenant_share,
     }

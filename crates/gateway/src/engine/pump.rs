@@ -266,6 +266,6 @@ pub(crate) fn decide(
     }
     meta.tokens_held = d.tokens_held;
     meta.led_epoch = st.leading;
-    meta.idempotency_key = Some(d.idempotency_key.clone()).filter(|k| !k.is_empty());
+    meta.idempotency_key = (!d.idempotency_key.is_empty()).then(|| d.idempotency_key.to_string());
     d
 }

@@ -17,7 +17,7 @@ pub struct MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    records: Mutex<HashMap<String, HoldRecord>>,
+    records: Mutex<HashMap<slackgate_core::ledger::Shared, HoldRecord>>,
     counters: Counters,
     /// Generated at first use; clones share it, like the records.
     tenant_key: std::sync::OnceLock<[u8; crate::support::tenant::KEY_BYTES]>,
@@ -39,7 +39,7 @@ impl MemoryStore {
         self.records().is_empty()
     }
 
-    fn records(&self) -> MutexGuard<'_, HashMap<String, HoldRecord>> {
+    fn records(&self) -> MutexGuard<'_, HashMap<slackgate_core::ledger::Shared, HoldRecord>> {
         // A panic while holding the lock cannot leave the map half-updated (every change is
         // one insert or one assignment), so a poisoned lock is still safe to use.
         self.inner
@@ -101,8 +101,8 @@ mod tests {
 
     fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
         HoldRecord {
-            key: key.to_owned(),
-            tenant: Some("t".to_owned()),
+            key: key.into(),
+            tenant: Some("t".into()),
             state,
             attempt: 0,
             tokens_held: 800,

@@ -325,7 +325,10 @@ impl Counters {
 
 /// Merge `record` into `map`, keeping the highest version of each key. The one rule every
 /// store follows; a tie keeps what is there (the same version is the same change).
-pub(crate) fn keep_newest(map: &mut HashMap<String, HoldRecord>, record: HoldRecord) {
+pub(crate) fn keep_newest(
+    map: &mut HashMap<slackgate_core::ledger::Shared, HoldRecord>,
+    record: HoldRecord,
+) {
     match map.get_mut(&record.key) {
         Some(existing) if existing.version >= record.version => {}
         Some(existing) => *existing = record,
@@ -342,7 +345,7 @@ mod tests {
 
     fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
         HoldRecord {
-            key: key.to_owned(),
+            key: key.into(),
             tenant: None,
             state,
             attempt: 0,

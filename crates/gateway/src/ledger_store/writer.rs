@@ -268,7 +268,7 @@ impl Writer {
         }
         // Within one batch only the newest version of each key can matter (a `held` and its
         // `done` queued together become one row write).
-        let mut newest: HashMap<String, (HoldRecord, [i64; 10])> =
+        let mut newest: HashMap<slackgate_core::ledger::Shared, (HoldRecord, [i64; 10])> =
             HashMap::with_capacity(storable.len());
         for (record, ints) in storable {
             match newest.get(&record.key) {
@@ -462,8 +462,8 @@ fn parse_row(row: &Row<'_>) -> Result<HoldRecord, String> {
         prior_spent: int(11, "prior_spent")?,
         prior_wasted: int(12, "prior_wasted")?,
         reservation: int(13, "reservation")? != 0,
-        key,
-        tenant,
+        key: key.into(),
+        tenant: tenant.map(Into::into),
         state,
         owner: None,
         dispatched: None,

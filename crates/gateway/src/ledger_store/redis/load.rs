@@ -110,7 +110,7 @@ fn parse_entry(field: &[u8], value: &[u8]) -> Result<HoldRecord, String> {
     }
     let r: HoldRecord = serde_json::from_slice(value)
         .map_err(|e| format!("key {shown:?}: not a ledger record: {e}"))?;
-    if r.key != field {
+    if *r.key != *field {
         return Err(format!(
             "key {shown:?}: the record inside names another key"
         ));

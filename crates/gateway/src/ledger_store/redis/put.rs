@@ -36,7 +36,7 @@ impl PutBatch {
         let mut unstorable = 0u64;
         for r in &batch {
             match serde_json::to_vec(r) {
-                Ok(json) => payload.push((r.key.clone(), json)),
+                Ok(json) => payload.push((r.key.to_string(), json)),
                 Err(_) => unstorable += 1,
             }
         }
@@ -80,7 +80,7 @@ fn coalesce<'a>(records: impl Iterator<Item = &'a HoldRecord>) -> Vec<HoldRecord
     let mut out: Vec<HoldRecord> = Vec::new();
     let mut last: HashMap<&str, usize> = HashMap::new();
     for r in records {
-        if let Some(&i) = last.get(r.key.as_str()) {
+        if let Some(&i) = last.get(&*r.key) {
             let prev = &mut out[i];
             if prev.attempt == r.attempt && prev.created_at_ms == r.created_at_ms {
                 if r.version > prev.version {
@@ -89,7 +89,7 @@ fn coalesce<'a>(records: impl Iterator<Item = &'a HoldRecord>) -> Vec<HoldRecord
                 continue;
             }
         }
-        last.insert(r.key.as_str(), out.len());
+        last.insert(&r.key, out.len());
         out.push(r.clone());
     }
     out
@@ -146,7 +146,7 @@ pub(super) mod tests {
         version: u64,
     ) -> HoldRecord {
         HoldRecord {
-            key: key.to_owned(),
+            key: key.into(),
             tenant: None,
             state,
             attempt,
@@ -176,10 +176,8 @@ pub(super) mod tests {
             rec("k", 1, 5, HoldState::Held, 5),
         ];
         let out = coalesce(records.iter());
-        let got: Vec<(&str, u32, HoldState)> = out
-            .iter()
-            .map(|r| (r.key.as_str(), r.attempt, r.state))
-            .collect();
+        let got: Vec<(&str, u32, HoldState)> =
+            out.iter().map(|r| (&*r.key, r.attempt, r.state)).collect();
         assert_eq!(
             got,
             [
