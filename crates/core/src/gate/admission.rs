@@ -256,7 +256,9 @@ impl Gate {
     /// it decides something (an admission, or a displacement), hold the tenant's queued work
     /// to what its share serves within the request's slack (see `Gate::share_wait`): over it,
     /// a request that would be admitted is refused, and none displaces another's job. A
-    /// tenant with nothing queued is never refused on its share. See [`super::tenants`].
+    /// tenant with nothing queued is refused on its share only when the tenant headroom would
+    /// hold the request past its slack (it runs its share and no slot beyond the kept ones is
+    /// free for the jobs ahead of it). See [`super::tenants`].
     fn share_verdict(&mut self, o: &mut Offer) {
         if !self.fairness_on() {
             return;
@@ -269,7 +271,10 @@ impl Gate {
         if !(o.verdict == Ok(Reason::WithinSlack) || displacing) {
             return;
         }
-        let Some((wait, slack)) = self.share_wait(o.now, o.class, &o.eval, st) else {
+        // Protected work (warm-up, probes) and reservations are never held at dispatch.
+        let holdable =
+            !o.req.reservation && !matches!(o.verdict, Ok(Reason::EstimatorWarmup | Reason::Probe));
+        let Some((wait, slack)) = self.share_wait(o.now, o.class, &o.eval, st, holdable) else {
             return;
         };
         if i128::from(wait) > i128::from(slack) {

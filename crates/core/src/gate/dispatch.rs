@@ -2,7 +2,18 @@
 //! (or drops it when it can no longer make its deadline), and [`Gate::tick`] drops queued jobs
 //! whose slack died while they waited.
 
+use super::fairness::{HoldView, SCAN_TENANTS, SHARE_SCAN};
 use super::*;
+
+/// A lane's next job on a pool, as dispatch sees it.
+enum LaneNext {
+    /// Nothing queued.
+    Empty,
+    /// Every job queued is held by the tenant headroom, which keeps `keep` slots.
+    Held { keep: u32 },
+    /// This one goes next (unless a lane of higher priority has one).
+    Job(QueueKey, JobId),
+}
 
 impl Gate {
     /// The next thing to do: dispatch a job into a free slot, or tell a dropped job's client.
@@ -92,7 +103,8 @@ impl Gate {
 
     /// The job a pool runs next, leaving out the lanes in `skip`: highest priority first;
     /// among equal priorities, earliest deadline. Jobs the tenant headroom holds back are
-    /// passed over (and listed in `passed`).
+    /// passed over (and listed in `passed`); past a lane it holds whole, the lanes after it
+    /// leave it the slots it keeps while their jobs can wait (see `can_wait_for_kept`).
     fn next_queued(
         &self,
         now: Millis,
@@ -101,63 +113,112 @@ impl Gate {
         passed: &mut Vec<JobId>,
     ) -> Option<(LaneId, JobId)> {
         let mut best: Option<(u32, QueueKey, LaneId, JobId)> = None;
+        let mut kept = 0u32;
         for cid in &self.pools[pi].classes {
             if skip.contains(cid) {
                 continue;
             }
             let c = &self.classes[cid.0];
-            if let Some((key, id)) = self.lane_next(now, PoolId(pi), *cid, passed) {
-                match best {
-                    Some((p, k, _, _)) if p > c.priority || (p == c.priority && k <= key) => {}
-                    _ => best = Some((c.priority, key, *cid, id)),
+            let (key, id) = match self.lane_next(now, PoolId(pi), *cid, passed) {
+                LaneNext::Empty => continue,
+                LaneNext::Held { keep } => {
+                    kept = kept.max(keep);
+                    continue;
                 }
-                if best.is_some_and(|(p, _, _, _)| p > c.priority) {
-                    break;
-                }
+                LaneNext::Job(key, id) => (key, id),
+            };
+            if kept > 0 && self.waits_for_kept(now, PoolId(pi), id, kept) {
+                passed.push(id);
+                continue;
+            }
+            match best {
+                Some((p, k, _, _)) if p > c.priority || (p == c.priority && k <= key) => {}
+                _ => best = Some((c.priority, key, *cid, id)),
+            }
+            if best.is_some_and(|(p, _, _, _)| p > c.priority) {
+                break;
             }
         }
         best.map(|(_, _, lane, id)| (lane, id))
     }
 
+    /// Job `id` of a lane past one the tenant headroom holds whole, `kept` slots kept: it
+    /// leaves them while no more are free and it can wait.
+    fn waits_for_kept(&self, now: Millis, pool: PoolId, id: JobId, kept: u32) -> bool {
+        let free = self.pools[pool.0].free_now_seen(now, super::endpoints::Neighbours::Ignored);
+        free <= kept
+            && self
+                .jobs
+                .get(&id)
+                .is_some_and(|j| self.can_wait_for_kept(now, pool, j))
+    }
+
     /// A lane's next job on its pool: its front or, with tenants told apart, the first of
     /// the next [`SHARE_SCAN`] the tenant headroom does not hold (see `fairness`); past
-    /// them, the front.
+    /// them, the front. Each tenant met is looked at once ([`Gate::hold_view`]); a job of
+    /// it is held while its deadline allows waiting for a slot of its tenant's share behind
+    /// the tenant's jobs passed over before it.
     fn lane_next(
         &self,
         now: Millis,
         pool: PoolId,
         lane: LaneId,
         passed: &mut Vec<JobId>,
-    ) -> Option<(QueueKey, JobId)> {
+    ) -> LaneNext {
         let q = &self.classes[lane.0].queue;
-        let front = q.front()?;
+        let Some(front) = q.front() else {
+            return LaneNext::Empty;
+        };
         if !self.fairness_on() {
-            return Some(front);
+            return LaneNext::Job(front.0, front.1);
         }
         let before = passed.len();
-        // The jobs passed over, by tenant: a tenant's later job waits for its earlier ones.
-        let mut tenants = [(u32::MAX, 0u64); super::fairness::SHARE_SCAN];
-        for (n, (key, id)) in q.iter().take(super::fairness::SHARE_SCAN).enumerate() {
+        let free = self.pools[pool.0].free_now_seen(now, super::endpoints::Neighbours::Ignored);
+        let margin = self.hold_margin(now, pool);
+        // The tenants met: bucket, the work of theirs passed over so far, what holds them.
+        let mut met: [(u32, u64, Option<HoldView>); SCAN_TENANTS] =
+            [(u32::MAX, 0, None); SCAN_TENANTS];
+        let mut n_met = 0;
+        let mut keep = 0u32;
+        let mut scanned = 0usize;
+        for (key, id) in q.iter().take(SHARE_SCAN) {
+            scanned += 1;
             let Some(j) = self.jobs.get(&id) else {
-                return Some((key, id));
+                return LaneNext::Job(key, id);
             };
-            let slot = j.tenant_slot.unwrap_or(u32::MAX);
-            let ahead: u64 = tenants[..n]
-                .iter()
-                .filter(|t| t.0 == slot)
-                .map(|t| t.1)
-                .sum();
-            if !self.held_for_share(now, pool, j, ahead) {
-                return Some((key, id));
+            let Some(slot) = j.tenant_slot.filter(|_| !j.protected && !j.reservation) else {
+                return LaneNext::Job(key, id);
+            };
+            let i = match met[..n_met].iter().position(|m| m.0 == slot) {
+                Some(i) => i,
+                None if n_met == SCAN_TENANTS => break,
+                None => {
+                    let st = self.classes[lane.0].tenants.standing(slot);
+                    let view = self
+                        .hold_view(now, pool, lane, st, 0)
+                        .filter(|v| v.keep > 0 && free <= v.keep);
+                    met[n_met] = (slot, 0, view);
+                    n_met += 1;
+                    n_met - 1
+                }
+            };
+            let (_, ahead, view) = &mut met[i];
+            let Some(v) = view else {
+                return LaneNext::Job(key, id);
+            };
+            let wait = v.wait(*ahead).saturating_add(margin);
+            if j.slack_after(now, wait).is_some_and(|s| s < 0) {
+                return LaneNext::Job(key, id);
             }
-            tenants[n] = (slot, j.est.service_ms);
+            *ahead = ahead.saturating_add(j.est.service_ms);
+            keep = keep.max(v.keep);
             passed.push(id);
         }
-        if passed.len() - before < super::fairness::SHARE_SCAN {
-            return None; // every job of the lane held
+        if scanned == q.len() && passed.len() > before {
+            return LaneNext::Held { keep };
         }
         passed.truncate(before);
-        Some(front)
+        LaneNext::Job(front.0, front.1)
     }
 
     /// Teach the job's class how late it starts against its promise (a job dropped now
@@ -390,8 +451,12 @@ impl Gate {
                 .sum(),
             false => 0,
         };
-        let mut ahead: std::collections::HashMap<(usize, u32), u64> =
+        // Per tenant: its work walked so far, and what holds it (an index into `views`,
+        // `u32::MAX` for nothing), looked at once per tick.
+        let mut ahead: std::collections::HashMap<(usize, u32), (u64, u32)> =
             std::collections::HashMap::with_capacity(tenants);
+        let mut views: Vec<HoldView> = Vec::new();
+        let seen_free = u32::try_from(free).unwrap_or(u32::MAX);
         let mut i = 0;
         while i < classes.len() {
             // Nothing at this level or below can die: stop walking.
@@ -412,10 +477,22 @@ impl Gate {
                     filler.level(work)
                 };
                 if let (true, Some(slot)) = (fair && wait > 0, job.tenant_slot) {
-                    let n = ahead.entry((job.class.0, slot)).or_insert(0);
-                    let st = self.classes[job.class.0].tenants.standing(slot);
-                    if let Some(own) = self.share_hold_wait(now, PoolId(pi), job.class, st, *n) {
-                        wait = wait.min(own);
+                    let (n, view) = ahead.entry((job.class.0, slot)).or_insert_with(|| {
+                        let st = self.classes[job.class.0].tenants.standing(slot);
+                        let held = self
+                            .hold_view(now, PoolId(pi), job.class, st, 0)
+                            .filter(|v| v.keep > 0 && seen_free <= v.keep);
+                        let index = match held {
+                            Some(v) => {
+                                views.push(v);
+                                views.len() as u32 - 1
+                            }
+                            None => u32::MAX,
+                        };
+                        (0, index)
+                    });
+                    if let Some(v) = views.get(*view as usize) {
+                        wait = wait.min(v.wait(*n));
                     }
                     *n = n.saturating_add(job.est.service_ms);
                 }

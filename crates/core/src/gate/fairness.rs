@@ -11,8 +11,13 @@ use super::*;
 const SHARE_SPREAD: f64 = 0.5;
 
 /// Jobs of one lane dispatch looks past for one the tenant headroom does not hold; beyond
-/// them the lane's front goes (every admission behind it counted on that order anyway).
-pub(super) const SHARE_SCAN: usize = 32;
+/// them the lane's front goes (every admission behind it counted on that order anyway). A
+/// tenant's backlog is held to what its share serves in its slack, so only a pool of
+/// hundreds of slots with several floods at once queues this many held jobs.
+pub(super) const SHARE_SCAN: usize = 1024;
+
+/// Distinct tenants one scan looks at (each once); past them the lane's front goes.
+pub(super) const SCAN_TENANTS: usize = 16;
 
 /// Ends of a tenant's running jobs ranked at most this deep; deeper, the latest is used.
 const RANK_DEPTH: usize = 64;
@@ -23,20 +28,49 @@ pub(super) fn affordable_keep(m: f64, budget: f64) -> u32 {
     if !(m.is_finite() && m > 0.0 && budget > 0.0) {
         return 0;
     }
-    // P(N = n), summed as k grows: E[(k+1 - N)+] = E[(k - N)+] + P(N <= k).
-    let (mut p, mut cdf, mut idle) = ((-m).exp(), 0.0, 0.0);
+    // P(N = n), summed as k grows: E[(k+1 - N)+] = E[(k - N)+] + P(N <= k). In log space:
+    // for a large `m`, `exp(-m)` alone underflows and the first terms would all be 0.
+    let ln_m = m.ln();
+    let (mut ln_p, mut cdf, mut idle) = (-m, 0.0, 0.0);
+    // Past m + 8 sqrt(m) the tail is spent: every slot more idles whole.
+    let limit = (m + 8.0 * m.sqrt() + 16.0).min(f64::from(u16::MAX)) as u32;
     let mut k = 0u32;
-    while k < 1024 {
-        cdf += p;
+    while k < limit {
+        cdf += ln_p.exp();
         let next = idle + cdf;
         if next > budget {
             break;
         }
         idle = next;
         k += 1;
-        p *= m / f64::from(k);
+        ln_p += ln_m - f64::from(k).ln();
     }
     k
+}
+
+/// What the tenant headroom holds one tenant to on a pool (see [`Gate::hold_view`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct HoldView {
+    /// Slots kept for the other tenants, their reserve in use included.
+    pub(super) target: u32,
+    /// Slots kept for the other tenants beyond their reserve in use: the tenant's job is held
+    /// while no more than these are free (never when 0).
+    pub(super) keep: u32,
+    /// When its own slots free up (ms from now), the first `k`.
+    slots: [u64; RANK_DEPTH],
+    k: usize,
+    /// More of its jobs run than are ranked: the latest end, and its own slots' count.
+    beyond_ranked: Option<(u64, u64)>,
+}
+
+impl HoldView {
+    /// When its own slots have taken `ahead_work` of its queued work (by the estimates).
+    pub(super) fn wait(&self, ahead_work: u64) -> u64 {
+        match self.beyond_ranked {
+            Some((latest, own)) => latest.saturating_add(ahead_work / own.max(1)),
+            None => super::projection::water_fill(&self.slots[..self.k], ahead_work),
+        }
+    }
 }
 
 impl Gate {
@@ -67,7 +101,7 @@ impl Gate {
 
     /// The wait the tenant's share projects for its queued work on `lane`, and the slack it is
     /// held to, as `(wait, slack)`; `None` when there is nothing to hold (the whole pool, an
-    /// empty backlog, no deadline). The share is of the slots the higher classes (and the
+    /// empty backlog that the tenant headroom would not hold either, no deadline). The share is of the slots the higher classes (and the
     /// servers' neighbours) leave, behind what runs now spread over the slots: the others'
     /// requests wait for that too, so with every tenant held to its share of the slack left,
     /// a newcomer within its share still fits. A deadline the client chose counts for no
@@ -78,22 +112,29 @@ impl Gate {
         lane: LaneId,
         e: &Eval,
         st: super::tenants::Standing,
+        holdable: bool,
     ) -> Option<(u64, i64)> {
         let slack = e.padded_slack?;
         if st.share >= 1.0 {
             return None;
         }
-        // Where the tenant headroom may hold it, it starts on a slot of its own share behind
-        // its tenant's queued work (if no more are free now than the headroom keeps), and
-        // the hold lets it go with its margin in hand (see `hold_margin`).
-        // Free slots enough for its queued jobs and this one beyond the headroom: it starts
-        // now, whatever the hold would do later.
-        let target = self.tenant_keep_target(now, e.pool, lane, st).0;
+        // Where the tenant headroom may hold it (as dispatch would: see `hold_view`, with
+        // its tenant's queued jobs started before it), it starts on a slot of its own share
+        // behind its tenant's queued work, and the hold lets it go with its margin in hand
+        // (see `hold_margin`). Free slots enough for every job queued ahead of it, whoever's,
+        // and this one beyond the headroom: it starts now, whatever the hold would do later.
+        let view = match holdable {
+            true => self.hold_view(now, e.pool, lane, st, st.queued),
+            false => None,
+        };
         let free = self.pools[e.pool.0].free_now_seen(now, super::endpoints::Neighbours::Ignored);
-        let starts_now = free > target.saturating_add(st.queued);
-        let (own, margin) = if target > 0 && !starts_now {
+        // The kept slots count whole here, the light tenants' reserve in use too: their jobs
+        // running now may end before this one would start, and the hold keeps those slots
+        // again (counting `keep` alone admitted backlogs that later could not wait).
+        let held = view.filter(|v| free <= v.target.saturating_add(e.count_ahead));
+        let (own, margin) = if let Some(v) = held {
             (
-                self.own_slot_wait(now, e.pool, lane, st, st.queued_work),
+                v.wait(st.queued_work),
                 // Twice the hold's: its estimate of the own slots drifts as jobs run and
                 // end, and a job admitted at the edge would be let go at once.
                 self.hold_margin(now, e.pool)
@@ -103,7 +144,7 @@ impl Gate {
         } else {
             (0, 0)
         };
-        if st.queued_work == 0 && own == 0 && margin == 0 {
+        if st.queued_work == 0 && held.is_none() {
             return None;
         }
         let l = &self.classes[lane.0];
@@ -134,9 +175,9 @@ impl Gate {
 
     /// The tenant headroom for `st` on `pool`, and how many slots the light tenants it is
     /// kept for already hold (their reserve in use): slots the other tenants of `lane` are
-    /// forecast to need, when `st` already runs its share of the slots (its weight's share,
-    /// rounded up); while no more than that less theirs are free, its next job waits for a
-    /// slot of its own share. The forecast is the light tenants' admitted work per ms (busy
+    /// forecast to need, when `st` runs its share of the slots (its weight's share, rounded
+    /// up) with `pending` more of its jobs started first; while no more than that less theirs
+    /// are free, its next job waits for a slot of its own share. The forecast is the light tenants' admitted work per ms (busy
     /// slots `m`, at most their share) plus half of `sqrt(m)` for the spread of concurrent
     /// arrivals, rounded, at most what `headroom_max_idle` affords to leave idle
     /// ([`affordable_keep`]), and never so many that `st` cannot run its share. `(0, _)`:
@@ -147,6 +188,7 @@ impl Gate {
         pool: PoolId,
         lane: LaneId,
         st: Standing,
+        pending: u32,
     ) -> (u32, u32) {
         let max_idle = self.cfg.fairness.headroom_max_idle;
         if st.share >= 1.0 || max_idle <= 0.0 || self.cfg.admit_always || self.cfg.shadow {
@@ -154,7 +196,7 @@ impl Gate {
         }
         let slots = self.pools[pool.0].slots;
         let own = ((st.share * f64::from(slots)).ceil() as u32).max(1);
-        if st.running < own {
+        if st.running.saturating_add(pending) < own {
             return (0, 0);
         }
         let book = &self.classes[lane.0].tenants;
@@ -193,37 +235,25 @@ impl Gate {
         (keep, light_running)
     }
 
-    /// How long a job of tenant `st` would wait for the tenant headroom to let it start on
-    /// `pool` now: `None` when it would not be held (fewer free slots than the headroom keeps
-    /// would hold it); otherwise [`Gate::own_slot_wait`].
-    pub(super) fn share_hold_wait(
+    /// What the tenant headroom holds tenant `st` to on `pool` (with `pending` of its jobs
+    /// started first): `None` when it keeps nothing for the others; otherwise the slots it
+    /// keeps (with and without the others' reserve in use) and the tenant's own slots (its share of them, rounded up), ranked by when they
+    /// free up as its running jobs on `lane` end, past the ones it runs beyond its share.
+    /// Computed once per tenant where many of its jobs are looked at (a dispatch scan, a
+    /// tick). A job is held while no more slots are free than `keep`.
+    pub(super) fn hold_view(
         &self,
         now: Millis,
         pool: PoolId,
         lane: LaneId,
         st: Standing,
-        ahead_work: u64,
-    ) -> Option<u64> {
-        let (target, light_running) = self.tenant_keep_target(now, pool, lane, st);
-        let keep = target.saturating_sub(light_running);
-        let p = &self.pools[pool.0];
-        if keep == 0 || p.free_now_seen(now, super::endpoints::Neighbours::Ignored) > keep {
+        pending: u32,
+    ) -> Option<HoldView> {
+        let (target, light_running) = self.tenant_keep_target(now, pool, lane, st, pending);
+        if target == 0 {
             return None;
         }
-        Some(self.own_slot_wait(now, pool, lane, st, ahead_work))
-    }
-
-    /// When tenant `st`'s own slots on `pool` (its share of them, rounded up) have taken
-    /// `ahead_work` of its queued work (by the estimates): those slots free up as its running
-    /// jobs on `lane` end, past the ones it runs beyond its share.
-    pub(super) fn own_slot_wait(
-        &self,
-        now: Millis,
-        pool: PoolId,
-        lane: LaneId,
-        st: Standing,
-        ahead_work: u64,
-    ) -> u64 {
+        let keep = target.saturating_sub(light_running);
         let p = &self.pools[pool.0];
         // Its share of the slots, rounded up (beyond them it runs only on spare slots, which
         // another flooding tenant may take first).
@@ -242,24 +272,32 @@ impl Gate {
                 n += 1;
             }
         }
+        let mut view = HoldView {
+            target,
+            keep,
+            slots: [0; RANK_DEPTH],
+            k: own.min(RANK_DEPTH),
+            beyond_ranked: None,
+        };
         if n < st.running as usize {
             // More of its jobs run than are ranked: the latest end stands for each of them.
-            return latest.saturating_add(ahead_work / own as u64);
+            view.beyond_ranked = Some((latest, own as u64));
+            return Some(view);
         }
         let ends = &mut ends[..n];
         ends.sort_unstable();
         // Its slots once it is back within its share: the last `own` of the ends (and, while
         // it runs fewer, free ones now).
-        let mut slots = [0u64; RANK_DEPTH];
-        let k = own.min(RANK_DEPTH);
+        let k = view.k;
         let from = n.saturating_sub(k);
         let ranked = n - from;
-        slots[k - ranked..k].copy_from_slice(&ends[from..]);
-        super::projection::water_fill(&slots[..k], ahead_work)
+        view.slots[k - ranked..k].copy_from_slice(&ends[from..]);
+        Some(view)
     }
 
     /// What a held job keeps in hand when the hold lets it go: two promise guards (one for
-    /// the promise, one for the tick that notices), and twice the mean gap between the
+    /// the promise, one for the poll that notices: the gateway polls at every arrival,
+    /// completion and tick), and twice the mean gap between the
     /// pool's slot ends (its running jobs' remaining time over their count, squared), for a
     /// slot that goes to an earlier deadline let go at the same moment. Admission counts it
     /// too, so a tenant's backlog, packed to its share, can be held.
@@ -272,30 +310,22 @@ impl Gate {
             .saturating_add(gap.saturating_mul(2))
     }
 
-    /// A queued job is held by the tenant headroom on `pool`: its tenant runs its share of
-    /// the slots, starting it would leave fewer free than the others' forecast needs, and it
-    /// can still wait for a slot of its own share (after `ahead_work` of its tenant's jobs
-    /// passed over before it) and keep its deadline with two promise guards in hand: one for the
-    /// promise, one for the tick that lets it go. Work under `admit_always` or `shadow`,
-    /// protected work and reservations are never held.
-    pub(super) fn held_for_share(
-        &self,
-        now: Millis,
-        pool: PoolId,
-        job: &Job,
-        ahead_work: u64,
-    ) -> bool {
-        let Some(slot) = job.tenant_slot else {
-            return false;
-        };
-        if job.protected || job.reservation || !self.fairness_on() {
+    /// A job of a lane dispatch reaches past a lane the tenant headroom holds whole (a lower
+    /// class's, most often) may wait for the slots it keeps: with no deadline, or with its
+    /// deadline kept from the next slot end on (with the hold's margin). Protected work and
+    /// reservations never wait for it, nor anything under `admit_always` or `shadow`.
+    pub(super) fn can_wait_for_kept(&self, now: Millis, pool: PoolId, job: &Job) -> bool {
+        if job.protected || job.reservation || self.cfg.admit_always || self.cfg.shadow {
             return false;
         }
-        let st = self.classes[job.class.0].tenants.standing(slot);
-        let Some(wait) = self.share_hold_wait(now, pool, job.class, st, ahead_work) else {
-            return false;
-        };
-        let wait = wait.saturating_add(self.hold_margin(now, pool));
+        let p = &self.pools[pool.0];
+        let next_end = p
+            .in_flight
+            .values()
+            .map(|r| super::projection::remaining(now, r.started, r.est))
+            .min()
+            .unwrap_or(0);
+        let wait = next_end.saturating_add(self.hold_margin(now, pool));
         job.slack_after(now, wait).is_none_or(|s| s >= 0)
     }
 }

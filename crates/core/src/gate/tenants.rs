@@ -1,20 +1,20 @@
 //! Fair share between the tenants of one lane (a class's queue on one pool).
 //!
 //! A tenant's share of the pool is its weight over the summed weights of the lane's active
-//! tenants (those with work queued, or an arrival within `fairness.active_ms`): an idle
-//! tenant's share goes to the others, and a tenant that stays active keeps its weight in the
-//! sum, so the others' backlogs stay held to their own shares meanwhile. (Only queued work is
-//! counted: no slot is held back at dispatch.) Admission holds each tenant's queued work to what
-//! its share serves within the request's slack (`Gate::share_verdict`): a flooding tenant's
-//! backlog stays within its share of the deadline, so the earliest-deadline queue that every
-//! tenant shares keeps the others' waits (and promises) as if the flood were not there, while
-//! every slot stays busy (the queue itself is one line: nothing waits for a tenant's turn).
+//! tenants (those with work queued or running, or an arrival within `fairness.active_ms`):
+//! an idle tenant's share goes to the others, and a tenant that stays active keeps its
+//! weight in the sum, so the others' backlogs stay held to their own shares meanwhile.
+//! Admission holds each tenant's queued work to what its share serves within the request's
+//! slack (`Gate::share_verdict`): a flooding tenant's backlog stays within its share of the
+//! deadline, so the earliest-deadline queue that every tenant shares keeps the others' waits
+//! (and promises) as if the flood were not there.
 //!
 //! A server does not preempt, so a tenant that fills idle slots with long requests would still
 //! make the others wait for a slot. Each bucket therefore also counts its running jobs and the
 //! recent rate of its admitted work: at dispatch a tenant that already runs its share of the
 //! slots does not take the last ones the other tenants' arrivals are forecast to need
-//! (`Gate::held_for_share`, tenant headroom); it keeps its share meanwhile.
+//! (`Gate::hold_view`, the tenant headroom): its job waits in the queue while its deadline
+//! allows, and the lanes after a lane held whole leave those slots too while they can wait.
 //!
 //! Counted in estimated server time, the same unit the wait is projected in (weighted tokens
 //! would price a long prompt and a long answer alike; server time is what the slots spend).
