@@ -74,7 +74,11 @@ pub(crate) fn arrivals(s: &Scenario, root: &Rng) -> Vec<Arrival> {
             let mut a = crate::workload::sized(s, class, at, &mut sizes);
             a.tenant = Some(ti);
             if let Some(d) = &t.output_tokens {
-                a.output_tokens = crate::workload::sample(d, &mut sizes).min(a.max_tokens);
+                // Scaled by the size shift in force, as the class's own draw is.
+                let (_, o) = s.arrivals.shape().size_scale(&s.classes[class].name, at);
+                let drawn = f64::from(crate::workload::sample(d, &mut sizes)) * o;
+                a.output_tokens =
+                    (drawn.round().clamp(0.0, f64::from(u32::MAX)) as u32).min(a.max_tokens);
             }
             let f = if s.estimator_noise > 0.0 {
                 noise.lognormal(0.0, s.estimator_noise)
