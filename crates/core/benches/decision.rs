@@ -26,6 +26,9 @@
 //!   10,000 tracked, the offers all from one of them (what the bookkeeping costs apart from
 //!   the cache lines a different tenant each time brings in).
 //!
+//! - `headroom_timeline`: a minute of a flood and 32 light tenants on 64 slots, with the
+//!   tenant headroom off and at its default (its cost per event; see the function).
+//!
 //! Run with `cargo bench -p slackgate-core --bench decision`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -341,6 +344,80 @@ fn offer_tenants(c: &mut Criterion) {
     group.finish();
 }
 
+/// The tenant headroom's whole path (admission's projection of the hold, dispatch's scan of
+/// held jobs, the tick's projection), driven through one minute of traffic on 64 slots: a
+/// tenant flooding at twice the pool with a deadline long enough to queue hundreds of held
+/// jobs, and 32 light tenants at a third of a slot each; every job 1100 ms. The same
+/// arrivals with `headroom_max_idle` 0 (off) and at its default: the ratio is the headroom's
+/// cost per event.
+fn headroom_timeline(c: &mut Criterion) {
+    const STEP: Millis = 10;
+    const END: Millis = 60_000;
+    const LIGHT: usize = 32;
+    let mut arrivals: Vec<(Millis, String)> = Vec::new();
+    // The flood: 2 x 64 slots / 1.1 s = about 116 requests a second.
+    arrivals.extend((0..(END / 9)).map(|i| (i * 9, "flood".to_string())));
+    for t in 0..LIGHT {
+        // One request every 3.3 s each, staggered.
+        arrivals.extend((0..18).map(|i| (i * 3_300 + t as u64 * 97, format!("light-{t}"))));
+    }
+    arrivals.sort();
+    // The timeline once: the jobs left live, and how many started after a hold.
+    let run = |idle: f64| -> (usize, usize) {
+        let mut cfg = config();
+        cfg.pools[0].slots = 64;
+        cfg.classes[0].deadline_ms = Some(60_000);
+        cfg.fairness.unlisted = slackgate_core::config::Unlisted::Own;
+        cfg.fairness.headroom_max_idle = idle;
+        let mut gate = Gate::new(cfg).expect("valid config");
+        let mut running: std::collections::VecDeque<(Millis, slackgate_core::JobId)> =
+            Default::default();
+        let usage = Completion {
+            ok: true,
+            prompt_tokens: Some(PROMPT_TOKENS),
+            completion_tokens: Some(MAX_TOKENS),
+        };
+        let (mut next, mut now, mut held) = (0, T0, 0);
+        while now < T0 + END {
+            while running.front().is_some_and(|(end, _)| *end <= now) {
+                if let Some((_, id)) = running.pop_front() {
+                    gate.on_complete(now, id, usage);
+                }
+            }
+            while next < arrivals.len() && T0 + arrivals[next].0 <= now {
+                let mut r = request(INTERACTIVE, None);
+                r.fairness_id = Some(arrivals[next].1.clone());
+                black_box(offer(&mut gate, now, r));
+                next += 1;
+            }
+            gate.tick(now);
+            while let Some(ev) = gate.poll(now) {
+                if let Event::Dispatch {
+                    job_id, held_ms, ..
+                } = ev
+                {
+                    held += usize::from(held_ms.is_some());
+                    running.push_back((now + 1_100, job_id));
+                }
+            }
+            now += STEP;
+        }
+        (gate.live_jobs(), held)
+    };
+    assert_eq!(run(0.0).1, 0, "nothing held with the headroom off");
+    let (_, held) = run(0.05);
+    assert!(
+        held > 100,
+        "the default holds the flood: {held} held dispatches"
+    );
+    println!("headroom_timeline: {held} dispatches after a hold at the default");
+    let mut group = c.benchmark_group("decision/headroom_timeline");
+    for (name, idle) in [("off", 0.0), ("default", 0.05)] {
+        group.bench_function(name, |b| b.iter(|| black_box(run(idle))));
+    }
+    group.finish();
+}
+
 fn quick() -> Criterion {
     Criterion::default()
         .sample_size(20)
@@ -351,6 +428,6 @@ fn quick() -> Criterion {
 criterion_group! {
     name = benches;
     config = quick();
-    targets = offer_reject, offer_displace, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick, offer_tenants
+    targets = offer_reject, offer_displace, offer_admit, offer_admit_cancel, complete_dispatch_refill, tick, offer_tenants, headroom_timeline
 }
 criterion_main!(benches);
