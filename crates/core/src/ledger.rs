@@ -474,7 +474,14 @@ impl Ledger {
         }
         let attempt = self.effective_attempt(key, attempt);
         let carried = self.carried(key);
-        let (key_id, tenant_id) = (self.key_id(key), tenant.map(|t| self.tenant_id(t)));
+        // A refusal reserves nothing: a tenant it names is not counted (a client cycling
+        // keys must not grow the tenant table), only its id shared where already known.
+        let tenant_id = tenant.map(|t| {
+            self.tenants
+                .get_key_value(t)
+                .map_or_else(|| Shared::from(t), |(k, _)| k.clone())
+        });
+        let key_id = self.key_id(key);
         self.forget_settled(key);
         let r = HoldRecord {
             key: key_id,

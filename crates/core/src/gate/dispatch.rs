@@ -9,7 +9,8 @@ use super::*;
 enum LaneNext {
     /// Nothing queued.
     Empty,
-    /// Every job queued is held by the tenant headroom, which keeps `keep` slots.
+    /// Every job queued (all of them looked at) is held by the tenant headroom, which keeps
+    /// `keep` slots.
     Held { keep: u32 },
     /// This one goes next (unless a lane of higher priority has one).
     Job(QueueKey, JobId),
@@ -74,10 +75,24 @@ impl Gate {
     /// The job a pool runs next, past the ones the headroom holds back (each is marked
     /// held, for its dispatch line): the next queued job of the lanes not held.
     fn next_startable(&mut self, now: Millis, pool: PoolId) -> Option<JobId> {
+        // The gate's own list, kept between calls: no allocation per dispatch while jobs
+        // are held.
+        let mut passed = std::mem::take(&mut self.passed_scratch);
+        let next = self.next_startable_with(now, pool, &mut passed);
+        passed.clear();
+        self.passed_scratch = passed;
+        next
+    }
+
+    fn next_startable_with(
+        &mut self,
+        now: Millis,
+        pool: PoolId,
+        passed: &mut Vec<JobId>,
+    ) -> Option<JobId> {
         let mut held: Vec<LaneId> = Vec::new();
-        let mut passed: Vec<JobId> = Vec::new();
         loop {
-            let next = self.next_queued(now, pool.0, &held, &mut passed);
+            let next = self.next_queued(now, pool.0, &held, passed);
             // Jobs the tenant headroom held back wait in their queue, marked held.
             for id in passed.drain(..) {
                 if let Some(j) = self.jobs.get_mut(&id) {
@@ -104,7 +119,8 @@ impl Gate {
     /// The job a pool runs next, leaving out the lanes in `skip`: highest priority first;
     /// among equal priorities, earliest deadline. Jobs the tenant headroom holds back are
     /// passed over (and listed in `passed`); past a lane it holds whole, the lanes after it
-    /// leave it the slots it keeps while their jobs can wait (see `can_wait_for_kept`).
+    /// (lower priority) leave it the slots it keeps with work that has no deadline (see
+    /// `can_wait_for_kept`; a best-effort front means a lane of best-effort work only).
     fn next_queued(
         &self,
         now: Millis,
@@ -143,21 +159,22 @@ impl Gate {
     }
 
     /// Job `id` of a lane past one the tenant headroom holds whole, `kept` slots kept: it
-    /// leaves them while no more are free and it can wait.
+    /// leaves them while no more are free and it can wait (it has no deadline).
     fn waits_for_kept(&self, now: Millis, pool: PoolId, id: JobId, kept: u32) -> bool {
         let free = self.pools[pool.0].free_now_seen(now, super::endpoints::Neighbours::Ignored);
         free <= kept
             && self
                 .jobs
                 .get(&id)
-                .is_some_and(|j| self.can_wait_for_kept(now, pool, j))
+                .is_some_and(|j| self.can_wait_for_kept(j))
     }
 
-    /// A lane's next job on its pool: its front or, with tenants told apart, the first of
-    /// the next [`SHARE_SCAN`] the tenant headroom does not hold (see `fairness`); past
-    /// them, the front. Each tenant met is looked at once ([`Gate::hold_view`]); a job of
-    /// it is held while its deadline allows waiting for a slot of its tenant's share behind
-    /// the tenant's jobs passed over before it.
+    /// A lane's next job on its pool: its front or, with tenants told apart, the first job
+    /// the tenant headroom does not hold (see `fairness`), looking at most [`SHARE_SCAN`]
+    /// jobs and [`SCAN_TENANTS`] tenants deep (past them, the first job not looked at goes).
+    /// Each tenant met is looked at once ([`Gate::hold_view`]); a job of it is held while its
+    /// deadline allows waiting for a slot of its tenant's share behind the tenant's jobs
+    /// passed over before it.
     fn lane_next(
         &self,
         now: Millis,
@@ -169,7 +186,8 @@ impl Gate {
         let Some(front) = q.front() else {
             return LaneNext::Empty;
         };
-        if !self.fairness_on() {
+        // Shutting down: every job that can finish in the window runs (nothing is held).
+        if !self.fairness_on() || self.closing_at.is_some() {
             return LaneNext::Job(front.0, front.1);
         }
         let before = passed.len();
@@ -180,9 +198,12 @@ impl Gate {
             [(u32::MAX, 0, None); SCAN_TENANTS];
         let mut n_met = 0;
         let mut keep = 0u32;
-        let mut scanned = 0usize;
-        for (key, id) in q.iter().take(SHARE_SCAN) {
-            scanned += 1;
+        for (n, (key, id)) in q.iter().enumerate() {
+            // Past the scan (or past the tenants it looks at), the first job not looked at
+            // goes: never held unseen, and never the front the hold just held.
+            if n == SHARE_SCAN {
+                return LaneNext::Job(key, id);
+            }
             let Some(j) = self.jobs.get(&id) else {
                 return LaneNext::Job(key, id);
             };
@@ -191,7 +212,7 @@ impl Gate {
             };
             let i = match met[..n_met].iter().position(|m| m.0 == slot) {
                 Some(i) => i,
-                None if n_met == SCAN_TENANTS => break,
+                None if n_met == SCAN_TENANTS => return LaneNext::Job(key, id),
                 None => {
                     let st = self.classes[lane.0].tenants.standing(slot);
                     let view = self
@@ -214,17 +235,18 @@ impl Gate {
             keep = keep.max(v.keep);
             passed.push(id);
         }
-        if scanned == q.len() && passed.len() > before {
-            return LaneNext::Held { keep };
+        match passed.len() > before {
+            true => LaneNext::Held { keep },
+            false => LaneNext::Job(front.0, front.1),
         }
-        passed.truncate(before);
-        LaneNext::Job(front.0, front.1)
     }
 
     /// Teach the job's class how late it starts against its promise (a job dropped now
     /// missed it whole), when the pool's wait forecast is in use.
+    /// A job a hold kept back on purpose starts late by design: not counted (unless it died).
     fn record_start_error(&mut self, now: Millis, pool: PoolId, job: &Job, dead: bool) {
-        if self.pools[pool.0].signalled() && job.deadline.is_some() && !job.reservation {
+        let held = job.held_since.is_some() && !dead;
+        if self.pools[pool.0].signalled() && job.deadline.is_some() && !job.reservation && !held {
             let late = now.saturating_sub(job.arrived_at) as f64 - job.promised_wait as f64;
             let error = if dead {
                 1.0
@@ -447,7 +469,10 @@ impl Gate {
         let tenants = match fair {
             true => classes
                 .iter()
-                .map(|c| self.classes[c.0].tenants.len())
+                .map(|c| {
+                    let l = &self.classes[c.0];
+                    l.tenants.len().min(l.queue.deadlined())
+                })
                 .sum(),
             false => 0,
         };

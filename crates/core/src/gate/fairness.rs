@@ -11,12 +11,13 @@ use super::*;
 const SHARE_SPREAD: f64 = 0.5;
 
 /// Jobs of one lane dispatch looks past for one the tenant headroom does not hold; beyond
-/// them the lane's front goes (every admission behind it counted on that order anyway). A
-/// tenant's backlog is held to what its share serves in its slack, so only a pool of
-/// hundreds of slots with several floods at once queues this many held jobs.
+/// them the first job not looked at goes (every admission behind it counted on that order
+/// anyway), and the headroom keeps nothing for that dispatch. A tenant's backlog is held to
+/// what its share serves in its slack: a flood on 64 slots with a minute's deadline can
+/// queue this many.
 pub(super) const SHARE_SCAN: usize = 1024;
 
-/// Distinct tenants one scan looks at (each once); past them the lane's front goes.
+/// Distinct tenants one scan looks at (each once); the first job of another goes.
 pub(super) const SCAN_TENANTS: usize = 16;
 
 /// Ends of a tenant's running jobs ranked at most this deep; deeper, the latest is used.
@@ -311,21 +312,15 @@ impl Gate {
     }
 
     /// A job of a lane dispatch reaches past a lane the tenant headroom holds whole (a lower
-    /// class's, most often) may wait for the slots it keeps: with no deadline, or with its
-    /// deadline kept from the next slot end on (with the hold's margin). Protected work and
-    /// reservations never wait for it, nor anything under `admit_always` or `shadow`.
-    pub(super) fn can_wait_for_kept(&self, now: Millis, pool: PoolId, job: &Job) -> bool {
-        if job.protected || job.reservation || self.cfg.admit_always || self.cfg.shadow {
-            return false;
-        }
-        let p = &self.pools[pool.0];
-        let next_end = p
-            .in_flight
-            .values()
-            .map(|r| super::projection::remaining(now, r.started, r.est))
-            .min()
-            .unwrap_or(0);
-        let wait = next_end.saturating_add(self.hold_margin(now, pool));
-        job.slack_after(now, wait).is_none_or(|s| s >= 0)
+    /// class's, most often) waits for the slots it keeps when it has no deadline. Work with a
+    /// deadline was promised its wait on the slots as they are (and the tick projects it so):
+    /// it takes a free slot. Never while shutting down, nor under `admit_always` or `shadow`,
+    /// nor protected work and reservations.
+    pub(super) fn can_wait_for_kept(&self, job: &Job) -> bool {
+        let open = !(self.cfg.admit_always || self.cfg.shadow || self.closing_at.is_some());
+        open && !job.protected
+            && !job.reservation
+            && job.deadline.is_none()
+            && job.first_token_deadline.is_none()
     }
 }

@@ -49,6 +49,8 @@ pub struct Gate {
     key_prefix: String,
     /// The empty key of a decision without one (shared: a refusal allocates nothing).
     no_key: crate::ledger::Shared,
+    /// Dispatch's list of jobs the tenant headroom passed over, kept between calls.
+    passed_scratch: Vec<JobId>,
     /// Shutting down: nothing new is admitted, and queued work must finish by this time.
     closing_at: Option<Millis>,
     /// A drain suspended the default class: unlabeled work is refused.
@@ -82,6 +84,7 @@ impl Gate {
             keys: HashMap::new(),
             key_prefix: GENERATED_KEY_PREFIX.into(),
             no_key: crate::ledger::Shared::from(""),
+            passed_scratch: Vec::new(),
             closing_at: None,
             unlabeled_suspended: false,
             share_parts: 1,
