@@ -5,6 +5,63 @@
 use super::fairness::{HoldView, SCAN_TENANTS, SHARE_SCAN};
 use super::*;
 
+/// The tick's view of the tenant headroom: per tenant met, its work walked so far and what
+/// holds it (an index into `views`, `u32::MAX` for nothing), each looked at once per tick.
+struct HeldWaits {
+    on: bool,
+    free: u32,
+    ahead: std::collections::HashMap<(usize, u32), (u64, u32)>,
+    views: Vec<HoldView>,
+}
+
+impl HeldWaits {
+    /// Sized once for the tenants tracked on the pool's `classes` with deadlined work queued
+    /// (nothing without fairness); `free` slots now.
+    fn new(g: &Gate, classes: &[LaneId], free: u32) -> HeldWaits {
+        let on = g.fairness_on();
+        let tenants = match on {
+            true => classes
+                .iter()
+                .map(|c| {
+                    let l = &g.classes[c.0];
+                    l.tenants.len().min(l.queue.deadlined())
+                })
+                .sum(),
+            false => 0,
+        };
+        HeldWaits {
+            on,
+            free,
+            ahead: std::collections::HashMap::with_capacity(tenants),
+            views: Vec::new(),
+        }
+    }
+
+    /// The wait of `job` (next of its tenant in dispatch order) on a slot of its tenant's
+    /// share, when the tenant headroom holds its tenant: `None` otherwise.
+    fn wait(&mut self, g: &Gate, now: Millis, pool: PoolId, job: &Job) -> Option<u64> {
+        let slot = job.tenant_slot.filter(|_| self.on)?;
+        let (free, views) = (self.free, &mut self.views);
+        let (n, view) = self.ahead.entry((job.class.0, slot)).or_insert_with(|| {
+            let st = g.classes[job.class.0].tenants.standing(slot);
+            let held = g
+                .hold_view(now, pool, job.class, st, 0)
+                .filter(|v| v.keep > 0 && free <= v.keep);
+            let index = match held {
+                Some(v) => {
+                    views.push(v);
+                    views.len() as u32 - 1
+                }
+                None => u32::MAX,
+            };
+            (0, index)
+        });
+        let wait = views.get(*view as usize).map(|v| v.wait(*n));
+        *n = n.saturating_add(job.est.service_ms);
+        wait
+    }
+}
+
 /// A lane's next job on a pool, as dispatch sees it.
 enum LaneNext {
     /// Nothing queued.
@@ -460,28 +517,11 @@ impl Gate {
         let mut count = 0usize;
         let mut filler = WaterFiller::new(&r[..filled]);
         let mut doomed: Vec<(JobId, u64)> = Vec::new();
+        let classes = &pool.classes;
         // With tenants told apart, a job the tenant headroom holds starts on a slot of its
         // tenant's share, whatever the other tenants' held jobs ahead of it do: its wait is
-        // at most that (its tenant's work queued ahead of it summed here).
-        let fair = self.fairness_on();
-        let classes = &pool.classes;
-        // Sized once for the tenants tracked on the pool's classes (none without fairness).
-        let tenants = match fair {
-            true => classes
-                .iter()
-                .map(|c| {
-                    let l = &self.classes[c.0];
-                    l.tenants.len().min(l.queue.deadlined())
-                })
-                .sum(),
-            false => 0,
-        };
-        // Per tenant: its work walked so far, and what holds it (an index into `views`,
-        // `u32::MAX` for nothing), looked at once per tick.
-        let mut ahead: std::collections::HashMap<(usize, u32), (u64, u32)> =
-            std::collections::HashMap::with_capacity(tenants);
-        let mut views: Vec<HoldView> = Vec::new();
-        let seen_free = u32::try_from(free).unwrap_or(u32::MAX);
+        // at most that (its tenant's work queued ahead of it summed there).
+        let mut held = HeldWaits::new(self, classes, u32::try_from(free).unwrap_or(u32::MAX));
         let mut i = 0;
         while i < classes.len() {
             // Nothing at this level or below can die: stop walking.
@@ -501,25 +541,10 @@ impl Gate {
                 } else {
                     filler.level(work)
                 };
-                if let (true, Some(slot)) = (fair && wait > 0, job.tenant_slot) {
-                    let (n, view) = ahead.entry((job.class.0, slot)).or_insert_with(|| {
-                        let st = self.classes[job.class.0].tenants.standing(slot);
-                        let held = self
-                            .hold_view(now, PoolId(pi), job.class, st, 0)
-                            .filter(|v| v.keep > 0 && seen_free <= v.keep);
-                        let index = match held {
-                            Some(v) => {
-                                views.push(v);
-                                views.len() as u32 - 1
-                            }
-                            None => u32::MAX,
-                        };
-                        (0, index)
-                    });
-                    if let Some(v) = views.get(*view as usize) {
-                        wait = wait.min(v.wait(*n));
+                if wait > 0 {
+                    if let Some(own) = held.wait(self, now, PoolId(pi), job) {
+                        wait = wait.min(own);
                     }
-                    *n = n.saturating_add(job.est.service_ms);
                 }
                 if !job.protected && job.slack_after(now, wait).is_some_and(|s| s < 0) {
                     doomed.push((id, wait));
