@@ -399,7 +399,7 @@ impl Ledger {
         let tokens = tokens.min(MAX_TOKENS);
         self.check(key, tenant, attempt, tokens)?;
         let attempt = self.effective_attempt(key, attempt);
-        Ok(self.place(now, key, tenant, attempt, tokens))
+        Ok(self.place(now, key, None, tenant, attempt, tokens))
     }
 
     /// Place a hold past the retry cap and the tenant grant (the `admit_always` rollback),
@@ -414,19 +414,46 @@ impl Ledger {
     ) -> Result<HoldRecord, LedgerReject> {
         self.duplicate(key)?;
         let attempt = self.effective_attempt(key, attempt);
-        Ok(self.place(now, key, tenant, attempt, tokens.min(MAX_TOKENS)))
+        Ok(self.place(now, key, None, tenant, attempt, tokens.min(MAX_TOKENS)))
     }
 
+    /// [`Ledger::reserve`] (or, `unchecked`, [`Ledger::reserve_unchecked`]) under a key the
+    /// caller already holds shared: the hold takes that copy rather than making its own.
+    pub fn reserve_shared(
+        &mut self,
+        now: Millis,
+        key: &Shared,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+        unchecked: bool,
+    ) -> Result<HoldRecord, LedgerReject> {
+        let tokens = tokens.min(MAX_TOKENS);
+        match unchecked {
+            true => self.duplicate(key)?,
+            false => self.check(key, tenant, attempt, tokens)?,
+        }
+        let attempt = self.effective_attempt(key, attempt);
+        Ok(self.place(now, key, Some(key), tenant, attempt, tokens))
+    }
+
+    /// Place a hold under `key` (shared as `given` when the caller has it so).
     fn place(
         &mut self,
         now: Millis,
         key: &str,
+        given: Option<&Shared>,
         tenant: Option<&str>,
         attempt: u32,
         tokens: u64,
     ) -> HoldRecord {
         let carried = self.carried(key);
-        let (key_id, tenant_id) = (self.key_id(key), tenant.map(|t| self.tenant_id(t)));
+        let key_id = match (self.holds.get_key_value(key), given) {
+            (Some((k, _)), _) => k.clone(),
+            (None, Some(g)) => g.clone(),
+            (None, None) => Shared::from(key),
+        };
+        let tenant_id = tenant.map(|t| self.tenant_id(t));
         self.forget_settled(key);
         let r = HoldRecord {
             key: key_id,

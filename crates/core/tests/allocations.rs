@@ -103,6 +103,50 @@ fn the_completion_cycle_at_100k_queued() {
 /// queues' ordered sets.
 const CYCLE_CEILING: f64 = 2.5;
 
+/// The cycle as the gateway drives it: each request names its model and carries a client
+/// idempotency key (built before the count, as the gateway parses them).
+#[test]
+fn the_completion_cycle_with_models_and_client_keys() {
+    let (mut gate, mut running) = saturated(DEPTH);
+    let usage = Completion {
+        ok: true,
+        prompt_tokens: Some(PROMPT_TOKENS),
+        completion_tokens: Some(MAX_TOKENS),
+    };
+    let requests: Vec<Request> = (0..2 * OPS)
+        .map(|i| {
+            let mut r = request(INTERACTIVE, None);
+            r.model = Some("llama-3.1-8b-instruct".into());
+            r.idempotency_key = Some(format!("client-key-{i:08}"));
+            r
+        })
+        .collect();
+    let mut it = requests.into_iter();
+    let mut now = T0;
+    let each = per_op(
+        "complete, dispatch, refill with a model and a client key",
+        |_| {
+            now += 1_100 / u64::from(SLOTS);
+            let done = running.pop_front().unwrap();
+            std::hint::black_box(gate.on_complete(now, done, usage));
+            while let Some(ev) = gate.poll(now) {
+                if let Event::Dispatch { job_id, .. } = ev {
+                    running.push_back(job_id);
+                }
+            }
+            let d = gate.offer(now, it.next().unwrap());
+            assert!(d.admitted(), "{d:?}");
+            std::hint::black_box(gate.take_ledger_records());
+        },
+    );
+    assert!(each <= KEYED_CYCLE_CEILING, "{each} allocations per cycle");
+}
+
+/// Per cycle with a model and a client key: the cycle's own (above, less the generated key),
+/// the model name's one shared copy, and the client key's, which the decision, the ledger
+/// and the job share.
+const KEYED_CYCLE_CEILING: f64 = 3.5;
+
 #[test]
 fn a_tick_at_100k_queued_allocates_nothing() {
     let (mut gate, _) = saturated(DEPTH);

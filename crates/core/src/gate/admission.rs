@@ -416,14 +416,14 @@ impl Gate {
                 std::io::Write::write_fmt(&mut w, format_args!("{}{}", self.key_prefix, job_id.0));
             let len = 128 - w.len();
             match (spelled, std::str::from_utf8(&buf[..len])) {
-                (Ok(()), Ok(k)) => self.place_hold(&mut o, k),
+                (Ok(()), Ok(k)) => crate::ledger::Shared::from(k),
                 // A prefix longer than the buffer: spelled on the heap.
-                _ => self.place_hold(&mut o, &format!("{}{}", self.key_prefix, job_id.0)),
+                _ => crate::ledger::Shared::from(format!("{}{}", self.key_prefix, job_id.0)),
             }
         } else {
-            let key = o.d.idempotency_key.clone();
-            self.place_hold(&mut o, &key)
+            o.d.idempotency_key.clone()
         };
+        let key = self.place_hold(&mut o, &key);
         let key = match key {
             ControlFlow::Continue(key) => key,
             ControlFlow::Break(refused) => return refused,
@@ -498,18 +498,18 @@ impl Gate {
     fn place_hold(
         &mut self,
         o: &mut Offer,
-        key: &str,
+        key: &crate::ledger::Shared,
     ) -> ControlFlow<Decision, crate::ledger::Shared> {
         let (now, req) = (o.now, &o.req);
         let tenant = req.tenant.as_deref();
-        let hold = if o.bypass_ledger {
-            let attempt = req.attempt.min(self.ledger.config().retry_cap);
-            self.ledger
-                .reserve_unchecked(now, key, tenant, attempt, o.hold_tokens)
-        } else {
-            self.ledger
-                .reserve(now, key, tenant, req.attempt, o.hold_tokens)
+        let bypass = o.bypass_ledger;
+        let attempt = match bypass {
+            true => req.attempt.min(self.ledger.config().retry_cap),
+            false => req.attempt,
         };
+        let hold = self
+            .ledger
+            .reserve_shared(now, key, tenant, attempt, o.hold_tokens, bypass);
         match hold {
             Ok(r) => {
                 o.d.tokens_held = r.tokens_held;
@@ -625,7 +625,7 @@ fn queued_job(o: &Offer, reason: Reason, key: crate::ledger::Shared, generated_k
         model_service_ms: e.model_service_ms,
         expected_output: o.expected_output,
         prompt_chars: req.prompt_chars,
-        model: req.model.clone(),
+        model: req.model.as_deref().map(crate::ledger::Shared::from),
         state: JobState::Queued,
         first_token_at: None,
         max_tokens: req.max_tokens,

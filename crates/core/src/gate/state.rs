@@ -27,7 +27,7 @@ pub(super) struct Job {
     pub(super) context: f64,
     /// The prompt's characters and model, to learn the token relation at completion.
     pub(super) prompt_chars: Option<u32>,
-    pub(super) model: Option<String>,
+    pub(super) model: Option<crate::ledger::Shared>,
     pub(super) state: JobState,
     pub(super) first_token_at: Option<Millis>,
     /// The output cap (`Some(0)`: generates nothing, e.g. embeddings).
