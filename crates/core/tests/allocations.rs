@@ -72,18 +72,18 @@ fn an_admission_and_its_cancel_at_100k_queued() {
 /// the caller (`take_ledger_records` moves it out; the next change starts a new one).
 const ADMIT_CEILING: f64 = 2.0;
 
-#[test]
-fn the_completion_cycle_at_100k_queued() {
+/// Allocations per completion cycle at 100k queued (a job ends, the freed slot is refilled,
+/// one more request is admitted: `requests`, one per cycle).
+fn cycle_per_op(name: &str, requests: Vec<Request>) -> f64 {
     let (mut gate, mut running) = saturated(DEPTH);
     let usage = Completion {
         ok: true,
         prompt_tokens: Some(PROMPT_TOKENS),
         completion_tokens: Some(MAX_TOKENS),
     };
-    let requests: Vec<Request> = (0..2 * OPS).map(|_| request(INTERACTIVE, None)).collect();
     let mut it = requests.into_iter();
     let mut now = T0;
-    let each = per_op("complete, dispatch, refill, 100k queued", |_| {
+    per_op(name, |_| {
         now += 1_100 / u64::from(SLOTS);
         let done = running.pop_front().unwrap();
         std::hint::black_box(gate.on_complete(now, done, usage));
@@ -95,7 +95,13 @@ fn the_completion_cycle_at_100k_queued() {
         let d = gate.offer(now, it.next().unwrap());
         assert!(d.admitted(), "{d:?}");
         std::hint::black_box(gate.take_ledger_records());
-    });
+    })
+}
+
+#[test]
+fn the_completion_cycle_at_100k_queued() {
+    let requests: Vec<Request> = (0..2 * OPS).map(|_| request(INTERACTIVE, None)).collect();
+    let each = cycle_per_op("complete, dispatch, refill, 100k queued", requests);
     assert!(each <= CYCLE_CEILING, "{each} allocations per cycle");
 }
 
@@ -107,12 +113,6 @@ const CYCLE_CEILING: f64 = 2.5;
 /// idempotency key (built before the count, as the gateway parses them).
 #[test]
 fn the_completion_cycle_with_models_and_client_keys() {
-    let (mut gate, mut running) = saturated(DEPTH);
-    let usage = Completion {
-        ok: true,
-        prompt_tokens: Some(PROMPT_TOKENS),
-        completion_tokens: Some(MAX_TOKENS),
-    };
     let requests: Vec<Request> = (0..2 * OPS)
         .map(|i| {
             let mut r = request(INTERACTIVE, None);
@@ -121,23 +121,9 @@ fn the_completion_cycle_with_models_and_client_keys() {
             r
         })
         .collect();
-    let mut it = requests.into_iter();
-    let mut now = T0;
-    let each = per_op(
+    let each = cycle_per_op(
         "complete, dispatch, refill with a model and a client key",
-        |_| {
-            now += 1_100 / u64::from(SLOTS);
-            let done = running.pop_front().unwrap();
-            std::hint::black_box(gate.on_complete(now, done, usage));
-            while let Some(ev) = gate.poll(now) {
-                if let Event::Dispatch { job_id, .. } = ev {
-                    running.push_back(job_id);
-                }
-            }
-            let d = gate.offer(now, it.next().unwrap());
-            assert!(d.admitted(), "{d:?}");
-            std::hint::black_box(gate.take_ledger_records());
-        },
+        requests,
     );
     assert!(each <= KEYED_CYCLE_CEILING, "{each} allocations per cycle");
 }
