@@ -33,6 +33,67 @@ impl Usage {
     }
 }
 
+/// A tenant's usage under its one shared id (the map's value carries the id, so one lookup
+/// gives both).
+#[derive(Clone, Debug)]
+struct Tenant {
+    id: Shared,
+    usage: Usage,
+}
+
+/// What placing a hold reads of the key's previous record: read with one lookup, before
+/// anything changes.
+#[derive(Clone, Copy, Debug)]
+struct Prior {
+    state: HoldState,
+    attempt: u32,
+    version: u64,
+    updated_at_ms: Millis,
+    /// Spend and waste of the key's earlier holds, carried into its next record so that a
+    /// restart (which keeps one record per key) loses none of a retried key's history.
+    carried: (u64, u64),
+}
+
+impl Prior {
+    fn of(r: &HoldRecord) -> Prior {
+        Prior {
+            state: r.state,
+            attempt: r.attempt,
+            version: r.version,
+            updated_at_ms: r.updated_at_ms,
+            carried: (
+                r.prior_spent.saturating_add(r.tokens_spent),
+                r.prior_wasted.saturating_add(r.tokens_wasted),
+            ),
+        }
+    }
+
+    /// Versions never go back, even for a key forgotten after the retention and reserved
+    /// again: at least the time of the change, and above the key's previous version.
+    fn next_version(prior: Option<Prior>, now: Millis) -> u64 {
+        prior.map_or(0, |p| p.version).saturating_add(1).max(now)
+    }
+
+    /// The cap counts the key's own attempts, not only what the client claims: a key tried
+    /// before is at least on its next attempt.
+    fn attempt(prior: Option<Prior>, claimed: u32) -> u32 {
+        prior.map_or(claimed, |p| claimed.max(p.attempt.saturating_add(1)))
+    }
+}
+
+/// A held or done key is a duplicate: a replay must never reserve or spend again.
+fn duplicate_of(prior: Option<&HoldRecord>) -> Result<(), LedgerReject> {
+    match prior {
+        Some(r) if matches!(r.state, HoldState::Held | HoldState::Done) => {
+            Err(LedgerReject::Duplicate {
+                state: r.state,
+                tokens_held: r.tokens_held,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// The reservation ledger.
 #[derive(Debug, Default)]
 pub struct Ledger {
@@ -42,8 +103,8 @@ pub struct Ledger {
     expiry: std::collections::BTreeSet<(Millis, Shared)>,
     /// Settled or rejected keys by last change, for forgetting them after `retention_ms`.
     settled: std::collections::BTreeSet<(Millis, Shared)>,
-    /// Per tenant ("" for none); its key is the tenant's one shared copy.
-    tenants: std::collections::HashMap<Shared, Usage>,
+    /// Per tenant ("" for none), with the tenant's one shared copy of its id.
+    tenants: std::collections::HashMap<Shared, Tenant>,
     totals: LedgerStats,
     /// Written into every hold placed ([`HoldRecord::owner`]).
     owner: Option<Shared>,
@@ -68,27 +129,23 @@ impl Ledger {
         }
     }
 
-    /// The key's shared copy: the ledger's own when it knows the key, a new one otherwise.
-    fn key_id(&self, key: &str) -> Shared {
-        self.holds
-            .get_key_value(key)
-            .map_or_else(|| Shared::from(key), |(k, _)| k.clone())
-    }
-
-    /// The tenant's shared copy, made (and counted from nothing) the first time it is seen.
-    fn tenant_id(&mut self, tenant: &str) -> Shared {
-        if let Some((k, _)) = self.tenants.get_key_value(tenant) {
-            return k.clone();
+    /// Change what a tenant ("" for the requests without one) has held, spent and wasted,
+    /// counting it from nothing the first time it is seen; returns its one shared id. One
+    /// lookup for a known tenant.
+    fn tenant_usage(&mut self, tenant: &str, f: impl FnOnce(&mut Usage)) -> Shared {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            f(&mut t.usage);
+            return t.id.clone();
         }
-        let k = Shared::from(tenant);
-        self.tenants.insert(k.clone(), Usage::default());
-        k
-    }
-
-    /// What a tenant (`None`: the requests without one) has held, spent and wasted.
-    fn tenant_usage(&mut self, tenant: Option<&str>) -> &mut Usage {
-        let id = self.tenant_id(tenant.unwrap_or(""));
-        self.tenants.entry(id).or_default()
+        let id = Shared::from(tenant);
+        let mut usage = Usage::default();
+        f(&mut usage);
+        let t = Tenant {
+            id: id.clone(),
+            usage,
+        };
+        self.tenants.insert(id.clone(), t);
+        id
     }
 
     /// Write `owner` into every hold placed from now on ([`HoldRecord::owner`]).
@@ -122,7 +179,9 @@ impl Ledger {
         if r.state != HoldState::Held {
             return None;
         }
-        self.expiry.remove(&(r.expires_at_ms, r.key.clone()));
+        if r.expires_at_ms != NEVER {
+            self.expiry.remove(&(r.expires_at_ms, r.key.clone()));
+        }
         r.expires_at_ms = NEVER;
         Some(r.clone())
     }
@@ -192,21 +251,8 @@ impl Ledger {
             .get(t)
             .copied()
             .or(self.cfg.default_grant_tokens)?;
-        let used = self.tenants.get(t).map_or(0, Usage::consumed);
+        let used = self.tenants.get(t).map_or(0, |t| t.usage.consumed());
         Some(grant.saturating_sub(used))
-    }
-
-    /// A held or done key is a duplicate: a replay must never reserve or spend again.
-    fn duplicate(&self, key: &str) -> Result<(), LedgerReject> {
-        match self.holds.get(key) {
-            Some(r) if matches!(r.state, HoldState::Held | HoldState::Done) => {
-                Err(LedgerReject::Duplicate {
-                    state: r.state,
-                    tokens_held: r.tokens_held,
-                })
-            }
-            _ => Ok(()),
-        }
     }
 
     /// Would a reservation be accepted? Read-only: duplicates, retry cap, budget.
@@ -217,8 +263,19 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> Result<(), LedgerReject> {
-        self.duplicate(key)?;
-        let attempt = self.effective_attempt(key, attempt);
+        self.check_prior(self.holds.get(key), tenant, attempt, tokens)
+    }
+
+    /// [`Ledger::check`] against the key's previous record, already looked up.
+    fn check_prior(
+        &self,
+        prior: Option<&HoldRecord>,
+        tenant: Option<&str>,
+        attempt: u32,
+        tokens: u64,
+    ) -> Result<(), LedgerReject> {
+        duplicate_of(prior)?;
+        let attempt = Prior::attempt(prior.map(Prior::of), attempt);
         if attempt > self.cfg.retry_cap {
             return Err(LedgerReject::RetryCap {
                 attempt,
@@ -236,30 +293,10 @@ impl Ledger {
         Ok(())
     }
 
-    /// Versions never go back, even for a key forgotten after the retention and reserved
-    /// again: at least the time of the change, and above the key's previous version.
-    /// The cap counts the key's own attempts, not only what the client claims: a key tried
-    /// before is at least on its next attempt.
+    /// The attempt a reservation under `key` counts as: what the client claims, and at least
+    /// the key's next one if it was tried before.
     pub fn effective_attempt(&self, key: &str, claimed: u32) -> u32 {
-        self.holds
-            .get(key)
-            .map_or(claimed, |r| claimed.max(r.attempt.saturating_add(1)))
-    }
-
-    fn next_version(&self, key: &str, now: Millis) -> u64 {
-        let prev = self.holds.get(key).map_or(0, |r| r.version);
-        prev.saturating_add(1).max(now)
-    }
-
-    /// Spend and waste of a key's earlier holds, carried into its next record so that a
-    /// restart (which keeps one record per key) loses none of a retried key's history.
-    fn carried(&self, key: &str) -> (u64, u64) {
-        self.holds.get(key).map_or((0, 0), |r| {
-            (
-                r.prior_spent.saturating_add(r.tokens_spent),
-                r.prior_wasted.saturating_add(r.tokens_wasted),
-            )
-        })
+        Prior::attempt(self.holds.get(key).map(Prior::of), claimed)
     }
 
     /// Place a hold. The previous record of the key (rejected, cancelled or expired) is
@@ -272,10 +309,7 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> Result<HoldRecord, LedgerReject> {
-        let tokens = tokens.min(MAX_TOKENS);
-        self.check(key, tenant, attempt, tokens)?;
-        let attempt = self.effective_attempt(key, attempt);
-        Ok(self.place(now, key, None, tenant, attempt, tokens))
+        self.place(now, key, None, tenant, attempt, tokens, Placing::default())
     }
 
     /// Place a hold past the retry cap and the tenant grant (the `admit_always` rollback),
@@ -288,13 +322,17 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> Result<HoldRecord, LedgerReject> {
-        self.duplicate(key)?;
-        let attempt = self.effective_attempt(key, attempt);
-        Ok(self.place(now, key, None, tenant, attempt, tokens.min(MAX_TOKENS)))
+        let how = Placing {
+            unchecked: true,
+            ..Placing::default()
+        };
+        self.place(now, key, None, tenant, attempt, tokens, how)
     }
 
-    /// [`Ledger::reserve`] (or, `unchecked`, [`Ledger::reserve_unchecked`]) under a key the
-    /// caller already holds shared: the hold takes that copy rather than making its own.
+    /// [`Ledger::reserve`] (or, with [`Placing::unchecked`], [`Ledger::reserve_unchecked`])
+    /// under a key the caller already holds shared: the hold takes that copy rather than
+    /// making its own. With [`Placing::untimed`] the hold is placed as
+    /// [`Ledger::untrack_expiry`] leaves one.
     pub fn reserve_shared(
         &mut self,
         now: Millis,
@@ -302,18 +340,14 @@ impl Ledger {
         tenant: Option<&str>,
         attempt: u32,
         tokens: u64,
-        unchecked: bool,
+        how: Placing,
     ) -> Result<HoldRecord, LedgerReject> {
-        let tokens = tokens.min(MAX_TOKENS);
-        match unchecked {
-            true => self.duplicate(key)?,
-            false => self.check(key, tenant, attempt, tokens)?,
-        }
-        let attempt = self.effective_attempt(key, attempt);
-        Ok(self.place(now, key, Some(key), tenant, attempt, tokens))
+        self.place(now, key, Some(key), tenant, attempt, tokens, how)
     }
 
-    /// Place a hold under `key` (shared as `given` when the caller has it so).
+    /// Check and place a hold under `key` (shared as `given` when the caller has it so). The
+    /// key's previous record is looked up once, and the new one stored with one more lookup.
+    #[allow(clippy::too_many_arguments)]
     fn place(
         &mut self,
         now: Millis,
@@ -322,40 +356,59 @@ impl Ledger {
         tenant: Option<&str>,
         attempt: u32,
         tokens: u64,
-    ) -> HoldRecord {
-        let carried = self.carried(key);
-        let key_id = match (self.holds.get_key_value(key), given) {
-            (Some((k, _)), _) => k.clone(),
-            (None, Some(g)) => g.clone(),
-            (None, None) => Shared::from(key),
+        how: Placing,
+    ) -> Result<HoldRecord, LedgerReject> {
+        let tokens = tokens.min(MAX_TOKENS);
+        let (prior, key_id) = match self.holds.get_key_value(key) {
+            Some((k, r)) => {
+                match how.unchecked {
+                    true => duplicate_of(Some(r))?,
+                    false => self.check_prior(Some(r), tenant, attempt, tokens)?,
+                }
+                (Some(Prior::of(r)), k.clone())
+            }
+            None => {
+                if !how.unchecked {
+                    self.check_prior(None, tenant, attempt, tokens)?;
+                }
+                (None, given.map_or_else(|| Shared::from(key), Shared::clone))
+            }
         };
-        let tenant_id = tenant.map(|t| self.tenant_id(t));
-        self.forget_settled(key);
+        if let Some(p) = prior.filter(|p| p.state != HoldState::Held) {
+            self.settled.remove(&(p.updated_at_ms, key_id.clone()));
+        }
+        let tenant_id = self.tenant_usage(tenant.unwrap_or(""), |u| {
+            u.held = u.held.saturating_add(tokens);
+        });
+        let carried = prior.map_or((0, 0), |p| p.carried);
         let r = HoldRecord {
             key: key_id,
-            tenant: tenant_id,
+            tenant: tenant.map(|_| tenant_id),
             state: HoldState::Held,
-            attempt,
+            attempt: Prior::attempt(prior, attempt),
             tokens_held: tokens,
             tokens_spent: 0,
             tokens_wasted: 0,
             created_at_ms: now,
-            expires_at_ms: now.saturating_add(self.cfg.hold_ttl_ms),
+            expires_at_ms: match how.untimed {
+                true => NEVER,
+                false => now.saturating_add(self.cfg.hold_ttl_ms),
+            },
             updated_at_ms: now,
-            version: self.next_version(key, now),
+            version: Prior::next_version(prior, now),
             prior_spent: carried.0,
             prior_wasted: carried.1,
             reservation: false,
             owner: self.owner.clone(),
             dispatched: None,
         };
-        let u = self.tenant_usage(tenant);
-        u.held = u.held.saturating_add(tokens);
         self.totals.held += 1;
         self.totals.tokens_held = self.totals.tokens_held.saturating_add(tokens);
-        self.expiry.insert((r.expires_at_ms, r.key.clone()));
+        if r.expires_at_ms != NEVER {
+            self.expiry.insert((r.expires_at_ms, r.key.clone()));
+        }
         self.holds.insert(r.key.clone(), r.clone());
-        r
+        Ok(r)
     }
 
     /// Record that admission refused this key (nothing reserved). A held or done key is left
@@ -368,36 +421,36 @@ impl Ledger {
         attempt: u32,
         tokens: u64,
     ) -> Option<HoldRecord> {
-        if self
-            .holds
-            .get(key)
-            .is_some_and(|r| matches!(r.state, HoldState::Held | HoldState::Done))
-        {
-            return None;
+        let (prior, key_id) = match self.holds.get_key_value(key) {
+            Some((k, r)) => (Some(Prior::of(r)), k.clone()),
+            None => (None, Shared::from(key)),
+        };
+        if let Some(p) = prior {
+            if matches!(p.state, HoldState::Held | HoldState::Done) {
+                return None;
+            }
+            self.settled.remove(&(p.updated_at_ms, key_id.clone()));
         }
-        let attempt = self.effective_attempt(key, attempt);
-        let carried = self.carried(key);
+        let carried = prior.map_or((0, 0), |p| p.carried);
         // A refusal reserves nothing: a tenant it names is not counted (a client cycling
         // keys must not grow the tenant table), only its id shared where already known.
         let tenant_id = tenant.map(|t| {
             self.tenants
-                .get_key_value(t)
-                .map_or_else(|| Shared::from(t), |(k, _)| k.clone())
+                .get(t)
+                .map_or_else(|| Shared::from(t), |t| t.id.clone())
         });
-        let key_id = self.key_id(key);
-        self.forget_settled(key);
         let r = HoldRecord {
             key: key_id,
             tenant: tenant_id,
             state: HoldState::Rejected,
-            attempt,
+            attempt: Prior::attempt(prior, attempt),
             tokens_held: tokens.min(MAX_TOKENS),
             tokens_spent: 0,
             tokens_wasted: 0,
             created_at_ms: now,
             expires_at_ms: now,
             updated_at_ms: now,
-            version: self.next_version(key, now),
+            version: Prior::next_version(prior, now),
             prior_spent: carried.0,
             prior_wasted: carried.1,
             reservation: false,
@@ -408,15 +461,6 @@ impl Ledger {
         self.settled.insert((now, r.key.clone()));
         self.holds.insert(r.key.clone(), r.clone());
         Some(r)
-    }
-
-    /// Drop a settled key's previous record from the retention index (it is being replaced).
-    fn forget_settled(&mut self, key: &str) {
-        if let Some(prev) = self.holds.get(key) {
-            if prev.state != HoldState::Held {
-                self.settled.remove(&(prev.updated_at_ms, prev.key.clone()));
-            }
-        }
     }
 
     /// End a held key in `state`, moving its tokens from held to spent or wasted.
@@ -432,50 +476,70 @@ impl Ledger {
         if r.state != HoldState::Held {
             return None;
         }
-        self.expiry.remove(&(r.expires_at_ms, r.key.clone()));
-        r.state = state;
-        r.tokens_spent = spent.min(MAX_TOKENS);
-        r.tokens_wasted = wasted.min(MAX_TOKENS);
-        r.updated_at_ms = now;
-        r.version = r.version.saturating_add(1);
-        let r = r.clone();
-        let u = self.tenant_usage(r.tenant.as_deref());
-        u.held = u.held.saturating_sub(r.tokens_held);
-        u.spent = u.spent.saturating_add(r.tokens_spent);
-        u.wasted = u.wasted.saturating_add(r.tokens_wasted);
-        self.totals.held = self.totals.held.saturating_sub(1);
-        self.totals.tokens_held = self.totals.tokens_held.saturating_sub(r.tokens_held);
-        self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
-        self.totals.tokens_wasted = self.totals.tokens_wasted.saturating_add(r.tokens_wasted);
-        self.count_state(state);
+        let r = end_held(r, &mut self.expiry, now, (state, spent, wasted));
+        self.account_end(&r);
         self.settled.insert((now, r.key.clone()));
         Some(r)
     }
 
-    fn settle(
+    /// Count an ended hold's tokens (see [`end_held`]) in its tenant's usage and the totals.
+    fn account_end(&mut self, r: &HoldRecord) {
+        self.tenant_usage(r.tenant.as_deref().unwrap_or(""), |u| {
+            u.held = u.held.saturating_sub(r.tokens_held);
+            u.spent = u.spent.saturating_add(r.tokens_spent);
+            u.wasted = u.wasted.saturating_add(r.tokens_wasted);
+        });
+        self.totals.held = self.totals.held.saturating_sub(1);
+        self.totals.tokens_held = self.totals.tokens_held.saturating_sub(r.tokens_held);
+        self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
+        self.totals.tokens_wasted = self.totals.tokens_wasted.saturating_add(r.tokens_wasted);
+        self.count_state(r.state);
+    }
+
+    /// Settle a held key as `how` says, with one lookup of the key. A hold whose TTL has
+    /// passed ends as `expired` instead (its tokens wasted), reported as
+    /// [`SettleError::HoldExpired`] with the record to persist. With `remember` false the
+    /// settled record is forgotten at once, as [`Ledger::forget`] would (a key the gate
+    /// generated: nobody can replay it).
+    pub fn settle_as(
         &mut self,
         now: Millis,
         key: &str,
-        state: HoldState,
-        spent: u64,
-        wasted: u64,
+        how: Settlement,
+        remember: bool,
     ) -> Result<HoldRecord, SettleError> {
-        let Some(r) = self.holds.get(key) else {
+        let Some(r) = self.holds.get_mut(key) else {
             return Err(SettleError::MissingHold);
         };
-        match r.state {
-            HoldState::Held if now >= r.expires_at_ms => {
-                let held = r.tokens_held;
-                let rec = self
-                    .end(now, key, HoldState::Expired, 0, held)
-                    .ok_or(SettleError::MissingHold)?;
-                Err(SettleError::HoldExpired(Box::new(rec)))
+        let end = match r.state {
+            HoldState::Held if now >= r.expires_at_ms => (HoldState::Expired, 0, r.tokens_held),
+            HoldState::Held => match how {
+                Settlement::Done { spent } => (HoldState::Done, spent, 0),
+                Settlement::Cancelled { wasted } => (HoldState::Cancelled, 0, wasted),
+            },
+            HoldState::Expired => {
+                let r = r.clone();
+                if !remember {
+                    self.settled.remove(&(r.updated_at_ms, r.key.clone()));
+                    self.holds.remove(key);
+                }
+                return Err(SettleError::HoldExpired(Box::new(r)));
             }
-            HoldState::Held => self
-                .end(now, key, state, spent, wasted)
-                .ok_or(SettleError::MissingHold),
-            HoldState::Expired => Err(SettleError::HoldExpired(Box::new(r.clone()))),
-            other => Err(SettleError::NotHeld(other)),
+            other => return Err(SettleError::NotHeld(other)),
+        };
+        let r = end_held(r, &mut self.expiry, now, end);
+        self.account_end(&r);
+        match remember {
+            true => {
+                self.settled.insert((now, r.key.clone()));
+            }
+            false => {
+                self.holds.remove(key);
+            }
+        }
+        match r.state {
+            HoldState::Expired => Err(SettleError::HoldExpired(Box::new(r))),
+            _ => Ok(r),
         }
     }
 
@@ -486,7 +550,7 @@ impl Ledger {
         key: &str,
         spent: u64,
     ) -> Result<HoldRecord, SettleError> {
-        self.settle(now, key, HoldState::Done, spent, 0)
+        self.settle_as(now, key, Settlement::Done { spent }, true)
     }
 
     /// Settle a hold as `cancelled`: `wasted` tokens were generated for nobody.
@@ -496,7 +560,7 @@ impl Ledger {
         key: &str,
         wasted: u64,
     ) -> Result<HoldRecord, SettleError> {
-        self.settle(now, key, HoldState::Cancelled, 0, wasted)
+        self.settle_as(now, key, Settlement::Cancelled { wasted }, true)
     }
 
     /// Expire every hold whose TTL has passed (its tokens count as wasted), and forget settled
@@ -580,6 +644,26 @@ impl Ledger {
     pub fn is_empty(&self) -> bool {
         self.holds.is_empty()
     }
+}
+
+/// End the held record `r` in `state` with `spent` and `wasted` tokens, dropping it from the
+/// expiry index; returns a copy of the ended record. Its tokens are counted by
+/// [`Ledger::account_end`].
+fn end_held(
+    r: &mut HoldRecord,
+    expiry: &mut std::collections::BTreeSet<(Millis, Shared)>,
+    now: Millis,
+    (state, spent, wasted): (HoldState, u64, u64),
+) -> HoldRecord {
+    if r.expires_at_ms != NEVER {
+        expiry.remove(&(r.expires_at_ms, r.key.clone()));
+    }
+    r.state = state;
+    r.tokens_spent = spent.min(MAX_TOKENS);
+    r.tokens_wasted = wasted.min(MAX_TOKENS);
+    r.updated_at_ms = now;
+    r.version = r.version.saturating_add(1);
+    r.clone()
 }
 
 #[cfg(test)]

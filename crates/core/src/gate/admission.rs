@@ -507,16 +507,21 @@ impl Gate {
             true => req.attempt.min(self.ledger.config().retry_cap),
             false => req.attempt,
         };
+        // A proxied request's hold is placed with no TTL (its live connection settles it); a
+        // reservation's keeps its TTL, since its worker may never come back.
+        let how = crate::ledger::Placing {
+            unchecked: bypass,
+            untimed: !req.reservation,
+        };
         let hold = self
             .ledger
-            .reserve_shared(now, key, tenant, attempt, o.hold_tokens, bypass);
+            .reserve_shared(now, key, tenant, attempt, o.hold_tokens, how);
         match hold {
             Ok(r) => {
                 o.d.tokens_held = r.tokens_held;
-                let r = if req.reservation {
-                    self.ledger.mark_reservation(key).unwrap_or(r)
-                } else {
-                    self.ledger.untrack_expiry(key).unwrap_or(r)
+                let r = match req.reservation {
+                    true => self.ledger.mark_reservation(key).unwrap_or(r),
+                    false => r,
                 };
                 let key = r.key.clone();
                 self.ledger_out.push(r);

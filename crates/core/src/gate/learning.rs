@@ -163,23 +163,20 @@ impl Gate {
         job: &Job,
         settle: Settle,
     ) -> Option<HoldRecord> {
-        if self
-            .keys
-            .get(&job.key)
-            .is_some_and(|j| !self.jobs.contains_key(j))
-        {
-            self.keys.remove(&job.key);
+        if let std::collections::hash_map::Entry::Occupied(e) = self.keys.entry(job.key.clone()) {
+            if !self.jobs.contains_key(e.get()) {
+                e.remove();
+            }
         }
-        let r = match settle {
-            Settle::Commit(spent) => self.ledger.commit(now, &job.key, spent),
-            Settle::Cancel(wasted) => self.ledger.cancel(now, &job.key, wasted),
-            Settle::AlreadyExpired => return self.ledger.get(&job.key).cloned(),
-        };
         // A generated key is persisted like any other but not remembered: nobody can replay
         // it, and keeping it for the retention would only cost memory.
-        if job.generated_key && matches!(r, Ok(_) | Err(SettleError::HoldExpired(_))) {
-            self.ledger.forget(&job.key);
-        }
+        let remember = !job.generated_key;
+        let how = match settle {
+            Settle::Commit(spent) => Settlement::Done { spent },
+            Settle::Cancel(wasted) => Settlement::Cancelled { wasted },
+            Settle::AlreadyExpired => return self.ledger.get(&job.key).cloned(),
+        };
+        let r = self.ledger.settle_as(now, &job.key, how, remember);
         match r {
             Ok(r) => {
                 self.ledger_out.push(r.clone());

@@ -20,7 +20,9 @@ use crate::config::{
 use crate::estimator::{
     ErrorSummary, ErrorTracker, Estimate, Estimator, EstimatorSnapshot, Sharing,
 };
-use crate::ledger::{HoldRecord, Ledger, LedgerReject, SettleError, GENERATED_KEY_PREFIX};
+use crate::ledger::{
+    HoldRecord, Ledger, LedgerReject, SettleError, Settlement, GENERATED_KEY_PREFIX,
+};
 use crate::reason::{Action, Reason};
 use crate::tokens::TokenCounter;
 use crate::Millis;

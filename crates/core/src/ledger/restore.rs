@@ -75,25 +75,38 @@ impl Ledger {
 
     /// Account a record as the key's current one (no previous record for the key).
     fn install(&mut self, mut r: HoldRecord) {
-        // One shared copy of each tenant id, whatever the records carried.
-        r.tenant = r.tenant.as_deref().map(|t| self.tenant_id(t));
-        let id = self.tenant_id(r.tenant.as_deref().unwrap_or(""));
-        let u = self.tenants.entry(id).or_default();
-        // Earlier holds of this key (retried after a cancel or an expiry) still count.
-        u.spent = u.spent.saturating_add(r.prior_spent);
-        u.wasted = u.wasted.saturating_add(r.prior_wasted);
+        // One shared copy of each tenant id, whatever the records carried. Earlier holds of
+        // this key (retried after a cancel or an expiry) still count.
+        let (held, settled) = match r.state {
+            HoldState::Held => (r.tokens_held, (0, 0)),
+            _ => (0, (r.tokens_spent, r.tokens_wasted)),
+        };
+        let id = self.tenant_usage(r.tenant.as_deref().unwrap_or(""), |u| {
+            u.held = u.held.saturating_add(held);
+            u.spent = u
+                .spent
+                .saturating_add(r.prior_spent)
+                .saturating_add(settled.0);
+            u.wasted = u
+                .wasted
+                .saturating_add(r.prior_wasted)
+                .saturating_add(settled.1);
+        });
+        if r.tenant.is_some() {
+            r.tenant = Some(id);
+        }
         self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.prior_spent);
         self.totals.tokens_wasted = self.totals.tokens_wasted.saturating_add(r.prior_wasted);
         match r.state {
             HoldState::Held => {
-                u.held = u.held.saturating_add(r.tokens_held);
                 self.totals.held += 1;
                 self.totals.tokens_held = self.totals.tokens_held.saturating_add(r.tokens_held);
-                self.expiry.insert((r.expires_at_ms, r.key.clone()));
+                // A hold with no TTL is never due: the expiry index keeps only those that are.
+                if r.expires_at_ms != NEVER {
+                    self.expiry.insert((r.expires_at_ms, r.key.clone()));
+                }
             }
             _ => {
-                u.spent = u.spent.saturating_add(r.tokens_spent);
-                u.wasted = u.wasted.saturating_add(r.tokens_wasted);
                 self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
                 self.totals.tokens_wasted =
                     self.totals.tokens_wasted.saturating_add(r.tokens_wasted);

@@ -169,3 +169,104 @@ fn settled_keys_are_forgotten_after_the_retention() {
     assert_eq!(l.len(), 0);
     assert_eq!(l.stats().tokens_spent, 1, "totals survive forgetting");
 }
+
+/// Two ledgers fed the same changes by two routes end in the same state: the same records,
+/// totals and per-tenant budgets, and the same indexes (what expires, what is forgotten).
+fn assert_same(a: &Ledger, b: &Ledger) {
+    let sorted = |l: &Ledger| {
+        let mut v: Vec<HoldRecord> = l.records().cloned().collect();
+        v.sort_by(|x, y| x.key.cmp(&y.key));
+        v
+    };
+    assert_eq!(sorted(a), sorted(b));
+    assert_eq!(a.stats(), b.stats());
+    assert_eq!(a.expiry, b.expiry, "the expiry index");
+    assert_eq!(a.settled, b.settled, "the retention index");
+    for t in [None, Some("t1")] {
+        assert_eq!(a.remaining(t), b.remaining(t));
+    }
+}
+
+#[test]
+fn an_untimed_hold_is_the_hold_untrack_expiry_leaves() {
+    let mut c = cfg();
+    c.default_grant_tokens = Some(10_000);
+    let (mut a, mut b) = (Ledger::new(c.clone()), Ledger::new(c));
+    let untimed = Placing {
+        untimed: true,
+        ..Placing::default()
+    };
+    for (i, tenant) in [(0, None), (1, Some("t1"))] {
+        let key = Shared::from(format!("k{i}"));
+        let ra = a.reserve(5, &key, tenant, 0, 100).unwrap();
+        let ra = a.untrack_expiry(&key).unwrap_or(ra);
+        let rb = b.reserve_shared(5, &key, tenant, 0, 100, untimed).unwrap();
+        assert_eq!(ra, rb);
+        assert_eq!(rb.expires_at_ms, NEVER);
+    }
+    assert!(b.expiry.is_empty(), "an untimed hold is never due");
+    assert_same(&a, &b);
+    // Past every TTL nothing expires in either, and both settle alike.
+    assert!(a.expire_due(1_000_000).is_empty() && b.expire_due(1_000_000).is_empty());
+    assert_eq!(a.commit(1_000_001, "k0", 7), b.commit(1_000_001, "k0", 7));
+    assert_eq!(a.cancel(1_000_002, "k1", 3), b.cancel(1_000_002, "k1", 3));
+    assert_same(&a, &b);
+}
+
+#[test]
+fn settling_without_remembering_is_settling_then_forgetting() {
+    let mut c = cfg();
+    c.retention_ms = 60_000;
+    let (mut a, mut b) = (Ledger::new(c.clone()), Ledger::new(c));
+    for l in [&mut a, &mut b] {
+        l.reserve(0, "done", Some("t1"), 0, 100).unwrap();
+        l.reserve(0, "gone", None, 0, 100).unwrap();
+        l.reserve(0, "late", None, 0, 100).unwrap();
+        l.reserve(0, "kept", None, 0, 100).unwrap();
+    }
+    // Done, cancelled, and past its TTL (it ends expired, reported as such).
+    let ra = a.commit(10, "done", 60);
+    a.forget("done");
+    let rb = b.settle_as(10, "done", Settlement::Done { spent: 60 }, false);
+    assert_eq!(ra, rb);
+    let ra = a.cancel(11, "gone", 5);
+    a.forget("gone");
+    let rb = b.settle_as(11, "gone", Settlement::Cancelled { wasted: 5 }, false);
+    assert_eq!(ra, rb);
+    let ra = a.commit(30_000, "late", 1);
+    assert!(matches!(ra, Err(SettleError::HoldExpired(_))));
+    a.forget("late");
+    let rb = b.settle_as(30_000, "late", Settlement::Done { spent: 1 }, false);
+    assert_eq!(ra, rb);
+    // Already expired by the ledger: reported again, and forgotten.
+    assert_eq!(a.expire_due(30_001), b.expire_due(30_001));
+    let ra = a.commit(30_002, "kept", 1);
+    a.forget("kept");
+    let rb = b.settle_as(30_002, "kept", Settlement::Done { spent: 1 }, false);
+    assert_eq!(ra, rb);
+    assert_same(&a, &b);
+    assert!(b.is_empty(), "every key forgotten");
+    assert_eq!(
+        b.settle_as(30_003, "done", Settlement::Done { spent: 1 }, false),
+        Err(SettleError::MissingHold)
+    );
+}
+
+#[test]
+fn a_restored_untimed_hold_is_not_in_the_expiry_index_and_settles() {
+    let mut l = Ledger::new(cfg());
+    let how = Placing {
+        untimed: true,
+        ..Placing::default()
+    };
+    let r = l
+        .reserve_shared(0, &Shared::from("k"), None, 0, 50, how)
+        .unwrap();
+    let (mut back, changed) =
+        Ledger::restore_keeping(cfg(), [r], 100_000, &["k".to_owned()].into(), &[].into());
+    assert!(changed.is_empty(), "a live key keeps its hold: {changed:?}");
+    assert!(back.expiry.is_empty());
+    let done = back.commit(100_001, "k", 40).unwrap();
+    assert_eq!((done.state, done.tokens_spent), (HoldState::Done, 40));
+    assert_eq!(back.stats().tokens_held, 0);
+}

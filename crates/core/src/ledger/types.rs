@@ -202,6 +202,26 @@ pub enum LedgerReject {
     },
 }
 
+/// How a hold settles (see [`Ledger::settle_as`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settlement {
+    /// `done`: the upstream used `spent` tokens.
+    Done { spent: u64 },
+    /// `cancelled`: `wasted` tokens were generated for nobody.
+    Cancelled { wasted: u64 },
+}
+
+/// How [`Ledger::reserve_shared`] places a hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Placing {
+    /// Past the retry cap and the tenant grant (the `admit_always` rollback), as
+    /// [`Ledger::reserve_unchecked`]; a held or done key is still a duplicate.
+    pub unchecked: bool,
+    /// With no TTL ([`NEVER`]): a proxied request's live connection settles it, as
+    /// [`Ledger::untrack_expiry`] leaves a hold.
+    pub untimed: bool,
+}
+
 /// Why a settlement (commit or cancel) could not apply.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SettleError {
