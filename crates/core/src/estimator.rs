@@ -304,9 +304,8 @@ impl Estimator {
         let mut abs = self.residuals.map(f64::abs);
         let mut sgn = self.residuals;
         let (abs, sgn) = (&mut abs[..seen], &mut sgn[..seen]);
-        abs.sort_unstable_by(f64::total_cmp);
-        sgn.sort_unstable_by(f64::total_cmp);
-        let median = |v: &[f64]| if v.is_empty() { 0.0 } else { v[v.len() / 2] };
+        // Medians by selection, not by sorting: the same values in O(n).
+        let median = |v: &mut [f64]| quantile(v, 0.5, Rank::Upper);
         let threshold = HUBER.max(HUBER_SPREAD * median(abs));
         let huber = if r > threshold { threshold / r } else { 1.0 };
         // A lasting change: most recent completions off the same way. Forget faster so the
@@ -446,24 +445,35 @@ impl ErrorTracker {
             *a = s.abs();
         }
         let (abs, signed) = (&mut abs[..n], &mut signed[..n]);
-        abs.sort_unstable_by(f64::total_cmp);
-        signed.sort_unstable_by(f64::total_cmp);
         ErrorSummary {
             samples: self.ring.len() as u32,
-            median: quantile(abs, 0.5),
-            p90: quantile(abs, 0.9),
-            bias: quantile(signed, 0.5),
+            median: quantile(abs, 0.5, Rank::Nearest),
+            p90: quantile(abs, 0.9, Rank::Nearest),
+            bias: quantile(signed, 0.5, Rank::Nearest),
         }
     }
 }
 
-/// Nearest-rank quantile of sorted values.
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
+/// Which element of the sorted values a [`quantile`] is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rank {
+    /// The nearest rank: the `ceil(q n)`-th smallest (at least the first).
+    Nearest,
+    /// The element at index `floor(q n)` (the upper median for `q = 0.5`).
+    Upper,
+}
+
+/// The `q` quantile of `v` (0 when empty), by selection rather than sorting: the value the
+/// sorted slice holds at that rank, found in O(n). Reorders `v`.
+pub(crate) fn quantile(v: &mut [f64], q: f64, rank: Rank) -> f64 {
+    if v.is_empty() {
         return 0.0;
     }
-    let rank = (q * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    let i = match rank {
+        Rank::Nearest => ((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1,
+        Rank::Upper => ((q * v.len() as f64) as usize).min(v.len() - 1),
+    };
+    *v.select_nth_unstable_by(i, f64::total_cmp).1
 }
 
 fn dot(a: &[f64; DIM], b: &[f64; DIM]) -> f64 {

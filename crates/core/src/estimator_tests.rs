@@ -402,3 +402,32 @@ fn learns_that_long_neighbours_slow_more_than_short_ones() {
         "{s:?}"
     );
 }
+
+#[test]
+fn quantiles_by_selection_equal_the_sorted_ones() {
+    use crate::estimator::{quantile, Rank};
+    let mut x: u64 = 12345;
+    for n in 1..80 {
+        let v: Vec<f64> = (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % 1000) as f64 / 7.0 - 50.0
+            })
+            .collect();
+        let mut sorted = v.clone();
+        sorted.sort_unstable_by(f64::total_cmp);
+        for q in [0.0, 0.1, 0.5, 0.9, 1.0] {
+            let nearest = sorted[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+            let upper = sorted[((q * n as f64) as usize).min(n - 1)];
+            assert_eq!(
+                quantile(&mut v.clone(), q, Rank::Nearest),
+                nearest,
+                "{n} {q}"
+            );
+            assert_eq!(quantile(&mut v.clone(), q, Rank::Upper), upper, "{n} {q}");
+        }
+    }
+    assert_eq!(quantile(&mut [], 0.5, Rank::Nearest), 0.0);
+}

@@ -273,12 +273,25 @@ impl PoolState {
         self.free_times_seen(now, r, Neighbours::Counted)
     }
 
+    /// [`PoolState::free_times`] in any order: the same times, unsorted where sorting can be
+    /// skipped (a pool of one endpoint with no neighbour running, when every in-flight job
+    /// has a slot). The wait projection sorts only when its water fill needs the order.
+    pub(super) fn free_times_unordered(&self, now: Millis, r: &mut [u64]) -> usize {
+        if let [e] = self.endpoints.as_slice() {
+            if e.outside_running == 0 && e.inherited.is_empty() {
+                r.fill(0);
+                return self.free_times_one(now, r, e, false);
+            }
+        }
+        self.free_times_seen(now, r, Neighbours::Counted)
+    }
+
     /// [`PoolState::free_times`], with or without the neighbours' running requests.
     pub(super) fn free_times_seen(&self, now: Millis, r: &mut [u64], seen: Neighbours) -> usize {
         r.fill(0);
         if let [e] = self.endpoints.as_slice() {
             if (seen == Neighbours::Ignored || e.outside_running == 0) && e.inherited.is_empty() {
-                return self.free_times_one(now, r, e);
+                return self.free_times_one(now, r, e, true);
             }
         }
         let unit = self.outside_unit_ms();
@@ -320,8 +333,9 @@ impl PoolState {
 
 impl PoolState {
     /// [`PoolState::free_times`] for a pool of one endpoint and no neighbour running: on the
-    /// decision path of nearly every deployment, so without allocating. `r` is zeroed.
-    fn free_times_one(&self, now: Millis, r: &mut [u64], e: &EndpointState) -> usize {
+    /// decision path of nearly every deployment, so without allocating. `r` is zeroed. With
+    /// `sorted` false the times come in any order when no sort is needed to choose them.
+    fn free_times_one(&self, now: Millis, r: &mut [u64], e: &EndpointState, sorted: bool) -> usize {
         if !e.available() {
             return 0;
         }
@@ -335,7 +349,7 @@ impl PoolState {
             // the limit, so the latest `limit` times are the slots'.
             r[..n].sort_unstable();
             r.copy_within(n - limit..n, 0);
-        } else {
+        } else if sorted {
             r[..limit].sort_unstable();
         }
         let pause = e.paused_until.saturating_sub(now);

@@ -54,8 +54,8 @@ pub(super) fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
 /// which no deadline survives; best-effort work queues until an endpoint returns.
 pub(super) const UNAVAILABLE_WAIT_MS: u64 = crate::config::MAX_CONFIG_MS;
 
-/// Slot counts up to this are handled on the stack when projecting a wait.
-pub(super) const STACK_SLOTS: usize = 64;
+/// Slot counts up to this are handled on the stack when projecting a wait (2 KiB).
+pub(super) const STACK_SLOTS: usize = 256;
 
 impl PoolState {
     /// Bring the in-flight integral up to `now`; call before the in-flight set changes.
@@ -192,11 +192,11 @@ impl PoolState {
             heap.resize(n, 0);
             &mut heap
         };
-        let filled = self.free_times(now, r);
+        let filled = self.free_times_unordered(now, r);
         if filled == 0 {
             return UNAVAILABLE_WAIT_MS;
         }
-        water_fill(&r[..filled], work_ahead)
+        water_fill_unordered(&mut r[..filled], work_ahead)
     }
 
     /// How long the pool has failed to free a slot: when every slot is busy, the age of the
@@ -277,6 +277,25 @@ impl<'a> WaterFiller<'a> {
 /// no slots). O(slots).
 pub(super) fn water_fill(r: &[u64], work: u64) -> u64 {
     WaterFiller::new(r).level(work)
+}
+
+/// [`water_fill`] of `r` in any order (reordered in place when needed). When the work ahead
+/// lifts the level above every slot's time, every slot takes part and the level is the mean,
+/// found in O(slots) without sorting: with a deep queue, the usual case on the decision path.
+pub(super) fn water_fill_unordered(r: &mut [u64], work: u64) -> u64 {
+    let (Some(&top), n) = (r.iter().max(), r.len()) else {
+        return 0;
+    };
+    let total: u128 = r.iter().map(|&v| u128::from(v)).sum::<u128>() + u128::from(work);
+    let level = total.div_ceil(n as u128);
+    // Strictly above the highest slot: the sorted fill cannot stop before the last slot
+    // (stopping at slot j means the level is at most the next slot's time, and then the mean
+    // over all slots is at most the highest), so it ends on this same mean.
+    if level > u128::from(top) {
+        return level.min(u128::from(u64::MAX)) as u64;
+    }
+    r.sort_unstable();
+    water_fill(r, work)
 }
 
 impl Gate {

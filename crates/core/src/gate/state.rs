@@ -248,9 +248,9 @@ impl LaneState {
             for (slot, r) in v.iter_mut().zip(self.ratios.iter().take(n)) {
                 *slot = *r;
             }
-            let v = &mut v[..n];
-            v.sort_unstable_by(f64::total_cmp);
-            v[n / 2].clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
+            let median =
+                crate::estimator::quantile(&mut v[..n], 0.5, crate::estimator::Rank::Upper);
+            median.clamp(CORRECTION_RANGE.0, CORRECTION_RANGE.1)
         };
         self.record = ClassRecord {
             errors: self.errors.summary(),

@@ -437,6 +437,46 @@ fn water_fill_spreads_queued_work_over_slots_as_they_free() {
 }
 
 #[test]
+fn the_unordered_water_fill_equals_the_sorted_one() {
+    use super::projection::water_fill_unordered;
+    // A fixed pseudo-random walk over slot counts, spreads and amounts of work, so both the
+    // mean shortcut and the sorted fill are taken (and the edge where the mean equals the
+    // highest slot).
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = |m: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % m
+    };
+    let (mut shortcut, mut sorted) = (0, 0);
+    for case in 0..20_000 {
+        let n = 1 + next(40) as usize;
+        let spread = [1, 10, 1_000, 100_000][case % 4];
+        let r: Vec<u64> = (0..n).map(|_| next(spread)).collect();
+        let work = match case % 5 {
+            0 => 0,
+            1 => next(spread),
+            2 => next(spread * n as u64 + 1),
+            3 => r.iter().map(|&v| r.iter().max().unwrap_or(&0) - v).sum(),
+            _ => next(u64::MAX / 2),
+        };
+        let mut want = r.clone();
+        want.sort_unstable();
+        let want = water_fill(&want, work);
+        let mut got = r.clone();
+        assert_eq!(water_fill_unordered(&mut got, work), want, "{r:?} {work}");
+        match got == r && n > 1 {
+            true => shortcut += 1,
+            false => sorted += 1,
+        }
+    }
+    assert!(shortcut > 1_000 && sorted > 1_000, "{shortcut} {sorted}");
+    assert_eq!(water_fill_unordered(&mut [], 5), 0);
+    assert_eq!(water_fill_unordered(&mut [u64::MAX, 3], u64::MAX), u64::MAX);
+}
+
+#[test]
 fn one_long_job_does_not_poison_a_wide_pool() {
     // 8 slots: 7 jobs with 500 ms to go and one 80 s batch job. A new request waits for the
     // first of the short ones (500 ms), not the average (10.4 s).
