@@ -33,7 +33,7 @@ mod writer;
 pub use self::redis::{redact, RedisOptions, RedisStore};
 pub use crate::config::{Synchronous, DEFAULT_FLUSH_TIMEOUT_MS};
 pub use memory::MemoryStore;
-pub use sqlite::{SqliteOptions, SqliteStore, SCHEMA_VERSION};
+pub use sqlite::{SqliteOptions, SqliteStore, DROPPED_INDEXES, INDEXES, SCHEMA_VERSION};
 pub use writer::RETRY_BACKOFF;
 
 use serde::Serialize;

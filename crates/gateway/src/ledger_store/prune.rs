@@ -13,8 +13,9 @@
 //! per-state counters do lose the pruned rows: a carry row counts as one `done`).
 //!
 //! It runs on the store's checkpoint thread with its own connection, never on the request
-//! path nor on the writer: a batch of at most [`PRUNE_BATCH`] rows per transaction, so the
-//! writer waits for the write lock a few milliseconds at most.
+//! path nor on the writer: a batch of at most [`PRUNE_BATCH`] rows per transaction, found
+//! through an index (not by reading every row), so the writer waits for the write lock a few
+//! milliseconds at most.
 
 use rusqlite::{params, Connection, TransactionBehavior};
 use std::collections::BTreeMap;
@@ -47,16 +48,49 @@ const fn starts_with(s: &str, prefix: &str) -> bool {
     true
 }
 
-/// The prefixes are bound as parameters (?3 the carry prefix, ?4 the generated-key prefix)
-/// so they are spelled only in their constants.
+/// The prefixes are bound as parameters (?3 the carry prefix, ?4 the generated-key prefix and
+/// ?5 [`prefix_end`] of it) so they are spelled only in their constants. Both arms of the `OR`
+/// are searches, not a scan of the table (`prune_tests.rs` holds the query plan to that): the
+/// old rows through the index `holds_by_update`, the generated keys as a range of the primary
+/// key (`?4 <= key < ?5` is the prefix test `substr(key, 1, length(?4)) = ?4` in a form SQLite
+/// can search). A scan would read every row kept for the retention (a day of client keys) on
+/// every round, holding the write lock the writer waits for.
 const SELECT_PRUNABLE: &str = "
 SELECT key, tenant, tokens_spent + prior_spent, tokens_wasted + prior_wasted
 FROM holds
 WHERE state != 'held'
   AND substr(key, 1, length(?3)) != ?3
-  AND (updated_at_ms < ?1 OR substr(key, 1, length(?4)) = ?4)
+  AND (updated_at_ms < ?1 OR (key >= ?4 AND key < ?5))
 LIMIT ?2
 ";
+
+// Checked when compiling: `prefix_end` is right for the generated-key prefix.
+const _: () = assert!(is_plain_ascii(slackgate_core::ledger::GENERATED_KEY_PREFIX));
+
+/// Whether `s` is non-empty ASCII whose last character is not DEL (so one more is ASCII).
+const fn is_plain_ascii(s: &str) -> bool {
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if !b[i].is_ascii() {
+            return false;
+        }
+        i += 1;
+    }
+    !b.is_empty() && b[b.len() - 1] < 0x7f
+}
+
+/// The least string above every string that starts with `prefix` (plain ASCII, see
+/// [`is_plain_ascii`]): `prefix` with its last character one higher, `gen-` -> `gen.`. Keys
+/// compare by their UTF-8 bytes (SQLite's default BINARY collation), so `prefix <= key < end`
+/// holds exactly for the keys that start with `prefix`.
+pub fn prefix_end(prefix: &str) -> String {
+    let mut end = prefix.as_bytes().to_vec();
+    if let Some(last) = end.last_mut() {
+        *last = last.saturating_add(1);
+    }
+    String::from_utf8_lossy(&end).into_owned()
+}
 
 const UPSERT_CARRY: &str = "
 INSERT INTO holds (key, tenant, state, attempt, tokens_held, tokens_spent, tokens_wasted,
@@ -87,11 +121,13 @@ pub fn prune_batch(
     let mut carry: BTreeMap<Option<String>, (i64, i64)> = BTreeMap::new();
     {
         let mut select = tx.prepare_cached(SELECT_PRUNABLE)?;
+        let generated = slackgate_core::ledger::GENERATED_KEY_PREFIX;
         let mut rows = select.query(params![
             horizon,
             PRUNE_BATCH as i64,
             CARRY_PREFIX,
-            slackgate_core::ledger::GENERATED_KEY_PREFIX
+            generated,
+            prefix_end(generated)
         ])?;
         while let Some(row) = rows.next()? {
             let key: String = row.get(0)?;
@@ -135,3 +171,7 @@ pub fn prune_all(conn: &mut Connection, now_ms: u64, retention_ms: u64) -> rusql
         std::thread::yield_now();
     }
 }
+
+#[cfg(test)]
+#[path = "prune_tests.rs"]
+mod tests;

@@ -38,7 +38,7 @@ use super::sqlite_error::classify;
 use super::writer::{Covers, Msg, Writer};
 use super::{Counters, LedgerStore, StoreError, StoreStats, WriteSeq};
 use super::{Synchronous, DEFAULT_FLUSH_TIMEOUT_MS};
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 use serde::Deserialize;
 use slackgate_core::ledger::HoldRecord;
 use std::path::{Path, PathBuf};
@@ -47,13 +47,18 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// The schema this build writes (`PRAGMA user_version`). A file with a higher version was
-/// written by a newer slackgate and is refused rather than misread.
+/// written by a newer slackgate and is refused rather than misread. A change an older build
+/// still reads (an index added or dropped, a table or a defaulted column added) keeps the
+/// number, so an operator who rolls back to the previous release keeps their ledger file.
 pub const SCHEMA_VERSION: i64 = 1;
 
 /// The `holds` table: one row per idempotency key, its latest hold. `WITHOUT ROWID` because
-/// the key is the primary key and rows are small: one B-tree instead of table + index.
+/// the key is the primary key and rows are small: one B-tree instead of table + index. Its
+/// one other index, `holds_by_update`, is the pruner's search by age (`prune.rs`); every
+/// index costs each write (two per proxied request) one more B-tree to update, so there is
+/// no other. `meta` keeps the store's own settings (the tenant hash key). Every statement is
+/// `IF NOT EXISTS`: [`ensure_schema`] runs it to create a new file and to complete an old one.
 const SCHEMA: &str = "
-BEGIN;
 CREATE TABLE IF NOT EXISTS holds (
     key           TEXT PRIMARY KEY NOT NULL,
     tenant        TEXT,
@@ -71,11 +76,18 @@ CREATE TABLE IF NOT EXISTS holds (
     prior_wasted  INTEGER NOT NULL DEFAULT 0,
     reservation   INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS holds_by_state ON holds (state);
-CREATE INDEX IF NOT EXISTS holds_by_expiry ON holds (expires_at_ms);
+CREATE INDEX IF NOT EXISTS holds_by_update ON holds (updated_at_ms);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL);
 PRAGMA user_version = 1;
-COMMIT;
 ";
+
+/// The indexes of `holds` this build keeps.
+pub const INDEXES: &[&str] = &["holds_by_update"];
+
+/// Indexes earlier builds made on `holds` that no query reads (the store reads by key, the
+/// pruner by `updated_at_ms` and key): each only cost every write a B-tree update. Dropped
+/// when a file is opened.
+pub const DROPPED_INDEXES: &[&str] = &["holds_by_state", "holds_by_expiry"];
 
 /// The `PRAGMA synchronous` value of a [`Synchronous`] setting.
 fn pragma(s: Synchronous) -> &'static str {
@@ -445,13 +457,12 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags).map_err(|e| classify(path, "open", e))?;
+    let mut conn =
+        Connection::open_with_flags(path, flags).map_err(|e| classify(path, "open", e))?;
     conn.busy_timeout(Duration::from_millis(opts.busy_timeout_ms))
         .map_err(|e| classify(path, "set busy_timeout", e))?;
     // The first statement that reads the file: where a non-database shows itself.
-    let mode: String = conn
-        .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
-        .map_err(|e| classify(path, "enable WAL", e))?;
+    let mode = enable_wal(&conn, path, Duration::from_millis(opts.busy_timeout_ms))?;
     if !mode.eq_ignore_ascii_case("wal") {
         // Some file systems (network mounts) cannot do WAL; the store still works, with a
         // rollback journal, but an operator should know.
@@ -473,19 +484,90 @@ fn open_connection(path: &Path, opts: &SqliteOptions) -> Result<Connection, Stor
             supported: SCHEMA_VERSION,
         });
     }
-    if found < SCHEMA_VERSION {
-        conn.execute_batch(SCHEMA)
-            .map_err(|e| classify(path, "create schema", e))?;
-    }
-    // For the pruner's scan by age, and the store's own settings (the tenant hash key). An
-    // extra index and table leave the schema readable by older builds, so the schema version
-    // stays. The WAL file is truncated back to 16 MiB after a
-    // checkpoint rather than keeping its largest size for ever.
-    conn.execute_batch(
-        "CREATE INDEX IF NOT EXISTS holds_by_update ON holds (updated_at_ms);
-         CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY NOT NULL, value TEXT NOT NULL);
-         PRAGMA journal_size_limit = 16777216;",
-    )
-    .map_err(|e| classify(path, "create the pruning index", e))?;
+    ensure_schema(&mut conn, path)?;
+    // The WAL file is truncated back to 16 MiB after a checkpoint rather than keeping its
+    // largest size for ever.
+    conn.execute_batch("PRAGMA journal_size_limit = 16777216;")
+        .map_err(|e| classify(path, "set journal_size_limit", e))?;
     Ok(conn)
+}
+
+/// `PRAGMA journal_mode = WAL`, and the mode the file is in after it. Turning a new file to
+/// WAL takes an exclusive lock, and when another connection is doing the same (two processes
+/// opening a new file at once) SQLite answers "database is locked" at once rather than wait
+/// `busy_timeout` (waiting there could deadlock): so it is retried here, for as long as
+/// `busy_timeout`. By then the other connection has made the file WAL, and the pragma only
+/// reads.
+fn enable_wal(
+    conn: &Connection,
+    path: &Path,
+    busy_timeout: Duration,
+) -> Result<String, StoreError> {
+    let deadline = std::time::Instant::now() + busy_timeout;
+    loop {
+        match conn.query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0)) {
+            Err(e)
+                if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy)
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            answer => return answer.map_err(|e| classify(path, "enable WAL", e)),
+        }
+    }
+}
+
+/// Create the schema in a new file, or bring a file of an earlier build to it: add what it
+/// lacks (`holds_by_update`, `meta`, the `reservation` column: files made before they
+/// existed), drop [`DROPPED_INDEXES`]. One `IMMEDIATE` transaction (it takes the write lock
+/// first, waiting `busy_timeout` for it), so a file is changed whole or not at all, and two
+/// processes opening it at once do it one after the other (the second finds nothing to do). A
+/// file already current is only read.
+fn ensure_schema(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
+    let fail = |e| classify(path, "create or update the schema", e);
+    if schema_is_current(conn).map_err(fail)? {
+        return Ok(());
+    }
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .map_err(fail)?;
+    tx.execute_batch(SCHEMA).map_err(fail)?;
+    if !has_reservation(&tx).map_err(fail)? {
+        tx.execute_batch("ALTER TABLE holds ADD COLUMN reservation INTEGER NOT NULL DEFAULT 0")
+            .map_err(fail)?;
+    }
+    for index in DROPPED_INDEXES {
+        tx.execute_batch(&format!("DROP INDEX IF EXISTS {index}"))
+            .map_err(fail)?;
+    }
+    tx.commit().map_err(fail)
+}
+
+/// Whether the file has the schema this build writes: its version, its indexes and tables,
+/// the `reservation` column.
+fn schema_is_current(conn: &Connection) -> rusqlite::Result<bool> {
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |row| row.get(0))?;
+    let mut stmt =
+        conn.prepare("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')")?;
+    let names = stmt
+        .query_map([], |row| row.get::<_, String>(0))?
+        .collect::<rusqlite::Result<std::collections::BTreeSet<String>>>()?;
+    let has = |name: &str| names.contains(name);
+    Ok(version == SCHEMA_VERSION
+        && ["holds", "meta"]
+            .into_iter()
+            .chain(INDEXES.iter().copied())
+            .all(has)
+        && !DROPPED_INDEXES.iter().any(|i| has(i))
+        && has_reservation(conn)?)
+}
+
+/// Whether `holds` has the `reservation` column (files made before it was added do not).
+fn has_reservation(conn: &Connection) -> rusqlite::Result<bool> {
+    conn.query_row(
+        "SELECT count(*) FROM pragma_table_info('holds') WHERE name = 'reservation'",
+        [],
+        |row| row.get::<_, i64>(0),
+    )
+    .map(|n| n > 0)
 }

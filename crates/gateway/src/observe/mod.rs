@@ -5,5 +5,6 @@ pub mod exposition;
 pub mod frames;
 pub mod gauges;
 pub mod ledger_gauges;
+pub mod log_writer;
 pub mod metrics;
 pub mod telemetry;

@@ -1,21 +1,22 @@
 //! The decision log: one JSON line per decision, dispatch, drop and completion.
 //!
-//! Lines are serialized on the request path but written by one background task, through a
-//! bounded channel: a slow disk or a blocked stdout pipe must never slow admission down. When
-//! the channel is full the line is dropped and counted (`slackgate_log_dropped_total`), so an
-//! operator can see the log is incomplete rather than find out during a post-mortem.
+//! Lines are serialized on the request path but written by one thread of their own
+//! (`decision-log`, in `log_writer.rs`), through a bounded channel: a slow disk or a blocked
+//! stdout pipe must never slow admission down. When the channel is full the line is dropped
+//! and counted (`slackgate_log_dropped_total`), so an operator can see the log is incomplete
+//! rather than find out during a post-mortem.
 //!
-//! A log file can be rotated two ways, both handled by the writer task between batches, so
+//! A log file can be rotated two ways, both handled by the writer between batches, so
 //! no line is split or lost: [`DecisionLog::reopen`] (on SIGHUP, after logrotate renamed the
 //! file: the writer reopens the path, creating a new file) and `log.max_bytes` (the writer
 //! itself renames the file to `<path>.1`, replacing an older one, and starts a new one).
 
 use crate::config::LogTarget;
 use crate::observe::codes::{LineAction, LineReason};
+use crate::observe::log_writer::{self, LogFile, Msg, Sink};
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 
 /// One line of the decision log. Field names are a stable interface, listed per event kind in
@@ -249,13 +250,6 @@ const fn concat_fields<const A: usize, const B: usize, const N: usize>(
     out
 }
 
-enum Msg {
-    Line(String),
-    Flush(oneshot::Sender<()>),
-    /// Reopen the file by its path; answer whether it worked.
-    Reopen(oneshot::Sender<std::io::Result<()>>),
-}
-
 /// Handle for writing decision lines; cheap to share.
 #[derive(Clone)]
 pub struct DecisionLog {
@@ -268,14 +262,14 @@ pub struct DecisionLog {
 pub struct LogCounters {
     /// Lines written to the sink (after the write succeeded).
     pub written: AtomicU64,
-    /// Lines dropped because the channel was full (or the writer died).
+    /// Lines dropped because the channel was full, the write failed or the writer died.
     pub dropped: AtomicU64,
     /// Times the log file was reopened or rotated.
     pub rotations: AtomicU64,
 }
 
 impl DecisionLog {
-    /// Start the writer task for `target`. Must be called inside a tokio runtime.
+    /// Start the writer thread (`decision-log`) for `target`.
     pub fn start(target: LogTarget, capacity: usize) -> std::io::Result<DecisionLog> {
         DecisionLog::start_rotating(target, capacity, 0)
     }
@@ -287,30 +281,34 @@ impl DecisionLog {
         capacity: usize,
         max_bytes: u64,
     ) -> std::io::Result<DecisionLog> {
-        let counters = Arc::new(LogCounters::default());
-        let (sink, file): (Box<dyn tokio::io::AsyncWrite + Send + Unpin>, _) = match &target {
-            LogTarget::Off => {
-                return Ok(DecisionLog { tx: None, counters });
-            }
-            LogTarget::Stdout => (Box::new(tokio::io::stdout()), None),
+        let (sink, file): (Sink, _) = match &target {
+            LogTarget::Off => return Ok(DecisionLog::off()),
+            LogTarget::Stdout => (Box::new(std::io::stdout()), None),
             LogTarget::File(path) => {
-                let (f, size) = open_append(path)?;
-                (
-                    Box::new(tokio::fs::File::from_std(f)),
-                    Some(LogFile {
-                        path: path.clone(),
-                        size,
-                        max_bytes,
-                    }),
-                )
+                let (sink, file) = LogFile::open(path, max_bytes)?;
+                (sink, Some(file))
             }
         };
+        // The thread is not joined: see `log_writer::spawn`.
+        let (log, _writer) = DecisionLog::start_writer(sink, file, capacity)?;
+        Ok(log)
+    }
+
+    /// A handle on a new writer thread writing to `sink` (`file`: the file it is, for
+    /// reopening and rotation), and the thread.
+    pub(super) fn start_writer(
+        sink: Sink,
+        file: Option<LogFile>,
+        capacity: usize,
+    ) -> std::io::Result<(DecisionLog, std::thread::JoinHandle<()>)> {
+        let counters = Arc::new(LogCounters::default());
         let (tx, rx) = mpsc::channel(capacity.max(1));
-        tokio::spawn(writer(rx, sink, file, counters.clone()));
-        Ok(DecisionLog {
+        let writer = log_writer::spawn(rx, sink, file, counters.clone())?;
+        let log = DecisionLog {
             tx: Some(tx),
             counters,
-        })
+        };
+        Ok((log, writer))
     }
 
     /// Close the log file and open its path again (creating it), after what was queued
@@ -355,7 +353,7 @@ impl DecisionLog {
         }
     }
 
-    /// Wait until every line queued so far is written and flushed.
+    /// Wait until every line queued so far is written and flushed (or its write failed).
     pub async fn flush(&self) {
         if let Some(tx) = &self.tx {
             let (ack, done) = oneshot::channel();
@@ -369,118 +367,6 @@ impl DecisionLog {
     pub fn counters(&self) -> &LogCounters {
         &self.counters
     }
-}
-
-/// The log file the writer appends to, for rotation.
-struct LogFile {
-    path: std::path::PathBuf,
-    /// Bytes in the file now (as far as this process knows).
-    size: u64,
-    /// Rotate past this size; 0: never.
-    max_bytes: u64,
-}
-
-/// Open `path` for appending, creating it; with its current size.
-fn open_append(path: &std::path::Path) -> std::io::Result<(std::fs::File, u64)> {
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)?;
-    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
-    Ok((f, size))
-}
-
-/// The log file after a reopen (or a rotation, when `rotate`): the new sink, or the error
-/// (the old sink is kept then, so lines still go somewhere).
-async fn reopen_file(
-    sink: &mut Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
-    file: &mut LogFile,
-    rotate: bool,
-) -> std::io::Result<()> {
-    let _ = sink.flush().await;
-    if rotate {
-        let mut old = file.path.clone().into_os_string();
-        old.push(".1");
-        std::fs::rename(&file.path, &old)?;
-    }
-    let (f, size) = open_append(&file.path)?;
-    *sink = Box::new(tokio::fs::File::from_std(f));
-    file.size = size;
-    Ok(())
-}
-
-async fn writer(
-    mut rx: mpsc::Receiver<Msg>,
-    mut sink: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
-    mut file: Option<LogFile>,
-    counters: Arc<LogCounters>,
-) {
-    let mut buf: Vec<u8> = Vec::with_capacity(64 * 1024);
-    while let Some(msg) = rx.recv().await {
-        let mut acks = Vec::new();
-        let mut reopens = Vec::new();
-        let mut lines: u64 = 0;
-        let mut next = Some(msg);
-        // Batch whatever else is already waiting into one write; a reopen ends the batch, so
-        // the lines queued before it go to the old file and the ones after to the new.
-        while let Some(m) = next.take() {
-            match m {
-                Msg::Line(s) => {
-                    buf.extend_from_slice(s.as_bytes());
-                    lines += 1;
-                }
-                Msg::Flush(ack) => acks.push(ack),
-                Msg::Reopen(ack) => {
-                    reopens.push(ack);
-                    break;
-                }
-            }
-            if buf.len() >= 1024 * 1024 {
-                break;
-            }
-            next = rx.try_recv().ok();
-        }
-        // A line counts as written only once the write succeeded; a failed batch (closed
-        // pipe, full disk) counts as dropped only, so the two counters never overlap.
-        if !buf.is_empty() {
-            if sink.write_all(&buf).await.is_ok() && sink.flush().await.is_ok() {
-                counters.written.fetch_add(lines, Ordering::Relaxed);
-                if let Some(f) = file.as_mut() {
-                    f.size += buf.len() as u64;
-                }
-            } else {
-                counters.dropped.fetch_add(lines, Ordering::Relaxed);
-            }
-        }
-        buf.clear();
-        if let Some(f) = file.as_mut() {
-            if f.max_bytes > 0 && f.size >= f.max_bytes {
-                match reopen_file(&mut sink, f, true).await {
-                    Ok(()) => {
-                        counters.rotations.fetch_add(1, Ordering::Relaxed);
-                    }
-                    // Keep writing where we are; try again after the next batch.
-                    Err(e) => {
-                        tracing::error!("cannot rotate the decision log {}: {e}", f.path.display())
-                    }
-                }
-            }
-        }
-        for ack in reopens {
-            let answer = match file.as_mut() {
-                Some(f) => reopen_file(&mut sink, f, false).await,
-                None => Ok(()),
-            };
-            if answer.is_ok() {
-                counters.rotations.fetch_add(1, Ordering::Relaxed);
-            }
-            let _ = ack.send(answer);
-        }
-        for ack in acks {
-            let _ = ack.send(());
-        }
-    }
-    let _ = sink.flush().await;
 }
 
 #[cfg(test)]
