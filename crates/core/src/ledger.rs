@@ -99,7 +99,8 @@ fn duplicate_of(prior: Option<&HoldRecord>) -> Result<(), LedgerReject> {
 pub struct Ledger {
     cfg: LedgerConfig,
     holds: std::collections::HashMap<Shared, HoldRecord>,
-    /// Unsettled holds by expiry time.
+    /// Unsettled holds by expiry time: exactly the held records whose `expires_at_ms` is not
+    /// [`NEVER`] (a hold with no TTL is never due, so it is never in here).
     expiry: std::collections::BTreeSet<(Millis, Shared)>,
     /// Settled or rejected keys by last change, for forgetting them after `retention_ms`.
     settled: std::collections::BTreeSet<(Millis, Shared)>,
@@ -498,10 +499,11 @@ impl Ledger {
 
     /// Settle a held key as `how` says, with one lookup of the key. A hold whose TTL has
     /// passed ends as `expired` instead (its tokens wasted), reported as
-    /// [`SettleError::HoldExpired`] with the record to persist. With `remember` false the
+    /// [`SettleError::HoldExpired`] with its record (to persist when this call expired it; a
+    /// hold the ledger had already expired is reported as it stands). With `remember` false the
     /// settled record is forgotten at once, as [`Ledger::forget`] would (a key the gate
     /// generated: nobody can replay it).
-    pub fn settle_as(
+    pub(crate) fn settle_as(
         &mut self,
         now: Millis,
         key: &str,

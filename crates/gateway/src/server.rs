@@ -354,9 +354,19 @@ impl Gateway {
             c.stop();
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
-        self.shared.log.flush().await;
+        // The ledger first: its last settlements are what keeps a completed request from
+        // being run again after a restart. Then the decision log, for a bounded time: a
+        // stuck sink (a pipe nobody reads) must not hang the shutdown.
         if let Err(e) = self.shared.durable().await {
             tracing::error!("ledger flush at shutdown failed: {e}");
+        }
+        let bound =
+            std::time::Duration::from_millis(self.shared.server.shutdown_grace_ms.max(1_000));
+        if tokio::time::timeout(bound, self.shared.log.flush())
+            .await
+            .is_err()
+        {
+            tracing::warn!("the decision log did not flush within {bound:?} at shutdown; lines still queued are lost");
         }
     }
 }

@@ -500,15 +500,7 @@ impl Gate {
         // queued work ahead of it over these (see `PoolState::wait_for_slot`). With no
         // endpoint available nothing is projected: only jobs already past their deadline
         // are dropped, the rest wait for an endpoint to return.
-        let n = pool.slot_count();
-        let mut stack = [0u64; super::projection::STACK_SLOTS];
-        let mut heap = Vec::new();
-        let r: &mut [u64] = if n <= stack.len() {
-            &mut stack[..n]
-        } else {
-            heap.resize(n, 0);
-            &mut heap
-        };
+        super::projection::slot_scratch!(r, pool.slot_count());
         // On the gate's own view: see `Neighbours`.
         let seen = super::endpoints::Neighbours::Ignored;
         let filled = pool.free_times_seen(now, r, seen);

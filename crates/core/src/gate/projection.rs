@@ -54,8 +54,33 @@ pub(super) fn remaining(now: Millis, started: Millis, est: u64) -> u64 {
 /// which no deadline survives; best-effort work queues until an endpoint returns.
 pub(super) const UNAVAILABLE_WAIT_MS: u64 = crate::config::MAX_CONFIG_MS;
 
-/// Slot counts up to this are handled on the stack when projecting a wait (2 KiB).
+/// Slot counts up to this are handled on the stack when projecting a wait (2 KiB, zeroed
+/// only for pools wider than [`SMALL_SLOTS`]: see `slot_scratch!`).
 pub(super) const STACK_SLOTS: usize = 256;
+
+/// Slot counts up to this project on a small stack array (most pools).
+pub(super) const SMALL_SLOTS: usize = 16;
+
+/// `n` zeroed slot times as `&mut [u64]`: a small stack array for the usual narrow pool, a
+/// [`STACK_SLOTS`] one (zeroed only then) for a wide one, the heap beyond.
+macro_rules! slot_scratch {
+    ($r:ident, $n:expr) => {
+        let n: usize = $n;
+        let mut small = [0u64; $crate::gate::projection::SMALL_SLOTS];
+        let mut wide: [u64; $crate::gate::projection::STACK_SLOTS];
+        let mut heap: Vec<u64>;
+        let $r: &mut [u64] = if n <= $crate::gate::projection::SMALL_SLOTS {
+            &mut small[..n]
+        } else if n <= $crate::gate::projection::STACK_SLOTS {
+            wide = [0u64; $crate::gate::projection::STACK_SLOTS];
+            &mut wide[..n]
+        } else {
+            heap = vec![0u64; n];
+            &mut heap[..]
+        };
+    };
+}
+pub(super) use slot_scratch;
 
 impl PoolState {
     /// Bring the in-flight integral up to `now`; call before the in-flight set changes.
@@ -183,15 +208,7 @@ impl PoolState {
     /// when that work is absorbed. A long job thus only takes its own slot out of the
     /// picture instead of being averaged over every slot. O(slots).
     pub(super) fn wait_for_slot(&self, now: Millis, work_ahead: u64) -> u64 {
-        let n = self.slot_count();
-        let mut stack = [0u64; STACK_SLOTS];
-        let mut heap = Vec::new();
-        let r: &mut [u64] = if n <= STACK_SLOTS {
-            &mut stack[..n]
-        } else {
-            heap.resize(n, 0);
-            &mut heap
-        };
+        slot_scratch!(r, self.slot_count());
         let filled = self.free_times_unordered(now, r);
         if filled == 0 {
             return UNAVAILABLE_WAIT_MS;

@@ -533,8 +533,15 @@ fn ensure_schema(conn: &mut Connection, path: &Path) -> Result<(), StoreError> {
         .map_err(fail)?;
     tx.execute_batch(SCHEMA).map_err(fail)?;
     if !has_reservation(&tx).map_err(fail)? {
-        tx.execute_batch("ALTER TABLE holds ADD COLUMN reservation INTEGER NOT NULL DEFAULT 0")
-            .map_err(fail)?;
+        // A hold of a build without the column may be a reservation-API worker's, still
+        // running: it keeps its TTL at restore (as that build would have kept it) rather
+        // than be expired at once as a proxied request's orphan, so a retry of its key stays
+        // a duplicate until then.
+        tx.execute_batch(
+            "ALTER TABLE holds ADD COLUMN reservation INTEGER NOT NULL DEFAULT 0;
+             UPDATE holds SET reservation = 1 WHERE state = 'held';",
+        )
+        .map_err(fail)?;
     }
     for index in DROPPED_INDEXES {
         tx.execute_batch(&format!("DROP INDEX IF EXISTS {index}"))

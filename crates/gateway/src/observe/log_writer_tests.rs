@@ -368,3 +368,46 @@ async fn the_file_is_rotated_to_dot_1_once_past_max_bytes() {
     assert_eq!(file_seqs(&path), (120..125).collect::<Vec<_>>());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn lines_arriving_one_by_one_are_gathered_into_few_writes() {
+    // 200 lines, one every 100 us or more (a busy gate's pace): the writer lets each batch
+    // gather for LINGER, so they take a handful of writes, not one each.
+    let rec = Recorder::default();
+    let (log, _writer) = DecisionLog::start_writer(Box::new(rec.clone()), None, 8192).unwrap();
+    let started = std::time::Instant::now();
+    for seq in 1..=200 {
+        assert!(log.log(&line(seq)));
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    log.flush().await;
+    let spread = started.elapsed();
+    let writes = rec.writes().len();
+    assert_eq!(seqs(&rec.text()), (1..=200).collect::<Vec<_>>());
+    // At most one write per LINGER of the time the lines took to arrive, and a couple more
+    // for the edges (the flush's own batch).
+    let bound = (spread.as_micros() / LINGER.as_micros()) as usize + 3;
+    assert!(
+        writes <= bound,
+        "{writes} writes for 200 lines over {spread:?}"
+    );
+    assert!(
+        writes < 100,
+        "{writes} writes for 200 lines over {spread:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_short_queue_is_written_as_lines_come_and_drops_nothing() {
+    // A queue of 4 has no room to gather in: lines a millisecond apart are all written (a
+    // writer lingering 5 ms would let the queue overflow and drop them).
+    let rec = Recorder::default();
+    let (log, _writer) = DecisionLog::start_writer(Box::new(rec.clone()), None, 4).unwrap();
+    for seq in 1..=20 {
+        assert!(log.log(&line(seq)), "line {seq} dropped");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    log.flush().await;
+    assert_eq!(seqs(&rec.text()), (1..=20).collect::<Vec<_>>());
+    assert_eq!(dropped(&log), 0);
+}
