@@ -404,7 +404,7 @@ fn learns_that_long_neighbours_slow_more_than_short_ones() {
 }
 
 #[test]
-fn quantiles_by_selection_equal_the_sorted_ones() {
+fn a_quantile_is_the_sorted_value_at_its_rank() {
     use crate::estimator::{quantile, Rank};
     let mut x: u64 = 12345;
     for n in 1..80 {

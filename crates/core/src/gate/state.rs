@@ -237,7 +237,7 @@ impl LaneState {
     }
 
     /// Recompute the figures admission reads on every offer ([`ClassRecord`]) from the
-    /// class's windows: once per completion, not per decision (they select quantiles).
+    /// class's windows: once per completion, not per decision (they sort).
     pub(super) fn refresh_record(&mut self) {
         let correction = if self.ratios.len() < CONFIRM_SAMPLES as usize {
             1.0
