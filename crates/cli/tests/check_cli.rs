@@ -7,15 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn temp_file(name: &str, text: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-check-cli-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = slackgate_testkit::temp_dir("check-cli");
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
     path

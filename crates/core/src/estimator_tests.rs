@@ -1,31 +1,13 @@
 //! Unit tests of the estimator, with the expected figures computed by hand in the comments.
 
 use super::*;
+use crate::test_rng::XorShift;
 
 const ALONE: Sharing = Sharing::ALONE;
 
 /// `k` requests of this shape at once.
 fn sh(k: f64, p: u32, o: u32) -> Sharing {
     Sharing::with(k, f64::from(p) + f64::from(o) / 2.0)
-}
-
-/// A tiny deterministic PRNG so the tests need no dependency.
-struct XorShift(u64);
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + (self.next() % u64::from(hi - lo + 1)) as u32
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 fn prior(overhead: f64, prefill: f64, decode: f64) -> PriorConfig {

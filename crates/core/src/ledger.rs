@@ -14,8 +14,10 @@
 
 use crate::Millis;
 
+mod index;
 mod restore;
 mod types;
+use index::ExpiryIndex;
 pub use types::*;
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -99,9 +101,8 @@ fn duplicate_of(prior: Option<&HoldRecord>) -> Result<(), LedgerReject> {
 pub struct Ledger {
     cfg: LedgerConfig,
     holds: std::collections::HashMap<Shared, HoldRecord>,
-    /// Unsettled holds by expiry time: exactly the held records whose `expires_at_ms` is not
-    /// [`NEVER`] (a hold with no TTL is never due, so it is never in here).
-    expiry: std::collections::BTreeSet<(Millis, Shared)>,
+    /// Unsettled holds with a TTL, by expiry time.
+    expiry: ExpiryIndex,
     /// Settled or rejected keys by last change, for forgetting them after `retention_ms`.
     settled: std::collections::BTreeSet<(Millis, Shared)>,
     /// Per tenant ("" for none), with the tenant's one shared copy of its id.
@@ -170,23 +171,6 @@ impl Ledger {
         self.cfg = cfg;
     }
 
-    /// Stop timing a held key's TTL: its live request settles it (a proxied request's
-    /// connection always ends, one way or another), and a restart expires it. Keeps the
-    /// expiry index to the holds that can actually expire, so a deep queue of live requests
-    /// costs nothing at expiry time.
-    /// Returns the updated record (its `expires_at_ms` is [`NEVER`]), to persist.
-    pub fn untrack_expiry(&mut self, key: &str) -> Option<HoldRecord> {
-        let r = self.holds.get_mut(key)?;
-        if r.state != HoldState::Held {
-            return None;
-        }
-        if r.expires_at_ms != NEVER {
-            self.expiry.remove(&(r.expires_at_ms, r.key.clone()));
-        }
-        r.expires_at_ms = NEVER;
-        Some(r.clone())
-    }
-
     /// Record where and when a held key's request was sent upstream (cluster mode: see
     /// [`HoldRecord::dispatched`]). Returns the updated record, to persist.
     pub fn mark_dispatched(
@@ -218,14 +202,8 @@ impl Ledger {
         if !same || settled.state == HoldState::Held {
             return false;
         }
-        self.end(
-            now,
-            &settled.key,
-            settled.state,
-            settled.tokens_spent,
-            settled.tokens_wasted,
-        )
-        .is_some()
+        let end = (settled.state, settled.tokens_spent, settled.tokens_wasted);
+        self.end(now, &settled.key, |_| end).is_some()
     }
 
     /// Mark a held key as a reservation-API hold (called right after `reserve`).
@@ -332,8 +310,7 @@ impl Ledger {
 
     /// [`Ledger::reserve`] (or, with [`Placing::unchecked`], [`Ledger::reserve_unchecked`])
     /// under a key the caller already holds shared: the hold takes that copy rather than
-    /// making its own. With [`Placing::untimed`] the hold is placed as
-    /// [`Ledger::untrack_expiry`] leaves one.
+    /// making its own. With [`Placing::untimed`] the hold has no TTL.
     pub fn reserve_shared(
         &mut self,
         now: Millis,
@@ -375,39 +352,17 @@ impl Ledger {
                 (None, given.map_or_else(|| Shared::from(key), Shared::clone))
             }
         };
-        if let Some(p) = prior.filter(|p| p.state != HoldState::Held) {
-            self.settled.remove(&(p.updated_at_ms, key_id.clone()));
-        }
         let tenant_id = self.tenant_usage(tenant.unwrap_or(""), |u| {
             u.held = u.held.saturating_add(tokens);
         });
-        let carried = prior.map_or((0, 0), |p| p.carried);
-        let r = HoldRecord {
-            key: key_id,
-            tenant: tenant.map(|_| tenant_id),
-            state: HoldState::Held,
-            attempt: Prior::attempt(prior, attempt),
-            tokens_held: tokens,
-            tokens_spent: 0,
-            tokens_wasted: 0,
-            created_at_ms: now,
-            expires_at_ms: match how.untimed {
-                true => NEVER,
-                false => now.saturating_add(self.cfg.hold_ttl_ms),
-            },
-            updated_at_ms: now,
-            version: Prior::next_version(prior, now),
-            prior_spent: carried.0,
-            prior_wasted: carried.1,
-            reservation: false,
-            owner: self.owner.clone(),
-            dispatched: None,
-        };
+        let mut r = self.succeed(prior, key_id, now, attempt, tokens);
+        r.tenant = tenant.map(|_| tenant_id);
+        if !how.untimed {
+            r.expires_at_ms = now.saturating_add(self.cfg.hold_ttl_ms);
+        }
         self.totals.held += 1;
         self.totals.tokens_held = self.totals.tokens_held.saturating_add(tokens);
-        if r.expires_at_ms != NEVER {
-            self.expiry.insert((r.expires_at_ms, r.key.clone()));
-        }
+        self.expiry.track(&r);
         self.holds.insert(r.key.clone(), r.clone());
         Ok(r)
     }
@@ -423,16 +378,12 @@ impl Ledger {
         tokens: u64,
     ) -> Option<HoldRecord> {
         let (prior, key_id) = match self.holds.get_key_value(key) {
-            Some((k, r)) => (Some(Prior::of(r)), k.clone()),
+            Some((k, r)) => {
+                duplicate_of(Some(r)).ok()?;
+                (Some(Prior::of(r)), k.clone())
+            }
             None => (None, Shared::from(key)),
         };
-        if let Some(p) = prior {
-            if matches!(p.state, HoldState::Held | HoldState::Done) {
-                return None;
-            }
-            self.settled.remove(&(p.updated_at_ms, key_id.clone()));
-        }
-        let carried = prior.map_or((0, 0), |p| p.carried);
         // A refusal reserves nothing: a tenant it names is not counted (a client cycling
         // keys must not grow the tenant table), only its id shared where already known.
         let tenant_id = tenant.map(|t| {
@@ -440,16 +391,41 @@ impl Ledger {
                 .get(t)
                 .map_or_else(|| Shared::from(t), |t| t.id.clone())
         });
-        let r = HoldRecord {
-            key: key_id,
-            tenant: tenant_id,
-            state: HoldState::Rejected,
+        let mut r = self.succeed(prior, key_id, now, attempt, tokens.min(MAX_TOKENS));
+        r.tenant = tenant_id;
+        r.state = HoldState::Rejected;
+        r.expires_at_ms = now;
+        self.totals.rejected += 1;
+        self.settled.insert((now, r.key.clone()));
+        self.holds.insert(r.key.clone(), r.clone());
+        Some(r)
+    }
+
+    /// The key's next record at `now`, replacing `prior` (never a held one: that is a
+    /// duplicate), which leaves the retention index. It carries the key's attempts, version,
+    /// spend and waste forward; it holds `tokens` (already capped), with no tenant and no TTL.
+    fn succeed(
+        &mut self,
+        prior: Option<Prior>,
+        key: Shared,
+        now: Millis,
+        attempt: u32,
+        tokens: u64,
+    ) -> HoldRecord {
+        if let Some(p) = prior.filter(|p| p.state != HoldState::Held) {
+            self.settled.remove(&(p.updated_at_ms, key.clone()));
+        }
+        let carried = prior.map_or((0, 0), |p| p.carried);
+        HoldRecord {
+            key,
+            tenant: None,
+            state: HoldState::Held,
             attempt: Prior::attempt(prior, attempt),
-            tokens_held: tokens.min(MAX_TOKENS),
+            tokens_held: tokens,
             tokens_spent: 0,
             tokens_wasted: 0,
             created_at_ms: now,
-            expires_at_ms: now,
+            expires_at_ms: NEVER,
             updated_at_ms: now,
             version: Prior::next_version(prior, now),
             prior_spent: carried.0,
@@ -457,27 +433,23 @@ impl Ledger {
             reservation: false,
             owner: self.owner.clone(),
             dispatched: None,
-        };
-        self.totals.rejected += 1;
-        self.settled.insert((now, r.key.clone()));
-        self.holds.insert(r.key.clone(), r.clone());
-        Some(r)
+        }
     }
 
-    /// End a held key in `state`, moving its tokens from held to spent or wasted.
+    /// End a held key in the state, with the spent and wasted tokens, that `how` gives for its
+    /// record, moving its tokens from held to spent or wasted. `None` if it is not held.
     fn end(
         &mut self,
         now: Millis,
         key: &str,
-        state: HoldState,
-        spent: u64,
-        wasted: u64,
+        how: impl FnOnce(&HoldRecord) -> (HoldState, u64, u64),
     ) -> Option<HoldRecord> {
         let r = self.holds.get_mut(key)?;
         if r.state != HoldState::Held {
             return None;
         }
-        let r = end_held(r, &mut self.expiry, now, (state, spent, wasted));
+        let end = how(r);
+        let r = end_held(r, &mut self.expiry, now, end);
         self.account_end(&r);
         self.settled.insert((now, r.key.clone()));
         Some(r)
@@ -495,6 +467,11 @@ impl Ledger {
         self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
         self.totals.tokens_wasted = self.totals.tokens_wasted.saturating_add(r.tokens_wasted);
         self.count_state(r.state);
+    }
+
+    /// Expire a held key now: its tokens held count as wasted. `None` if it is not held.
+    fn expire(&mut self, now: Millis, key: &str) -> Option<HoldRecord> {
+        self.end(now, key, |r| (HoldState::Expired, 0, r.tokens_held))
     }
 
     /// Settle a held key as `how` says, with one lookup of the key. A hold whose TTL has
@@ -522,8 +499,7 @@ impl Ledger {
             HoldState::Expired => {
                 let r = r.clone();
                 if !remember {
-                    self.settled.remove(&(r.updated_at_ms, r.key.clone()));
-                    self.holds.remove(key);
+                    self.forget(key);
                 }
                 return Err(SettleError::HoldExpired(Box::new(r)));
             }
@@ -581,18 +557,12 @@ impl Ledger {
     ) -> Vec<HoldRecord> {
         let mut out = Vec::new();
         let mut renewed = Vec::new();
-        // Peek at the time before cloning anything: this runs on every offer, and almost
-        // always finds nothing due.
-        while self.expiry.first().is_some_and(|(at, _)| *at <= now) {
-            let Some((_, key)) = self.expiry.pop_first() else {
-                break;
-            };
+        while let Some(key) = self.expiry.pop_due(now) {
             if renew(&key) {
                 renewed.push(key);
                 continue;
             }
-            let held = self.holds.get(&key).map_or(0, |r| r.tokens_held);
-            if let Some(r) = self.end(now, &key, HoldState::Expired, 0, held) {
+            if let Some(r) = self.expire(now, &key) {
                 out.push(r);
             }
         }
@@ -603,7 +573,7 @@ impl Ledger {
                     r.expires_at_ms = now.saturating_add(ttl.max(1));
                     r.updated_at_ms = now;
                     r.version = r.version.saturating_add(1);
-                    self.expiry.insert((r.expires_at_ms, key.clone()));
+                    self.expiry.track(r);
                     out.push(r.clone());
                 }
             }
@@ -653,13 +623,11 @@ impl Ledger {
 /// [`Ledger::account_end`].
 fn end_held(
     r: &mut HoldRecord,
-    expiry: &mut std::collections::BTreeSet<(Millis, Shared)>,
+    expiry: &mut ExpiryIndex,
     now: Millis,
     (state, spent, wasted): (HoldState, u64, u64),
 ) -> HoldRecord {
-    if r.expires_at_ms != NEVER {
-        expiry.remove(&(r.expires_at_ms, r.key.clone()));
-    }
+    expiry.untrack(r);
     r.state = state;
     r.tokens_spent = spent.min(MAX_TOKENS);
     r.tokens_wasted = wasted.min(MAX_TOKENS);

@@ -15,6 +15,9 @@ pub mod ledger;
 pub mod reason;
 pub mod tokens;
 
+#[cfg(test)]
+mod test_rng;
+
 pub use config::{
     ClassConfig, ConfigError, FailMode, GateConfig, OverflowMode, PoolConfig, PriorConfig,
     RetryConfig,

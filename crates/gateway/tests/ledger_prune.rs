@@ -14,16 +14,7 @@ const NOW: u64 = 1_800_000_000_000;
 const RETENTION: u64 = 60_000;
 
 fn temp_db(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-prune-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join("ledger.db")
+    slackgate_testkit::temp_dir(&format!("prune-{name}")).join("ledger.db")
 }
 
 fn rec(key: &str, tenant: Option<&str>, state: HoldState, updated_at_ms: u64) -> HoldRecord {

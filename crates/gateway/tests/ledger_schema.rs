@@ -11,7 +11,6 @@ use slackgate_gateway::ledger_store::{
     LedgerStore, SqliteOptions, SqliteStore, DROPPED_INDEXES, INDEXES, SCHEMA_VERSION,
 };
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 
 /// The schema of the first build with a SQLite ledger (commit 5ca09c8): no `reservation`
@@ -66,32 +65,15 @@ PRAGMA user_version = 1;
 ";
 
 /// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
+struct TempDir(slackgate_testkit::TempDir);
 
 impl TempDir {
     fn new(name: &str) -> TempDir {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let dir = std::env::temp_dir().join(format!(
-            "slackgate-schema-{name}-{}-{nanos}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
+        TempDir(slackgate_testkit::TempDir::new(&format!("schema-{name}")))
     }
 
     fn db(&self) -> PathBuf {
         self.0.join("ledger.db")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

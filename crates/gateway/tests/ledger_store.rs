@@ -9,35 +9,17 @@ use slackgate_gateway::ledger_store::{
     LedgerStore, MemoryStore, SqliteOptions, SqliteStore, StoreError, Synchronous, RETRY_BACKOFF,
 };
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
+struct TempDir(slackgate_testkit::TempDir);
 
 impl TempDir {
     fn new(name: &str) -> TempDir {
-        static N: AtomicU64 = AtomicU64::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let dir = std::env::temp_dir().join(format!(
-            "slackgate-ledger-{name}-{}-{nanos}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
+        TempDir(slackgate_testkit::TempDir::new(&format!("ledger-{name}")))
     }
 
     fn db(&self) -> PathBuf {
         self.0.join("ledger.db")
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -341,7 +323,7 @@ fn a_missing_directory_or_a_directory_is_a_clear_error() {
     assert!(msg.contains("does not exist"), "{msg}");
     assert!(!missing.parent().unwrap().exists(), "nothing was created");
 
-    let msg = open_err(&dir.0).to_string();
+    let msg = open_err(dir.0.path()).to_string();
     assert!(msg.contains("is a directory"), "{msg}");
 }
 

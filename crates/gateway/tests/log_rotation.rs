@@ -10,16 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
 fn temp_dir(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-logrot-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    slackgate_testkit::temp_dir(&format!("logrot-{name}"))
 }
 
 fn line(seq: u64) -> LogLine {

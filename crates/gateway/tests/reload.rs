@@ -15,16 +15,7 @@ use std::time::Duration;
 
 /// A fresh directory for one test's config file.
 fn temp_dir(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let d = std::env::temp_dir().join(format!(
-        "slackgate-reload-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    slackgate_testkit::temp_dir(&format!("reload-{name}"))
 }
 
 /// `slots` slots, interactive (deadline `deadline_ms`) and batch, plus `extra` TOML.

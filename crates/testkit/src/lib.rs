@@ -13,11 +13,15 @@
 //!   does: there the trace and the tools are supposed to be present, so a skip is a failure.
 //!
 //! It also starts real servers for integration tests: [`RedisServer`] (a `redis-server` of
-//! the test's own on a free loopback port).
+//! the test's own on a free loopback port); and makes scratch directories no two tests share
+//! ([`temp_dir`], [`TempDir`]).
 #![forbid(unsafe_code)]
 
 mod redis;
 pub use redis::{RedisOptions, RedisServer, REDIS_SERVER_VAR};
+
+mod scratch;
+pub use scratch::{temp_dir, unique_path, TempDir};
 
 use std::ffi::OsString;
 use std::io::Write;

@@ -277,21 +277,20 @@ impl PoolState {
     /// skipped (a pool of one endpoint with no neighbour running, when every in-flight job
     /// has a slot). The wait projection sorts only when its water fill needs the order.
     pub(super) fn free_times_unordered(&self, now: Millis, r: &mut [u64]) -> usize {
-        if let [e] = self.endpoints.as_slice() {
-            if e.outside_running == 0 && e.inherited.is_empty() {
-                r.fill(0);
-                return self.free_times_one(now, r, e, false);
-            }
-        }
-        self.free_times_seen(now, r, Neighbours::Counted)
+        self.free_times_in(now, r, Neighbours::Counted, false)
     }
 
     /// [`PoolState::free_times`], with or without the neighbours' running requests.
     pub(super) fn free_times_seen(&self, now: Millis, r: &mut [u64], seen: Neighbours) -> usize {
+        self.free_times_in(now, r, seen, true)
+    }
+
+    /// The free times, sorted or (with `sorted` false) in any order where that saves a sort.
+    fn free_times_in(&self, now: Millis, r: &mut [u64], seen: Neighbours, sorted: bool) -> usize {
         r.fill(0);
         if let [e] = self.endpoints.as_slice() {
             if (seen == Neighbours::Ignored || e.outside_running == 0) && e.inherited.is_empty() {
-                return self.free_times_one(now, r, e, true);
+                return self.free_times_one(now, r, e, sorted);
             }
         }
         let unit = self.outside_unit_ms();

@@ -442,13 +442,8 @@ fn the_unordered_water_fill_equals_the_sorted_one() {
     // A fixed pseudo-random walk over slot counts, spreads and amounts of work, so both the
     // mean shortcut and the sorted fill are taken (and the edge where the mean equals the
     // highest slot).
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = |m: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % m
-    };
+    let mut rng = crate::test_rng::XorShift(0x9e37_79b9_7f4a_7c15);
+    let mut next = |m: u64| rng.below(m);
     let (mut shortcut, mut sorted) = (0, 0);
     for case in 0..20_000 {
         let n = 1 + next(40) as usize;
@@ -663,13 +658,8 @@ fn retry_after_is_jittered_deterministically() {
 
 #[test]
 fn incremental_water_fill_matches_the_direct_one() {
-    let mut seed = 0x1234_5678_u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut rng = crate::test_rng::XorShift(0x1234_5678);
+    let mut next = move || rng.next();
     for _ in 0..500 {
         let n = (next() % 9) as usize;
         let mut r: Vec<u64> = (0..n).map(|_| next() % 10_000).collect();

@@ -101,10 +101,7 @@ impl Ledger {
             HoldState::Held => {
                 self.totals.held += 1;
                 self.totals.tokens_held = self.totals.tokens_held.saturating_add(r.tokens_held);
-                // A hold with no TTL is never due: the expiry index keeps only those that are.
-                if r.expires_at_ms != NEVER {
-                    self.expiry.insert((r.expires_at_ms, r.key.clone()));
-                }
+                self.expiry.track(&r);
             }
             _ => {
                 self.totals.tokens_spent = self.totals.tokens_spent.saturating_add(r.tokens_spent);
@@ -134,8 +131,7 @@ impl Ledger {
             .collect();
         let mut out = Vec::new();
         for key in orphans {
-            let held = self.holds.get(&key).map_or(0, |r| r.tokens_held);
-            if let Some(r) = self.end(now, &key, HoldState::Expired, 0, held) {
+            if let Some(r) = self.expire(now, &key) {
                 out.push(r);
             }
         }

@@ -217,8 +217,8 @@ pub struct Placing {
     /// Past the retry cap and the tenant grant (the `admit_always` rollback), as
     /// [`Ledger::reserve_unchecked`]; a held or done key is still a duplicate.
     pub unchecked: bool,
-    /// With no TTL ([`NEVER`]): a proxied request's live connection settles it, as
-    /// [`Ledger::untrack_expiry`] leaves a hold.
+    /// With no TTL ([`NEVER`]): a proxied request's live connection settles it (it always
+    /// ends, one way or another), and a restart expires it.
     pub untimed: bool,
 }
 

@@ -10,15 +10,7 @@ use std::path::PathBuf;
 
 /// A new ledger file, made by the store (its schema, indexes and all), and its directory.
 fn fresh_db(name: &str) -> (PathBuf, Connection) {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-prune-unit-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = slackgate_testkit::temp_dir(&format!("prune-unit-{name}"));
     let db = dir.join("ledger.db");
     drop(SqliteStore::open(&db, SqliteOptions::default()).unwrap());
     (dir, Connection::open(&db).unwrap())

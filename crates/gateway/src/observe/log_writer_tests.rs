@@ -34,16 +34,7 @@ fn file_seqs(path: &Path) -> Vec<u64> {
 }
 
 fn temp_dir(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-logwriter-{name}-{}-{nanos}",
-        std::process::id()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    slackgate_testkit::temp_dir(&format!("logwriter-{name}"))
 }
 
 fn written(log: &DecisionLog) -> u64 {

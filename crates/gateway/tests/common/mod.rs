@@ -34,14 +34,7 @@ pub async fn stub(slots: usize, latency: &str) -> Stub {
 
 /// A unique temporary file path for a decision log.
 pub fn temp_log(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    std::env::temp_dir().join(format!(
-        "slackgate-{name}-{}-{nanos}.jsonl",
-        std::process::id()
-    ))
+    slackgate_testkit::unique_path(name).with_extension("jsonl")
 }
 
 /// A running gate plus where its decision log goes.
