@@ -19,6 +19,9 @@
 //! run inside Redis included). Both include the replicas' lease heartbeats (one script call
 //! per replica every third of the lease TTL, about 2 per second here).
 //!
+//! Every request is a short unary chat completion (16 tokens), or with
+//! `SLACKGATE_BENCH_STREAM_TOKENS=N` a streamed one of N tokens.
+//!
 //! Run: `cargo bench -p slackgate-drill --bench cluster` (release).
 
 use std::error::Error;
@@ -45,8 +48,26 @@ const CLIENT_COMMANDS: [&str; 6] = ["evalsha", "eval", "script", "hscan", "ping"
 
 type Res<T> = Result<T, Box<dyn Error + Send + Sync>>;
 
-const BODY: &str =
+const SHORT: &str =
     r#"{"model":"stub","messages":[{"role":"user","content":"hello there"}],"max_tokens":16}"#;
+
+/// The request every client sends: a short unary chat completion (16 tokens), or with
+/// `SLACKGATE_BENCH_STREAM_TOKENS=N` (1 to 4096) a streamed one of N tokens, to see how each
+/// target's cost grows with the answer (a follower relays every chunk through the leader).
+fn body() -> Bytes {
+    static BODY: std::sync::OnceLock<Bytes> = std::sync::OnceLock::new();
+    BODY.get_or_init(|| match stream_tokens() {
+        0 => Bytes::from_static(SHORT.as_bytes()),
+        n => Bytes::from(format!(
+            r#"{{"model":"stub","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":{n},"stream":true}}"#
+        )),
+    })
+    .clone()
+}
+
+fn stream_tokens() -> u64 {
+    env_or("SLACKGATE_BENCH_STREAM_TOKENS", 0).min(4096)
+}
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -110,7 +131,7 @@ async fn one(http: &HttpClient, url: &str) -> Result<bool, Box<dyn Error + Send 
     let req = Request::post(url)
         .header("content-type", "application/json")
         .header("x-job-class", "interactive")
-        .body(Full::new(Bytes::from_static(BODY.as_bytes())))?;
+        .body(Full::new(body()))?;
     let res = http.request(req).await?;
     let ok = res.status().is_success();
     res.into_body().collect().await?;
@@ -374,8 +395,12 @@ async fn bench() -> Res<Vec<Phase>> {
     drop(redis);
     let _ = std::fs::remove_dir_all(&dir);
     println!(
-        "closed loop, {clients} clients, {secs} s per phase after 1 s warm-up, stub latency 0 ms, {} cores\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        "closed loop, {clients} clients, {secs} s per phase after 1 s warm-up, stub latency 0 ms, {} cores, {}\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        match stream_tokens() {
+            0 => "unary answers of 16 tokens".to_owned(),
+            n => format!("streamed answers of {n} tokens"),
+        }
     );
     println!("| target | req/s | vs one gate (memory) | p50 | p99 | added p50 / p99 vs stub | Redis round trips / request | Redis commands executed / request | non-2xx | errors |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
