@@ -55,14 +55,7 @@ priority = 100
 deadline_ms = 30000
 "#
     );
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let file = std::env::temp_dir().join(format!(
-        "slackgate-check-probe-{}-{nanos}.toml",
-        std::process::id()
-    ));
+    let file = slackgate_testkit::temp_dir("check-probe").join("slackgate.toml");
     std::fs::write(&file, text).unwrap();
 
     // Without --probe nothing is contacted and the file is fine.

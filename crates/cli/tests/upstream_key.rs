@@ -86,14 +86,7 @@ deadline_ms = 30000
 #[test]
 fn the_pool_key_goes_upstream_and_never_to_stderr_or_the_log() {
     let (up, heads) = upstream();
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let file: PathBuf = std::env::temp_dir().join(format!(
-        "slackgate-upstream-key-{}-{nanos}.toml",
-        std::process::id()
-    ));
+    let file: PathBuf = slackgate_testkit::temp_dir("upstream-key").join("slackgate.toml");
     std::fs::write(&file, config(up, &format!("api_key_env = {VAR:?}"))).unwrap();
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_slackgate"))

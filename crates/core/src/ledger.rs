@@ -355,7 +355,7 @@ impl Ledger {
         let tenant_id = self.tenant_usage(tenant.unwrap_or(""), |u| {
             u.held = u.held.saturating_add(tokens);
         });
-        let mut r = self.succeed(prior, key_id, now, attempt, tokens);
+        let mut r = self.next_record(prior, key_id, now, attempt, tokens);
         r.tenant = tenant.map(|_| tenant_id);
         if !how.untimed {
             r.expires_at_ms = now.saturating_add(self.cfg.hold_ttl_ms);
@@ -391,7 +391,7 @@ impl Ledger {
                 .get(t)
                 .map_or_else(|| Shared::from(t), |t| t.id.clone())
         });
-        let mut r = self.succeed(prior, key_id, now, attempt, tokens.min(MAX_TOKENS));
+        let mut r = self.next_record(prior, key_id, now, attempt, tokens.min(MAX_TOKENS));
         r.tenant = tenant_id;
         r.state = HoldState::Rejected;
         r.expires_at_ms = now;
@@ -404,7 +404,7 @@ impl Ledger {
     /// The key's next record at `now`, replacing `prior` (never a held one: that is a
     /// duplicate), which leaves the retention index. It carries the key's attempts, version,
     /// spend and waste forward; it holds `tokens` (already capped), with no tenant and no TTL.
-    fn succeed(
+    fn next_record(
         &mut self,
         prior: Option<Prior>,
         key: Shared,

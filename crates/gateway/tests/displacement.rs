@@ -324,15 +324,7 @@ async fn without_a_window_admission_is_kept_and_the_newcomer_is_refused() {
 
 #[test]
 fn a_zero_window_is_refused_with_the_field_named() {
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-displace-config-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = slackgate_testkit::temp_dir("displace-config");
     let file = dir.join("slackgate.toml");
     let base = config(None).replace("{UPSTREAM}", "http://127.0.0.1:9");
     let with = |window: &str| {

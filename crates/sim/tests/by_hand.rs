@@ -198,15 +198,7 @@ fn faults_slow_fail_cut_and_hang_their_requests() {
 /// five-row trace: a 1000 ms request at 0, a 1400 ms one at 0 (listed second), then three
 /// 1000 ms ones at 1, 2 and 3 ms. Written to a fresh directory: traces are read from files.
 fn long_among_short() -> Scenario {
-    let dir = std::env::temp_dir().join(format!(
-        "slackgate-by-hand-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = slackgate_testkit::temp_dir("by-hand");
     std::fs::write(
         dir.join("t.csv"),
         "TIMESTAMP,ContextTokens,GeneratedTokens\n\

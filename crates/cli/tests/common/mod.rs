@@ -63,14 +63,7 @@ pub fn redis_for(test: &str) -> Res<Option<RedisServer>> {
 }
 
 pub fn temp_dir(name: &str) -> Res<PathBuf> {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let d = std::env::temp_dir().join(format!(
-        "slackgate-cluster-{name}-{}-{nanos}",
-        std::process::id()
-    ));
+    let d = slackgate_testkit::unique_path(&format!("cluster-{name}"));
     std::fs::create_dir_all(&d)?;
     Ok(d)
 }

@@ -8,7 +8,7 @@ use crate::Millis;
 /// nothing at expiry time). Every change to a held record's expiry goes through
 /// [`ExpiryIndex::track`] and [`ExpiryIndex::untrack`], which keep that rule in one place.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(super) struct ExpiryIndex(pub(super) std::collections::BTreeSet<(Millis, Shared)>);
+pub(super) struct ExpiryIndex(std::collections::BTreeSet<(Millis, Shared)>);
 
 impl ExpiryIndex {
     /// Time the held record `r` under its expiry (nothing when it has no TTL).
@@ -32,5 +32,11 @@ impl ExpiryIndex {
             return None;
         }
         self.0.pop_first().map(|(_, key)| key)
+    }
+
+    /// Every entry, for the tests that check the index against the records.
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> &std::collections::BTreeSet<(Millis, Shared)> {
+        &self.0
     }
 }

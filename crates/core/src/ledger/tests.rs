@@ -216,7 +216,10 @@ fn an_untimed_hold_is_the_hold_untrack_expiry_leaves() {
         assert_eq!(ra, rb);
         assert_eq!(rb.expires_at_ms, NEVER);
     }
-    assert!(b.expiry.0.is_empty(), "an untimed hold is never due");
+    assert!(
+        b.expiry.entries().is_empty(),
+        "an untimed hold is never due"
+    );
     assert_same(&a, &b);
     // Past every TTL nothing expires in either, and both settle alike.
     assert!(a.expire_due(1_000_000).is_empty() && b.expire_due(1_000_000).is_empty());
@@ -277,7 +280,7 @@ fn a_restored_untimed_hold_is_not_in_the_expiry_index_and_settles() {
     let (mut back, changed) =
         Ledger::restore_keeping(cfg(), [r], 100_000, &["k".to_owned()].into(), &[].into());
     assert!(changed.is_empty(), "a live key keeps its hold: {changed:?}");
-    assert!(back.expiry.0.is_empty());
+    assert!(back.expiry.entries().is_empty());
     let done = back.commit(100_001, "k", 40).unwrap();
     assert_eq!((done.state, done.tokens_spent), (HoldState::Done, 40));
     assert_eq!(back.stats().tokens_held, 0);
@@ -300,7 +303,7 @@ fn assert_indexes(l: &Ledger) {
             }
         }
     }
-    assert_eq!(l.expiry.0, expiry, "the expiry index");
+    assert_eq!(l.expiry.entries(), &expiry, "the expiry index");
     assert_eq!(l.settled, settled, "the retention index");
 }
 

@@ -34,7 +34,10 @@ pub async fn stub(slots: usize, latency: &str) -> Stub {
 
 /// A unique temporary file path for a decision log.
 pub fn temp_log(name: &str) -> PathBuf {
-    slackgate_testkit::unique_path(name).with_extension("jsonl")
+    let path = slackgate_testkit::unique_path(name);
+    let mut file = path.into_os_string();
+    file.push(".jsonl");
+    PathBuf::from(file)
 }
 
 /// A running gate plus where its decision log goes.

@@ -22,14 +22,6 @@ const START_WAIT: Duration = Duration::from_secs(30);
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
 
 /// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A child process, killed and reaped on drop.
 struct ChildGuard(Child);
 
@@ -45,7 +37,7 @@ pub struct Prometheus {
     child: ChildGuard,
     base: String,
     log: PathBuf,
-    dir: TempDir,
+    dir: slackgate_testkit::TempDir,
 }
 
 impl Prometheus {
@@ -53,17 +45,8 @@ impl Prometheus {
     /// loopback port (another one if that port was taken between picking and binding it), and
     /// wait until it answers.
     pub async fn start(bin: &Path, job: &str, target: SocketAddr) -> Prometheus {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        let path = std::env::temp_dir().join(format!(
-            "slackgate-prometheus-{}-{nanos}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&path).unwrap();
-        let mut dir = TempDir(path);
-        let config = dir.0.join("prometheus.yml");
+        let mut dir = slackgate_testkit::TempDir::new("prometheus");
+        let config = dir.join("prometheus.yml");
         std::fs::write(
             &config,
             format!(
@@ -73,13 +56,13 @@ impl Prometheus {
             ),
         )
         .unwrap();
-        let data = dir.0.join("data");
+        let data = dir.join("data");
         for attempt in 1..=5 {
             let port = std::net::TcpListener::bind("127.0.0.1:0")
                 .and_then(|l| l.local_addr())
                 .unwrap()
                 .port();
-            let log = dir.0.join(format!("prometheus-{attempt}.log"));
+            let log = dir.join(format!("prometheus-{attempt}.log"));
             let out = std::fs::File::create(&log).unwrap();
             // Debian's defaults store under /var/lib/prometheus and listen on 0.0.0.0:9090:
             // override both. Nothing else is enabled: it scrapes and answers queries.
