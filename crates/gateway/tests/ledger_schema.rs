@@ -10,8 +10,10 @@ use slackgate_core::ledger::{HoldRecord, HoldState};
 use slackgate_gateway::ledger_store::{
     LedgerStore, SqliteOptions, SqliteStore, DROPPED_INDEXES, INDEXES, SCHEMA_VERSION,
 };
-use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
+
+mod common;
+use common::LedgerDir;
 
 /// The schema of the first build with a SQLite ledger (commit 5ca09c8): no `reservation`
 /// column, no `holds_by_update`, no `meta`.
@@ -64,19 +66,6 @@ INSERT INTO meta VALUES ('tenant_hash_key', '00112233445566778899aabbccddeeff');
 PRAGMA user_version = 1;
 ";
 
-/// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(slackgate_testkit::TempDir);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        TempDir(slackgate_testkit::TempDir::new(&format!("schema-{name}")))
-    }
-
-    fn db(&self) -> PathBuf {
-        self.0.join("ledger.db")
-    }
-}
-
 fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
     HoldRecord {
         key: key.into(),
@@ -114,7 +103,7 @@ fn old_rows() -> Vec<HoldRecord> {
 
 /// A file made by an earlier build: `ddl`, in WAL mode as every build set it, with `rows`
 /// written through the columns that build had.
-fn old_file(dir: &TempDir, ddl: &str, rows: &[HoldRecord]) {
+fn old_file(dir: &LedgerDir, ddl: &str, rows: &[HoldRecord]) {
     let conn = Connection::open(dir.db()).unwrap();
     conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
         .unwrap();
@@ -172,7 +161,7 @@ fn sorted(mut rows: Vec<HoldRecord>) -> Vec<HoldRecord> {
 
 #[test]
 fn a_new_file_has_only_the_index_pruning_uses() {
-    let dir = TempDir::new("fresh");
+    let dir = LedgerDir::new("fresh");
     drop(SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap());
     assert_eq!(holds_indexes(&dir.db()), INDEXES);
     assert_eq!(INDEXES, ["holds_by_update"]);
@@ -183,7 +172,7 @@ fn a_new_file_has_only_the_index_pruning_uses() {
 #[test]
 fn a_file_of_an_earlier_build_keeps_its_rows_and_ends_with_this_schema() {
     for (name, ddl) in [("first", FIRST_SCHEMA), ("last", LAST_SCHEMA)] {
-        let dir = TempDir::new(name);
+        let dir = LedgerDir::new(name);
         let rows = old_rows();
         old_file(&dir, ddl, &rows);
         assert_eq!(
@@ -237,7 +226,7 @@ fn a_file_of_an_earlier_build_keeps_its_rows_and_ends_with_this_schema() {
 
 #[test]
 fn a_file_locked_by_another_process_is_not_half_updated() {
-    let dir = TempDir::new("locked");
+    let dir = LedgerDir::new("locked");
     old_file(&dir, LAST_SCHEMA, &old_rows());
     let other = Connection::open(dir.db()).unwrap();
     other.execute_batch("BEGIN IMMEDIATE").unwrap();
@@ -263,7 +252,7 @@ fn stores_opening_a_new_file_at_once_agree_on_its_schema_and_tenant_key() {
     // Several rounds: the openers collide in a different step each time (turning the file
     // to WAL, creating the schema, storing the key).
     for round in 0..10 {
-        let dir = TempDir::new(&format!("race-{round}"));
+        let dir = LedgerDir::new(&format!("race-{round}"));
         let db = dir.db();
         let n = 6;
         let start = Arc::new(Barrier::new(n));

@@ -8,20 +8,10 @@ use slackgate_core::ledger::{HoldRecord, HoldState};
 use slackgate_gateway::ledger_store::{
     LedgerStore, MemoryStore, SqliteOptions, SqliteStore, StoreError, Synchronous, RETRY_BACKOFF,
 };
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(slackgate_testkit::TempDir);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        TempDir(slackgate_testkit::TempDir::new(&format!("ledger-{name}")))
-    }
-
-    fn db(&self) -> PathBuf {
-        self.0.join("ledger.db")
-    }
-}
+mod common;
+use common::LedgerDir;
 
 /// Something that can (re)open "the same" store, as a restarted gateway would.
 trait Backend {
@@ -40,7 +30,7 @@ impl Backend for Memory {
     }
 }
 
-struct Sqlite(TempDir, SqliteOptions);
+struct Sqlite(LedgerDir, SqliteOptions);
 
 impl Backend for Sqlite {
     fn name(&self) -> &'static str {
@@ -54,7 +44,7 @@ impl Backend for Sqlite {
 /// Run one test body against both stores.
 fn both(name: &str, body: impl Fn(&dyn Backend)) {
     body(&Memory(MemoryStore::new()));
-    body(&Sqlite(TempDir::new(name), SqliteOptions::default()));
+    body(&Sqlite(LedgerDir::new(name), SqliteOptions::default()));
 }
 
 fn rec(key: &str, state: HoldState, version: u64) -> HoldRecord {
@@ -218,7 +208,7 @@ fn flush_waits_for_everything_written_before_it() {
 
 #[test]
 fn sqlite_flush_is_visible_to_another_connection() {
-    let dir = TempDir::new("visible");
+    let dir = LedgerDir::new("visible");
     let store = SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap();
     store.write(sample(300));
     store.flush().unwrap();
@@ -249,7 +239,7 @@ fn sqlite_flush_is_visible_to_another_connection() {
 
 #[test]
 fn sqlite_drop_commits_what_was_queued() {
-    let dir = TempDir::new("drop");
+    let dir = LedgerDir::new("drop");
     let expected = sample(2_000);
     {
         let store = SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap();
@@ -264,7 +254,7 @@ fn sqlite_drop_commits_what_was_queued() {
 
 #[test]
 fn sqlite_full_sync_and_small_batches_round_trip() {
-    let dir = TempDir::new("full");
+    let dir = LedgerDir::new("full");
     let opts = SqliteOptions {
         synchronous: Synchronous::Full,
         batch_max: 7,
@@ -302,7 +292,7 @@ fn open_err(path: &Path) -> StoreError {
 
 #[test]
 fn a_file_that_is_not_sqlite_is_a_clear_error() {
-    let dir = TempDir::new("corrupt");
+    let dir = LedgerDir::new("corrupt");
     let path = dir.db();
     std::fs::write(&path, "this is not a database\n".repeat(200)).unwrap();
     let err = open_err(&path);
@@ -316,20 +306,20 @@ fn a_file_that_is_not_sqlite_is_a_clear_error() {
 
 #[test]
 fn a_missing_directory_or_a_directory_is_a_clear_error() {
-    let dir = TempDir::new("paths");
-    let missing = dir.0.join("no-such-dir").join("ledger.db");
+    let dir = LedgerDir::new("paths");
+    let missing = dir.path().join("no-such-dir").join("ledger.db");
     let msg = open_err(&missing).to_string();
     assert!(msg.contains(&missing.display().to_string()), "{msg}");
     assert!(msg.contains("does not exist"), "{msg}");
     assert!(!missing.parent().unwrap().exists(), "nothing was created");
 
-    let msg = open_err(dir.0.path()).to_string();
+    let msg = open_err(dir.path()).to_string();
     assert!(msg.contains("is a directory"), "{msg}");
 }
 
 #[test]
 fn a_newer_schema_is_refused() {
-    let dir = TempDir::new("schema");
+    let dir = LedgerDir::new("schema");
     drop(SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap());
     let conn = Connection::open(dir.db()).unwrap();
     let v: i64 = conn
@@ -347,7 +337,7 @@ fn a_newer_schema_is_refused() {
 
 #[test]
 fn the_schema_rejects_unknown_states() {
-    let dir = TempDir::new("check");
+    let dir = LedgerDir::new("check");
     drop(SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap());
     let conn = Connection::open(dir.db()).unwrap();
     let bad = conn.execute(
@@ -359,7 +349,7 @@ fn the_schema_rejects_unknown_states() {
 
 #[test]
 fn load_skips_and_counts_unreadable_rows() {
-    let dir = TempDir::new("bad-rows");
+    let dir = LedgerDir::new("bad-rows");
     {
         let store = SqliteStore::open(&dir.db(), SqliteOptions::default()).unwrap();
         store.write(vec![rec("good", HoldState::Done, 1)]);
@@ -382,7 +372,7 @@ fn load_skips_and_counts_unreadable_rows() {
 
 #[test]
 fn write_failures_are_counted_retried_with_backoff_then_reported_by_flush() {
-    let dir = TempDir::new("locked");
+    let dir = LedgerDir::new("locked");
     let opts = SqliteOptions {
         busy_timeout_ms: 20,
         ..SqliteOptions::default()
@@ -455,7 +445,7 @@ fn lock(db: &Path) -> Connection {
 
 #[test]
 fn a_failed_batch_is_reported_to_the_flushes_of_its_own_writes_only() {
-    let dir = TempDir::new("own");
+    let dir = LedgerDir::new("own");
     let opts = SqliteOptions {
         busy_timeout_ms: 20,
         ..SqliteOptions::default()
@@ -509,7 +499,7 @@ fn a_failed_batch_is_reported_to_the_flushes_of_its_own_writes_only() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_not_answered_within_its_timeout_fails_and_the_write_stays_queued() {
-    let dir = TempDir::new("timeout");
+    let dir = LedgerDir::new("timeout");
     // Each commit attempt waits up to 2 s for the lock: far longer than a flush may.
     let opts = SqliteOptions {
         busy_timeout_ms: 2_000,

@@ -63,9 +63,7 @@ pub fn redis_for(test: &str) -> Res<Option<RedisServer>> {
 }
 
 pub fn temp_dir(name: &str) -> Res<PathBuf> {
-    let d = slackgate_testkit::unique_path(&format!("cluster-{name}"));
-    std::fs::create_dir_all(&d)?;
-    Ok(d)
+    Ok(slackgate_testkit::temp_dir(&format!("cluster-{name}")))
 }
 
 /// A child process of this test, killed by its own PID (SIGKILL) when dropped, so a failing

@@ -32,6 +32,24 @@ pub async fn stub(slots: usize, latency: &str) -> Stub {
     .unwrap()
 }
 
+/// A fresh directory for a ledger file ([`LedgerDir::db`]), removed when dropped.
+pub struct LedgerDir(slackgate_testkit::TempDir);
+
+impl LedgerDir {
+    pub fn new(name: &str) -> LedgerDir {
+        LedgerDir(slackgate_testkit::TempDir::new(&format!("ledger-{name}")))
+    }
+
+    /// The ledger file's path (not created).
+    pub fn db(&self) -> PathBuf {
+        self.0.join("ledger.db")
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
 /// A unique temporary file path for a decision log.
 pub fn temp_log(name: &str) -> PathBuf {
     let path = slackgate_testkit::unique_path(name);
